@@ -1,0 +1,71 @@
+"""What every study shares: machine facts, a results file, a table, a plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col, justify="right" if col != columns[0] else "left")
+    for row in rows:
+        table.add_row(*(f"{v:,.2f}" if isinstance(v, float) else str(v) for v in row))
+    console.print(table)
+
+
+def write_json(out: Path, name: str, data: dict[str, Any]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine_info(), **data}, indent=2))
+    return path
+
+
+def new_figure(ncols: int, title: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=(5.5 * ncols, 4), squeeze=False)
+    fig.suptitle(title)
+    return fig, axes[0]
+
+
+def save_figure(fig, out: Path, name: str) -> Path:
+    import matplotlib.pyplot as plt
+
+    path = out / f"{name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

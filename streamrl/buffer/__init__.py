@@ -1,0 +1,25 @@
+"""The Redis side of streamrl: replay stream, admission control, server registry.
+
+Knows nothing of models or torch; speaks only the wire types of ``streamrl.protocol``.
+"""
+
+from streamrl.buffer.admission import Admission
+from streamrl.buffer.connection import BufferUnavailable, Namespace, connect
+from streamrl.buffer.redis_server import EmbeddedRedis
+from streamrl.buffer.registry import ServerInfo, ServerRegistry
+from streamrl.buffer.stream import Entry, ReplayStream, StreamReader
+from streamrl.buffer.version import PolicyVersion
+
+__all__ = [
+    "Admission",
+    "BufferUnavailable",
+    "EmbeddedRedis",
+    "Entry",
+    "Namespace",
+    "PolicyVersion",
+    "ReplayStream",
+    "ServerInfo",
+    "ServerRegistry",
+    "StreamReader",
+    "connect",
+]

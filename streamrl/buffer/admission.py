@@ -1,0 +1,84 @@
+"""Admission control: a rollout worker starts a group only while its data cannot go stale.
+
+AReaL's rule (ARCHITECTURE §3): start a new group only while
+
+    accepted + running < (max_staleness + V + 1) * groups_per_step
+
+where ``V`` is the learner's policy version, ``accepted`` counts groups ever put
+into the replay stream and ``running`` counts groups admitted but not yet put.
+Running groups hold a lease that expires, so a worker that dies mid-group does
+not hold its slot forever. Check-and-admit is one Lua script: no two workers can
+take the last slot.
+"""
+
+from __future__ import annotations
+
+from streamrl.buffer.connection import Namespace
+
+_ADMIT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local expired = redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if expired > 0 then redis.call('HINCRBY', KEYS[2], 'expired', expired) end
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+  return 1
+end
+local running = redis.call('ZCARD', KEYS[1])
+local accepted = tonumber(redis.call('HGET', KEYS[2], 'accepted') or '0')
+local version = tonumber(redis.call('GET', KEYS[3]) or '0')
+if accepted + running >= (tonumber(ARGV[3]) + version + 1) * tonumber(ARGV[4]) then return 0 end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('HINCRBY', KEYS[2], 'admitted', 1)
+return 1
+"""
+
+_RELEASE = """
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then
+  redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
+  return 1
+end
+return 0
+"""
+
+COUNTERS = ("admitted", "accepted", "abandoned", "expired", "dropped_stale", "dead")
+
+
+class Admission:
+    def __init__(self, ns: Namespace, *, max_staleness: int, groups_per_step: int, lease_s: float = 600.0):
+        if max_staleness < 0 or groups_per_step < 1:
+            raise ValueError("admission needs max_staleness >= 0 and groups_per_step >= 1")
+        self.ns = ns
+        self.max_staleness = max_staleness
+        self.groups_per_step = groups_per_step
+        self.lease_ms = int(lease_s * 1000)
+        self._keys = [ns.key("inflight"), ns.key("counters"), ns.key("version")]
+        self._admit = ns.conn.register_script(_ADMIT)
+        self._release = ns.conn.register_script(_RELEASE)
+
+    def try_admit(self, group_id: str) -> bool:
+        """Take a slot for ``group_id`` (or renew its lease). False when the bound is reached."""
+        args = [group_id, self.lease_ms, self.max_staleness, self.groups_per_step]
+        with self.ns.reachable(f"admit group {group_id}"):
+            return bool(self._admit(keys=self._keys, args=args))
+
+    def abandon(self, group_id: str) -> bool:
+        """Give back the slot of a group that will never be put (its episodes failed)."""
+        with self.ns.reachable(f"abandon group {group_id}"):
+            return bool(self._release(keys=self._keys[:2], args=[group_id, "abandoned"]))
+
+    def running(self) -> int:
+        with self.ns.reachable("count running groups"):
+            return self.ns.conn.zcard(self._keys[0])
+
+    def counters(self) -> dict[str, int]:
+        """Every ledger counter of the run, zero when never touched."""
+        with self.ns.reachable("read the admission counters"):
+            raw = self.ns.conn.hgetall(self._keys[1])
+        counts = {k.decode(): int(v) for k, v in raw.items()}
+        return {name: counts.pop(name, 0) for name in COUNTERS} | counts
+
+    def count_dropped_stale(self, n: int = 1) -> None:
+        """The learner's guard dropped ``n`` groups past the staleness bound."""
+        with self.ns.reachable("count dropped groups"):
+            self.ns.conn.hincrby(self._keys[1], "dropped_stale", n)

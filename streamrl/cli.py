@@ -1,0 +1,125 @@
+"""The ``streamrl`` command. Every subcommand reads the same config file plus ``a.b=c`` overrides."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from streamrl.config import Config, ConfigError, dump_config, load_config
+
+app = typer.Typer(
+    name="streamrl",
+    help="Fully asynchronous, off-policy, streaming RL for LLMs.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True)
+
+ConfigArg = Annotated[Optional[Path], typer.Argument(help="YAML config file (defaults when omitted).")]
+OverridesArg = Annotated[Optional[list[str]], typer.Argument(help="Overrides such as learner.lr=1e-5.")]
+
+
+def _load(config: Path | None, overrides: list[str] | None) -> Config:
+    try:
+        return load_config(config, overrides or [])
+    except ConfigError as e:
+        err.print(f"[red]config error:[/] {e}", highlight=False)
+        raise typer.Exit(2) from None
+
+
+def _not_built(command: str, part: str, issue: int) -> None:
+    err.print(f"streamrl {command}: {part} is not built yet (issue {issue}); nothing was started.")
+    raise typer.Exit(2)
+
+
+@app.command()
+def up(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
+    """Run everything on this machine: Redis, router, servers, rollout workers, learner."""
+    _load(config, overrides)
+    _not_built("up", "the single-machine launcher", 7)
+
+
+@app.command()
+def serve(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
+    """Start one rollout server (an inference engine behind SGLang's HTTP API)."""
+    _load(config, overrides)
+    _not_built("serve", "the rollout server", 3)
+
+
+@app.command("launch-router")
+def launch_router(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
+    """Start sglang-router and keep its worker set in step with the server registry."""
+    _load(config, overrides)
+    _not_built("launch-router", "the router launcher", 3)
+
+
+@app.command("launch-rollout")
+def launch_rollout(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
+    """Start rollout workers that stream groups into the replay stream."""
+    _load(config, overrides)
+    _not_built("launch-rollout", "the rollout worker", 4)
+
+
+@app.command("launch-learner")
+def launch_learner(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
+    """Start a learner rank (run it under torchrun or the deepspeed launcher)."""
+    _load(config, overrides)
+    _not_built("launch-learner", "the learner", 5)
+
+
+@app.command()
+def redis(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
+    """Run an embedded redis-server for a run, in the foreground; print its URL for other machines."""
+    from streamrl.buffer import EmbeddedRedis
+    from streamrl.buffer.connection import redacted
+
+    cfg = _load(config, overrides)
+    if cfg.redis.url:
+        err.print(f"redis.url is set ({redacted(cfg.redis.url)}): that server is used; nothing to start.")
+        raise typer.Exit(2)
+    server = EmbeddedRedis(cfg.run.path / "redis", host=cfg.redis.host, port=cfg.redis.port,
+                           password=cfg.redis.password, appendfsync=cfg.redis.appendfsync)
+    server.start()
+    err.print(f"redis-server ready: {redacted(server.url)}  (data in {server.data_dir}; Ctrl-C stops)")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        server.proc.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+@app.command("config")
+def show_config(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
+    """Validate a config and print it resolved, with every default filled in."""
+    typer.echo(dump_config(_load(config, overrides)), nl=False)
+
+
+@app.command()
+def bench(
+    suite: Annotated[str, typer.Argument(help="Study to run, e.g. 'queue'.")],
+    quick: Annotated[bool, typer.Option("--quick", help="A short run that still measures both sides.")] = False,
+    out: Annotated[Path, typer.Option(help="Where JSON and PNG results go.")] = Path("benchmarks/results"),
+) -> None:
+    """Throughput studies; each prints a table and writes JSON and a PNG plot."""
+    from benchmarks import SUITES
+
+    if suite not in SUITES:
+        err.print(f"unknown benchmark {suite!r}; available: {', '.join(SUITES)}")
+        raise typer.Exit(2)
+    SUITES[suite](quick=quick, out=out)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

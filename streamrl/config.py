@@ -1,0 +1,219 @@
+"""One typed configuration tree for every streamrl process.
+
+Every process (router, servers, rollout workers, learner) reads the same YAML
+file; command-line overrides use dotted paths: ``learner.lr=3e-6``.
+Unknown keys are errors, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message says why."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    name: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$", description="Redis namespace and run-dir name")
+    dir: Path = Field(Path("runs"), description="parent of the run directory")
+    seed: int = 0
+
+    @property
+    def path(self) -> Path:
+        return self.dir / self.name
+
+
+class RedisConfig(Section):
+    url: str | None = Field(None, description="redis:// URL; empty starts an embedded redis-server")
+    host: str = Field("127.0.0.1", description="bind address of the embedded server")
+    port: int = Field(0, ge=0, le=65535, description="port of the embedded server; 0 picks a free one")
+    password: str | None = None
+    appendfsync: Literal["always", "everysec", "no"] = "everysec"
+    retries: int = Field(8, ge=0, description="reconnect attempts before giving up")
+    retry_cap_s: float = Field(2.0, gt=0, description="longest wait between reconnect attempts")
+    dedupe_ttl_s: int = Field(7 * 86400, gt=0, description="how long a pushed group id is remembered")
+
+    @model_validator(mode="after")
+    def _url_scheme(self) -> "RedisConfig":
+        if self.url and not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"url must start with redis://, rediss:// or unix://, got {self.url!r}")
+        return self
+
+
+class ModelConfig(Section):
+    path: str | None = Field(None, description="local Hugging Face model directory")
+    tokenizer: str | None = Field(None, description="tokenizer directory; defaults to the model path")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class RouterConfig(Section):
+    host: str = "127.0.0.1"
+    port: int = Field(30000, ge=0, le=65535)
+    policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = "cache_aware"
+    request_timeout_s: float = Field(600.0, gt=0)
+
+
+class ServerConfig(Section):
+    engine: Literal["hf", "vllm", "sglang"] = "hf"
+    count: int = Field(1, ge=0, description="rollout servers started by `streamrl up`")
+    host: str = "127.0.0.1"
+    base_port: int = Field(31000, ge=1, le=65535)
+    max_batch_size: int = Field(64, ge=1)
+    token: str | None = Field(None, description="bearer token required by control endpoints")
+    heartbeat_s: float = Field(2.0, gt=0)
+    registry_ttl_s: float = Field(10.0, gt=0)
+
+
+class SamplingConfig(Section):
+    n: int = Field(8, ge=1, description="samples per prompt (the group size)")
+    max_new_tokens: int = Field(256, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+
+
+class RolloutConfig(Section):
+    env: str = Field("arithmetic", description="env name (entry point) or module:Class")
+    env_args: dict[str, Any] = Field(default_factory=dict)
+    dataset: str | None = Field(None, description="JSONL/Parquet file; empty uses the env's generator")
+    workers: int = Field(1, ge=0)
+    concurrency: int = Field(32, ge=1, description="episodes in flight per worker")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+
+
+class OffPolicyConfig(Section):
+    max_staleness: int = Field(2, ge=0, description="oldest policy lag a trained token may have")
+    stale: Literal["drop", "keep"] = Field("drop", description="what the learner does with data past the bound")
+    correction: Literal["none", "tis", "decoupled"] = "decoupled"
+    tis_cap: float = Field(2.0, gt=0)
+
+
+class LearnerConfig(Section):
+    nproc: int = Field(1, ge=1, description="data-parallel ranks")
+    algorithm: Literal["rloo", "grpo", "ppo"] = "rloo"
+    groups_per_step: int = Field(8, ge=1)
+    lr: float = Field(1e-5, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    max_steps: int = Field(100, ge=1)
+    micro_batch_tokens: int = Field(8192, ge=1, description="token budget of one micro-batch")
+    zero_stage: int = Field(0, ge=0, le=3)
+    grad_clip: float = Field(1.0, gt=0)
+    clip_eps: float = Field(0.2, gt=0)
+    clip_eps_high: float | None = None
+    kl_coef: float = Field(0.0, ge=0)
+    entropy_coef: float = Field(0.0, ge=0)
+    checkpoint_every: int = Field(50, ge=1)
+    deepspeed_config: Path | None = Field(None, description="user DeepSpeed JSON, used as is")
+
+
+class WeightSyncConfig(Section):
+    sync_every: int = Field(1, ge=1, description="optimizer steps between pushes")
+    mode: Literal["pause", "in_flight"] = "in_flight"
+    bucket_mb: float = Field(64.0, gt=0)
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    timeout_s: float = Field(60.0, gt=0)
+
+
+class Config(Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    mode: Literal["async", "sync"] = "async"
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a YAML file (or the defaults when ``path`` is None) and apply ``a.b=c`` overrides."""
+    where = str(path) if path else "<defaults>"
+    tree = _read_yaml(Path(path)) if path else {}
+    for item in overrides:
+        _apply_override(tree, item)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(f"invalid config {where}:\n{_describe(e)}") from None
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        tree = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config {path} is not valid YAML: {e}") from None
+    if tree is None:
+        return {}
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config {path} must be a mapping at the top level, got {type(tree).__name__}")
+    return tree
+
+
+def _apply_override(tree: dict[str, Any], item: str) -> None:
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} must look like section.field=value")
+    parts = key.strip().split(".")
+    node, model = tree, Config
+    for depth, part in enumerate(parts):
+        fields = model.model_fields if model else {}
+        if model is not None and part not in fields:
+            raise ConfigError(f"override {item!r}: {_unknown(parts[: depth + 1], fields)}")
+        if depth == len(parts) - 1:
+            node[part] = _parse_value(raw)
+            return
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {'.'.join(parts[: depth + 1])} is not a section")
+        node = child
+        annotation = fields[part].annotation if model is not None else None
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _parse_value(raw: str) -> Any:
+    """YAML scalars, so that ``lr=1e-5``, ``x=true`` and ``xs=[1,2]`` get their natural types."""
+    try:
+        return yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        return raw
+
+
+def _unknown(path: list[str], fields: dict[str, Any]) -> str:
+    name = ".".join(path)
+    close = difflib.get_close_matches(path[-1], list(fields), n=1)
+    hint = f" (did you mean {'.'.join(path[:-1] + close)!r}?)" if close else ""
+    return f"unknown key {name!r}{hint}; allowed here: {', '.join(fields)}"
+
+
+def _describe(error: ValidationError) -> str:
+    lines = []
+    for err in error.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"  {loc}: unknown key")
+            continue
+        got = err.get("input")
+        lines.append(f"  {loc}: {err['msg']} (got {got!r})")
+    return "\n".join(lines)
+
+
+def dump_config(config: Config) -> str:
+    """The resolved config as YAML, written beside every run for reproducibility."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

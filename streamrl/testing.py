@@ -1,0 +1,50 @@
+"""Synthetic groups with every wire field filled in, for tests and benchmarks."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from streamrl.protocol import Group, Sample
+
+
+def synthetic_group(
+    num_samples: int = 8,
+    num_tokens: int = 1024,
+    *,
+    prompt_len: int = 128,
+    version: int = 0,
+    vocab: int = 32000,
+    rng: np.random.Generator | None = None,
+    prompt_id: str = "p0",
+) -> Group:
+    """A group whose samples have a shared prompt and random responses of ``num_tokens`` total.
+
+    Response tokens carry versions ``version`` and ``version + 1`` (a weight swap in
+    flight halfway through), so version ranges are non-trivial.
+    """
+    rng = rng or np.random.default_rng()
+    prompt_len = min(prompt_len, num_tokens - 1)
+    prompt = rng.integers(0, vocab, prompt_len)
+    samples = []
+    for _ in range(num_samples):
+        n_resp = num_tokens - prompt_len
+        mask = np.r_[np.zeros(prompt_len), np.ones(n_resp)].astype(np.uint8)
+        versions = np.full(num_tokens, -1)
+        versions[prompt_len:] = version
+        versions[prompt_len + n_resp // 2 :] = version + 1
+        logprobs = np.zeros(num_tokens, np.float32)
+        logprobs[prompt_len:] = -rng.exponential(1.0, n_resp)
+        samples.append(
+            Sample(
+                tokens=np.r_[prompt, rng.integers(0, vocab, n_resp)],
+                loss_mask=mask,
+                logprobs=logprobs,
+                versions=versions,
+                reward=float(rng.integers(0, 2)),
+                finish_reason="stop",
+                turn_rewards=[0.0],
+                env_info={"answer": "42", "turns": 1},
+                timings={"generate_s": 0.5, "env_s": 0.01},
+            )
+        )
+    return Group(prompt_id=prompt_id, env="synthetic", samples=samples, meta={"dataset_index": 0})
