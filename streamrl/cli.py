@@ -26,15 +26,19 @@ OverridesArg = Annotated[Optional[list[str]], typer.Argument(help="Overrides suc
 
 
 def _load(config: Path | None, overrides: list[str] | None) -> Config:
+    overrides = list(overrides or [])
+    if config is not None and "=" in str(config) and not config.exists():
+        config, overrides = None, [str(config), *overrides]  # `streamrl redis redis.port=6379`
     try:
-        return load_config(config, overrides or [])
+        return load_config(config, overrides)
     except ConfigError as e:
-        err.print(f"[red]config error:[/] {e}", highlight=False)
+        err.print(f"[red]config error:[/] {e}", highlight=False, markup=True, soft_wrap=True)
         raise typer.Exit(2) from None
 
 
 def _not_built(command: str, part: str, issue: int) -> None:
-    err.print(f"streamrl {command}: {part} is not built yet (issue {issue}); nothing was started.")
+    err.print(f"streamrl {command}: {part} is not built yet (issue {issue}); nothing was started.",
+              soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -85,9 +89,10 @@ def redis(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
         raise typer.Exit(2)
     server = EmbeddedRedis(cfg.run.path / "redis", host=cfg.redis.host, port=cfg.redis.port,
                            password=cfg.redis.password, appendfsync=cfg.redis.appendfsync)
-    server.start()
-    err.print(f"redis-server ready: {redacted(server.url)}  (data in {server.data_dir}; Ctrl-C stops)")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    server.start()
+    err.print(f"redis-server ready: {redacted(server.url)}  (data in {server.data_dir}; Ctrl-C stops)",
+              soft_wrap=True)
     try:
         server.proc.wait()
     except KeyboardInterrupt:

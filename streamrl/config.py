@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -171,20 +171,25 @@ def _apply_override(tree: dict[str, Any], item: str) -> None:
     if not sep or not key.strip():
         raise ConfigError(f"override {item!r} must look like section.field=value")
     parts = key.strip().split(".")
-    node, model = tree, Config
+    node: dict[str, Any] = tree
+    model: type[BaseModel] | None = Config  # None once inside a free-form dict field
     for depth, part in enumerate(parts):
-        fields = model.model_fields if model else {}
-        if model is not None and part not in fields:
-            raise ConfigError(f"override {item!r}: {_unknown(parts[: depth + 1], fields)}")
-        if depth == len(parts) - 1:
+        last = depth == len(parts) - 1
+        if model is not None:
+            if part not in model.model_fields:
+                name = ".".join(parts[: depth + 1])
+                raise ConfigError(f"override {item!r}: {name}: {_unknown(parts[: depth + 1], model.model_fields)}")
+            annotation = model.model_fields[part].annotation
+            model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+            if not last and model is None and get_origin(annotation) is not dict:
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[: depth + 1])} is a value, not a section")
+        if last:
             node[part] = _parse_value(raw)
             return
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"override {item!r}: {'.'.join(parts[: depth + 1])} is not a section")
+            raise ConfigError(f"override {item!r}: {'.'.join(parts[: depth + 1])} is not a mapping in the file")
         node = child
-        annotation = fields[part].annotation if model is not None else None
-        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
 def _parse_value(raw: str) -> Any:
@@ -196,10 +201,19 @@ def _parse_value(raw: str) -> Any:
 
 
 def _unknown(path: list[str], fields: dict[str, Any]) -> str:
-    name = ".".join(path)
     close = difflib.get_close_matches(path[-1], list(fields), n=1)
     hint = f" (did you mean {'.'.join(path[:-1] + close)!r}?)" if close else ""
-    return f"unknown key {name!r}{hint}; allowed here: {', '.join(fields)}"
+    return f"unknown key{hint}; allowed here: {', '.join(fields) or 'nothing'}"
+
+
+def _fields_at(path: list[str]) -> dict[str, Any]:
+    model: Any = Config
+    for part in path:
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return {}
+        model = field.annotation
+    return model.model_fields if isinstance(model, type) and issubclass(model, BaseModel) else {}
 
 
 def _describe(error: ValidationError) -> str:
@@ -207,7 +221,8 @@ def _describe(error: ValidationError) -> str:
     for err in error.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "<root>"
         if err["type"] == "extra_forbidden":
-            lines.append(f"  {loc}: unknown key")
+            path = [str(p) for p in err["loc"]]
+            lines.append(f"  {loc}: {_unknown(path, _fields_at(path[:-1]))}")
             continue
         got = err.get("input")
         lines.append(f"  {loc}: {err['msg']} (got {got!r})")

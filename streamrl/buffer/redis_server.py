@@ -117,12 +117,11 @@ class EmbeddedRedis:
                 if self.proc.poll() is not None:
                     return False
                 try:
-                    if client.ping():
+                    # Another server already on this port would answer too: check it is ours.
+                    if client.info("server")["process_id"] == self.proc.pid:
                         return True
-                except redis.BusyLoadingError:
-                    pass  # replaying its AOF
-                except redis.ConnectionError:
-                    pass
+                except redis.RedisError:
+                    pass  # still starting, or replaying its AOF
                 time.sleep(0.05)
         finally:
             client.close()

@@ -1,0 +1,10 @@
+.PHONY: quickstart test test-fast
+
+quickstart:  ## install and run the quickstart
+	bash scripts/quickstart.sh
+
+test:  ## install and run every test (what CI runs)
+	bash scripts/test.sh
+
+test-fast:  ## the fast set, about a minute
+	bash scripts/test.sh -m "not slow"

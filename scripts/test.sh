@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs streamrl with its test tools into .venv and runs the tests.
+#   scripts/test.sh                 everything (what CI runs)
+#   scripts/test.sh -m "not slow"   the fast set, about a minute
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh dev
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/streamrl/torch_extensions}"
+set +e
+.venv/bin/python -m pytest "$@"
+rc=$?
+set -e
+if [[ $rc -eq 5 ]]; then
+    echo "pytest collected no tests: that is a failure here" >&2
+fi
+exit $rc

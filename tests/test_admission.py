@@ -1,0 +1,78 @@
+import multiprocessing as mp
+import time
+
+import pytest
+
+from streamrl.buffer import Admission, Namespace, PolicyVersion, ReplayStream
+from streamrl.testing import synthetic_group
+
+
+def test_the_bound_follows_the_learner_version(ns):
+    # (max_staleness + V + 1) * groups_per_step = (1 + 0 + 1) * 4 = 8 slots at version 0
+    admission, stream = Admission(ns, max_staleness=1, groups_per_step=4), ReplayStream(ns)
+    groups = [synthetic_group(2, 8, prompt_len=2) for _ in range(12)]
+    assert [admission.try_admit(g.group_id) for g in groups[:9]] == [True] * 8 + [False]
+    for g in groups[:3]:
+        stream.put(g)  # put closes the lease; accepted + running stays 8
+    assert admission.running() == 5
+    assert not admission.try_admit(groups[8].group_id)
+    PolicyVersion(ns).set(1)  # one more step of room
+    assert [admission.try_admit(g.group_id) for g in groups[8:]] == [True] * 4
+    assert not admission.try_admit("one-too-many")
+    assert admission.counters() == {"admitted": 12, "accepted": 3, "abandoned": 0, "expired": 0,
+                                         "dropped_stale": 0, "dead": 0}
+
+
+def test_readmitting_a_running_group_renews_instead_of_taking_a_slot(ns):
+    admission = Admission(ns, max_staleness=0, groups_per_step=1)
+    assert admission.try_admit("g")
+    assert admission.try_admit("g")
+    assert admission.running() == 1
+    assert not admission.try_admit("h")
+
+
+def test_abandon_frees_the_slot_and_is_counted(ns):
+    admission = Admission(ns, max_staleness=0, groups_per_step=1)
+    assert admission.try_admit("g") and not admission.try_admit("h")
+    assert admission.abandon("g") and not admission.abandon("g")
+    assert admission.try_admit("h")
+    assert admission.counters()["abandoned"] == 1
+
+
+def test_a_dead_workers_lease_expires(ns):
+    admission = Admission(ns, max_staleness=0, groups_per_step=1, lease_s=0.2)
+    assert admission.try_admit("from-a-worker-that-died")
+    assert not admission.try_admit("g")
+    time.sleep(0.3)
+    assert admission.try_admit("g")
+    assert admission.counters()["expired"] == 1
+
+
+def test_dropped_stale_counter(ns):
+    admission = Admission(ns, max_staleness=0, groups_per_step=1)
+    admission.count_dropped_stale(3)
+    assert admission.counters()["dropped_stale"] == 3
+
+
+def _race(url: str, run: str, worker: int, barrier, results) -> None:
+    admission = Admission(Namespace.open(url, run), max_staleness=2, groups_per_step=10)
+    barrier.wait()
+    results.put(sum(admission.try_admit(f"{worker}-{i}") for i in range(60)))
+
+
+def test_concurrent_workers_never_exceed_the_bound(ns, redis_server):
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(4), ctx.Queue()
+    procs = [ctx.Process(target=_race, args=(redis_server.url, ns.run, w, barrier, results)) for w in range(4)]
+    for p in procs:
+        p.start()
+    admitted = sum(results.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(10)
+    assert admitted == (2 + 0 + 1) * 10
+    assert Admission(ns, max_staleness=2, groups_per_step=10).running() == 30
+
+
+def test_bad_parameters_are_refused(ns):
+    with pytest.raises(ValueError, match="groups_per_step >= 1"):
+        Admission(ns, max_staleness=0, groups_per_step=0)

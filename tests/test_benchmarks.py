@@ -1,0 +1,17 @@
+import json
+
+import pytest
+
+from benchmarks import SUITES
+
+
+@pytest.mark.slow
+def test_queue_benchmark_quick_writes_table_json_and_plot(tmp_path, capsys):
+    SUITES["queue"](quick=True, out=tmp_path)
+    data = json.loads((tmp_path / "queue.json").read_text())
+    assert {"machine", "results", "repeats"} <= set(data)
+    for row in data["results"]:
+        assert len(row["seconds"]["ours_put"]) == len(row["seconds"]["raw_put"]) == data["repeats"]
+        assert row["ratio_put"] > 0 and row["ratio_read"] > 0
+    assert (tmp_path / "queue.png").stat().st_size > 10_000
+    assert "replay stream throughput" in capsys.readouterr().out

@@ -1,0 +1,71 @@
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+
+STREAMRL = [sys.executable, "-m", "streamrl"]
+SUBCOMMANDS = ["up", "serve", "launch-router", "launch-rollout", "launch-learner", "bench", "redis", "config"]
+
+
+def _run(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*STREAMRL, *args], capture_output=True, text=True, timeout=120, **kw)
+
+
+def test_help_lists_every_subcommand():
+    out = _run("--help")
+    assert out.returncode == 0
+    for name in SUBCOMMANDS:
+        assert name in out.stdout
+
+
+@pytest.mark.parametrize("name", SUBCOMMANDS)
+def test_each_subcommand_has_help(name):
+    out = _run(name, "--help")
+    assert out.returncode == 0 and "Usage" in out.stdout
+
+
+@pytest.mark.parametrize("name, issue", [("up", 7), ("serve", 3), ("launch-router", 3),
+                                         ("launch-rollout", 4), ("launch-learner", 5)])
+def test_parts_not_built_yet_say_so_and_fail(name, issue):
+    out = _run(name, "configs/quickstart.yaml")
+    assert out.returncode == 2
+    assert f"not built yet (issue {issue})" in out.stderr
+
+
+def test_config_prints_the_resolved_tree_with_overrides():
+    out = _run("config", "configs/quickstart.yaml", "learner.lr=0.5")
+    assert out.returncode == 0
+    assert "lr: 0.5" in out.stdout and "name: quickstart" in out.stdout
+
+
+def test_config_errors_are_readable_and_exit_2():
+    out = _run("config", "configs/quickstart.yaml", "learner.lr=fast")
+    assert out.returncode == 2
+    assert "config error" in out.stderr and "learner.lr" in out.stderr and "'fast'" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_unknown_benchmark_is_refused():
+    out = _run("bench", "nope")
+    assert out.returncode == 2 and "available: queue" in out.stderr
+
+
+def test_redis_subcommand_serves_until_terminated(tmp_path):
+    proc = subprocess.Popen([*STREAMRL, "redis", f"run.dir={tmp_path}", "redis.password=pw"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        assert "redis-server ready: redis://:***@127.0.0.1:" in line
+        port = int(line.split("127.0.0.1:")[1].split("/")[0])
+        assert redis.Redis(port=port, password="pw").ping()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    time.sleep(0.2)
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis(port=port, password="pw", socket_connect_timeout=1).ping()
+    assert (tmp_path / "default" / "redis" / "redis.log").exists()
