@@ -8,25 +8,39 @@ extras="${1:-}"
 venv="${STREAMRL_VENV:-.venv}"
 py="${PYTHON:-python3}"
 
+# Skip when this pyproject was installed with these extras (or with them and more).
 stamp="$venv/.streamrl-installed"
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$extras"
-if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
-    exit 0
+hash="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [[ -f "$stamp" ]]; then
+    read -r done_hash done_extras <"$stamp" || true
+    if [[ "$done_hash" == "$hash" && ( -z "$extras" || "$done_extras" == "$extras" ) ]]; then
+        exit 0
+    fi
 fi
 
 [[ -x "$venv/bin/python" ]] || "$py" -m venv "$venv"
-pip=("$venv/bin/python" -m pip install --quiet)
-"${pip[@]}" --upgrade pip "setuptools>=77" wheel
+log="$venv/install.log"
+echo "installing streamrl${extras:+[$extras]} into $venv (log: $log) ..." >&2
+pip() {
+    if ! "$venv/bin/python" -m pip install "$@" >>"$log" 2>&1; then
+        tail -n 40 "$log" >&2
+        echo "install failed: see $log" >&2
+        exit 1
+    fi
+}
+: >"$log"
+pip --upgrade pip "setuptools>=77" wheel
 
 # torch first: on a machine without a GPU, the CPU build (a plain `torch`
 # would pull a multi-GB CUDA build); DeepSpeed then builds against it.
 if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
-        "${pip[@]}" torch
+        pip torch
     else
-        "${pip[@]}" "torch==2.13.0"
+        pip "torch==2.13.0"
     fi
 fi
 
-DS_BUILD_OPS=0 "${pip[@]}" --no-build-isolation -e ".${extras:+[$extras]}"
-echo "$want" > "$stamp"
+export DS_BUILD_OPS=0  # DeepSpeed compiles its ops on first use, not at install
+pip --no-build-isolation -e ".${extras:+[$extras]}"
+echo "$hash $extras" >"$stamp"
