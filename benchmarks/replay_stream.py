@@ -99,13 +99,12 @@ def run(quick: bool) -> dict:
 def report(data: dict, out: Path) -> None:
     rows = []
     for r in data["results"]:
-        g, mb = r["groups_per_s"], r["mb_per_s"]
-        rows.append([r["shape"], g["ours_put"], mb["ours_put"], mb["raw_put"], r["ratio_put"],
-                     g["ours_read"], mb["ours_read"], mb["raw_read"], r["ratio_read"]])
+        for op in ("put", "read"):
+            rows.append([r["shape"], op, r["groups_per_s"][f"ours_{op}"], r["mb_per_s"][f"ours_{op}"],
+                         r["mb_per_s"][f"raw_{op}"], r[f"ratio_{op}"]])
     print_table(
-        f"replay stream throughput (medians of {data['repeats']} runs; ratio = streamrl / raw redis-py)",
-        ["shape", "put groups/s", "put MB/s", "raw put MB/s", "put ratio",
-         "read groups/s", "read MB/s", "raw read MB/s", "read ratio"],
+        f"Replay stream throughput, medians of {data['repeats']} runs",
+        ["group", "op", "streamrl groups/s", "streamrl MB/s", "raw redis-py MB/s", "streamrl/raw"],
         rows,
     )
     json_path = write_json(out, "queue", data)

@@ -150,7 +150,7 @@ def decode_group(payload: bytes) -> Group:
         if arr.shape[0] != total:
             raise WireError(f"group.{name} has {arr.shape[0]} items; lengths add up to {total}")
     per_sample = {name: _list(raw, name, kind, lengths.size) for name, kind in _PER_SAMPLE.items()}
-    bounds = np.r_[0, np.cumsum(lengths)].tolist()
+    bounds = [0, *np.cumsum(lengths).tolist()]
     try:
         samples = [
             Sample(
@@ -245,7 +245,8 @@ def _validate(group: Group, arrays: dict[str, np.ndarray], lengths: np.ndarray) 
     if (bad := mask > 1).any():
         fail("loss_mask must be 0 or 1", bad)
     generated = mask.astype(bool)
-    per_sample_generated = np.add.reduceat(mask.astype(np.int64), np.r_[0, np.cumsum(lengths)[:-1]])
+    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    per_sample_generated = np.add.reduceat(mask.astype(np.int64), starts)
     if (per_sample_generated == 0).any():
         fail(f"samples {np.flatnonzero(per_sample_generated == 0).tolist()} have no generated token")
     if (bad := generated & (versions < 0)).any():

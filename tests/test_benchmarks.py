@@ -14,4 +14,4 @@ def test_queue_benchmark_quick_writes_table_json_and_plot(tmp_path, capsys):
         assert len(row["seconds"]["ours_put"]) == len(row["seconds"]["raw_put"]) == data["repeats"]
         assert row["ratio_put"] > 0 and row["ratio_read"] > 0
     assert (tmp_path / "queue.png").stat().st_size > 10_000
-    assert "replay stream throughput" in capsys.readouterr().out
+    assert "Replay stream throughput" in capsys.readouterr().out
