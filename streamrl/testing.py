@@ -48,3 +48,42 @@ def synthetic_group(
             )
         )
     return Group(prompt_id=prompt_id, env="synthetic", samples=samples, meta={"dataset_index": 0})
+
+
+TINY_CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "what is 12 plus 7 ? the answer is 19",
+    "a tool call returns a result and the model answers",
+    "guess the number between 1 and 100 : higher , lower , correct",
+] * 20
+
+
+def make_tiny_model(path, *, vocab_size: int = 256, hidden: int = 64, layers: int = 2, seed: int = 0) -> str:
+    """Save a small Llama and a byte-level BPE tokenizer trained on a built-in corpus to ``path``.
+
+    Loadable by ``AutoModelForCausalLM`` / ``AutoTokenizer`` like any local HF directory;
+    nothing is downloaded.
+    """
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|user|>", "<|assistant|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(TINY_CORPUS, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        eos_token_id=eos, bos_token_id=None, pad_token_id=eos, tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

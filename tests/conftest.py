@@ -19,3 +19,11 @@ def redis_server(tmp_path_factory):
 def ns(redis_server) -> Namespace:
     """A fresh run namespace, so tests never see each other's keys."""
     return Namespace.open(redis_server.url, f"test-{uuid.uuid4().hex[:10]}")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A small Llama with a locally trained BPE tokenizer, saved as a plain HF directory."""
+    from streamrl.testing import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))

@@ -1,0 +1,1 @@
+"""Rollout side: inference engines behind SGLang's HTTP API, the router, workers."""

@@ -1,0 +1,46 @@
+"""What every engine takes and returns: one request in, one finished sequence out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no limit
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or >= 1, got {self.top_k}")
+
+
+@dataclass
+class Completion:
+    """A finished request. ``versions[i]`` is the weight version that produced ``output_ids[i]``."""
+
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: dict = field(default_factory=dict)  # SGLang's shape: {"type": "stop"|"length"|"abort", ...}
+
+    def version_spans(self) -> list[dict]:
+        """Runs of equal version as ``[{"version", "start", "end"}]`` (end exclusive)."""
+        spans: list[dict] = []
+        for i, v in enumerate(self.versions):
+            if spans and spans[-1]["version"] == v:
+                spans[-1]["end"] = i + 1
+            else:
+                spans.append({"version": v, "start": i, "end": i + 1})
+        return spans

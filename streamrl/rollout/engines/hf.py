@@ -1,0 +1,259 @@
+"""The ``hf`` engine: a transformers causal LM with continuous batching, for CPU (and GPU).
+
+One engine thread owns the model. Between decode steps it admits waiting requests
+(each prefilled alone, then merged into the running batch), applies queued weight
+updates, honours pause, and retires finished sequences; every running sequence
+advances one token per step. The batch keeps one KV cache, left-padded, with an
+attention mask and explicit positions, so sequences of any length share a forward.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+from streamrl.rollout.engines.base import Completion, SamplingParams
+from streamrl.rollout.sampling import sample_row
+
+
+@dataclass
+class _Sequence:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    future: Future
+    generator: torch.Generator | None
+    out: Completion = field(default_factory=Completion)
+    aborted: bool = False
+
+
+class HFEngine:
+    def __init__(self, model: PreTrainedModel, *, max_batch_size: int = 64, eos_token_ids: tuple[int, ...] = ()):
+        self.model = model.eval()
+        self.max_batch_size = max_batch_size
+        config_eos = model.generation_config.eos_token_id if model.generation_config else None
+        eos = config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else []
+        self.eos_token_ids = tuple(eos_token_ids) or tuple(eos)
+        self.version = 0
+        self._waiting: queue.Queue[_Sequence] = queue.Queue()
+        self._control: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._running: list[_Sequence] = []
+        self._cache: DynamicCache | None = None
+        self._mask: torch.Tensor | None = None  # [B, T]: 1 on real tokens, 0 on left padding
+        self._unpaused = threading.Event()
+        self._unpaused.set()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="hf-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype: str = "float32", **kw) -> "HFEngine":
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+        return cls(model, **kw)
+
+    # ------------------------------------------------------------------ public, any thread
+
+    def submit(self, rid: str, input_ids: list[int], params: SamplingParams) -> Future:
+        """Queue a request; the future resolves to its ``Completion``."""
+        if not input_ids:
+            raise ValueError("input_ids is empty")
+        vocab = self.model.config.vocab_size
+        if min(input_ids) < 0 or max(input_ids) >= vocab:
+            raise ValueError(f"input_ids must be in [0, {vocab})")
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        seq = _Sequence(rid, list(input_ids), params, Future(), generator)
+        self._waiting.put(seq)
+        self._wake.set()
+        return seq.future
+
+    def abort(self, rid: str | None = None) -> None:
+        """Finish matching requests (all when ``rid`` is None) with finish reason ``abort``."""
+        self._run_between_steps(lambda: self._abort(rid))
+
+    def pause(self) -> None:
+        self._unpaused.clear()
+
+    def resume(self) -> None:
+        self._unpaused.set()
+        self._wake.set()
+
+    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> Future:
+        """Copy new tensors in between decode steps; tokens sampled afterwards carry ``version``."""
+        def apply() -> None:
+            params = dict(self.model.named_parameters())
+            with torch.no_grad():
+                for name, tensor in named_tensors:
+                    if name not in params:
+                        raise KeyError(f"model has no parameter {name!r}")
+                    params[name].copy_(tensor)
+            self.version = version
+
+        return self._run_between_steps(apply)
+
+    def load(self) -> dict:
+        return {"num_reqs": len(self._running), "num_waiting_reqs": self._waiting.qsize(),
+                "num_tokens": int(self._mask.sum()) if self._mask is not None else 0}
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._unpaused.set()
+        self._wake.set()
+        self._thread.join(10)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run_between_steps(self, fn: Callable[[], None]) -> Future:
+        done: Future = Future()
+
+        def task() -> None:
+            try:
+                fn()
+                done.set_result(None)
+            except Exception as e:
+                done.set_exception(e)
+
+        self._control.put(task)
+        self._wake.set()
+        return done
+
+    def _loop(self) -> None:
+        while not self._stop:
+            while not self._control.empty():
+                self._control.get()()
+            self._unpaused.wait()
+            self._admit()
+            if not self._running:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                with torch.no_grad():
+                    self._decode_step()
+            except Exception as e:  # a fault fails the batch, not the engine
+                for seq in self._running:
+                    if not seq.future.done():
+                        seq.future.set_exception(e)
+                self._running, self._cache, self._mask = [], None, None
+
+    def _admit(self) -> None:
+        while len(self._running) < self.max_batch_size:
+            try:
+                seq = self._waiting.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                with torch.no_grad():
+                    self._prefill(seq)
+            except Exception as e:
+                seq.future.set_exception(e)
+
+    def _prefill(self, seq: _Sequence) -> None:
+        ids = torch.tensor([seq.prompt])
+        out = self.model(input_ids=ids, use_cache=True)
+        self._emit(seq, out.logits[0, -1])
+        if self._finished(seq):
+            return
+        mask = torch.ones(1, len(seq.prompt), dtype=torch.long)
+        self._merge(out.past_key_values, mask)
+        self._running.append(seq)
+
+    def _merge(self, cache: DynamicCache, mask: torch.Tensor) -> None:
+        """Append one prefilled sequence to the batch, left-padding whichever side is shorter."""
+        if self._cache is None:
+            self._cache, self._mask = cache, mask
+            return
+        width = max(self._mask.shape[1], mask.shape[1])
+        layers = []
+        for old, new in zip(self._cache.layers, cache.layers):
+            layers.append(tuple(torch.cat([_pad_left(a, width), _pad_left(b, width)]) for a, b in
+                                ((old.keys, new.keys), (old.values, new.values))))
+        self._cache = DynamicCache(ddp_cache_data=[(k, v) for (k, v) in layers], config=self.model.config)
+        self._mask = torch.cat([_pad_left_mask(self._mask, width), _pad_left_mask(mask, width)])
+
+    def _decode_step(self) -> None:
+        last = torch.tensor([[seq.out.output_ids[-1]] for seq in self._running])
+        mask = torch.cat([self._mask, torch.ones(len(self._running), 1, dtype=torch.long)], dim=1)
+        positions = (mask.sum(1, keepdim=True) - 1)
+        out = self.model(input_ids=last, attention_mask=mask, position_ids=positions,
+                         past_key_values=self._cache, use_cache=True)
+        self._cache, self._mask = out.past_key_values, mask
+        keep = []
+        for i, seq in enumerate(self._running):
+            if not seq.aborted:
+                self._emit(seq, out.logits[i, -1])
+            if not self._finished(seq):
+                keep.append(i)
+        if len(keep) < len(self._running):
+            self._retire(keep)
+
+    def _emit(self, seq: _Sequence, logits: torch.Tensor) -> None:
+        token, logprob = sample_row(logits, seq.params, seq.generator)
+        seq.out.output_ids.append(token)
+        seq.out.logprobs.append(logprob)
+        seq.out.versions.append(self.version)
+
+    def _finished(self, seq: _Sequence) -> bool:
+        """Resolve the future when the sequence is done; True if it was."""
+        if seq.future.done():
+            return True
+        out, params = seq.out, seq.params
+        token = out.output_ids[-1] if out.output_ids else None
+        if seq.aborted:
+            out.finish_reason = {"type": "abort", "message": "aborted"}
+        elif token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            out.finish_reason = {"type": "stop", "matched": token}
+        elif len(out.output_ids) >= params.max_new_tokens:
+            out.finish_reason = {"type": "length", "length": len(out.output_ids)}
+        else:
+            return False
+        seq.future.set_result(out)
+        return True
+
+    def _retire(self, keep: list[int]) -> None:
+        self._running = [self._running[i] for i in keep]
+        if not keep:
+            self._cache, self._mask = None, None
+            return
+        index = torch.tensor(keep)
+        self._cache.batch_select_indices(index)
+        self._mask = self._mask[index]
+        # drop columns that are padding for every remaining sequence
+        first_real = int((self._mask.cumsum(1) == 0).sum(1).min())
+        if first_real:
+            self._mask = self._mask[:, first_real:]
+            for layer in self._cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, first_real:], layer.values[:, :, first_real:]
+
+    def _abort(self, rid: str | None) -> None:
+        for seq in self._running:
+            if rid is None or seq.rid == rid:
+                seq.aborted = True
+                self._finished(seq)
+        pending = []
+        while not self._waiting.empty():
+            seq = self._waiting.get_nowait()
+            if rid is None or seq.rid == rid:
+                seq.aborted = True
+                self._finished(seq)
+            else:
+                pending.append(seq)
+        for seq in pending:
+            self._waiting.put(seq)
+
+
+def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, H, T, D] -> [B, H, width, D] with zeros on the left."""
+    missing = width - t.shape[2]
+    return t if missing == 0 else torch.nn.functional.pad(t, (0, 0, missing, 0))
+
+
+def _pad_left_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
+    missing = width - mask.shape[1]
+    return mask if missing == 0 else torch.nn.functional.pad(mask, (missing, 0))

@@ -1,0 +1,122 @@
+import random
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from streamrl.rollout.engines.base import SamplingParams
+from streamrl.rollout.engines.hf import HFEngine
+
+
+@pytest.fixture
+def model(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+
+
+@pytest.fixture
+def engine(model):
+    engine = HFEngine(model, max_batch_size=4)
+    yield engine
+    engine.shutdown()
+
+
+def _teacher_forced_logprobs(model, prompt, output, temperature):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    logprobs = torch.log_softmax(logits / (temperature or 1.0), -1)
+    return [float(logprobs[len(prompt) - 1 + i, t]) for i, t in enumerate(output)]
+
+
+@pytest.mark.parametrize("temperature, top_p, top_k", [(1.0, 1.0, -1), (0.7, 0.9, -1), (1.3, 1.0, 20)])
+def test_logprobs_match_a_teacher_forced_forward_under_continuous_batching(model, engine, temperature, top_p, top_k):
+    rng = random.Random(0)
+    vocab = model.config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(2, 30))] for _ in range(10)]
+    params = [SamplingParams(max_new_tokens=rng.randrange(3, 25), temperature=temperature, top_p=top_p,
+                             top_k=top_k, ignore_eos=True, seed=i) for i in range(10)]
+    # 10 requests through 4 slots: sequences of different lengths join and leave the batch
+    futures = [engine.submit(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    for prompt, sp, future in zip(prompts, params, futures):
+        out = future.result(60)
+        assert len(out.output_ids) == sp.max_new_tokens and out.finish_reason["type"] == "length"
+        want = _teacher_forced_logprobs(model, prompt, out.output_ids, temperature)
+        assert max(abs(a - b) for a, b in zip(want, out.logprobs)) <= 1e-4
+
+
+def test_greedy_matches_transformers_generate(model, engine):
+    prompt = [5, 17, 42, 9, 100, 3]
+    out = engine.submit("g", prompt, SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)).result(30)
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert out.output_ids == ref
+
+
+def test_same_seed_same_sample(engine):
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
+    a = engine.submit("a", [1, 2, 3], params).result(30)
+    b = engine.submit("b", [1, 2, 3], params).result(30)
+    assert a.output_ids == b.output_ids
+
+
+def test_stop_tokens_and_eos_finish_with_stop(model, engine):
+    greedy = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
+    free_run = engine.submit("r", [4, 8, 15], greedy).result(30).output_ids
+    stop_at = free_run[5]
+    first = free_run.index(stop_at)
+    out = engine.submit("s", [4, 8, 15], SamplingParams(max_new_tokens=30, temperature=0,
+                                                        stop_token_ids=(stop_at,))).result(30)
+    assert out.output_ids == free_run[: first + 1]
+    assert out.finish_reason == {"type": "stop", "matched": stop_at}
+
+    eos_engine = HFEngine(model, eos_token_ids=(stop_at,))
+    try:
+        out = eos_engine.submit("e", [4, 8, 15], SamplingParams(max_new_tokens=30, temperature=0)).result(30)
+        assert out.output_ids[-1] == stop_at and out.finish_reason["type"] == "stop"
+    finally:
+        eos_engine.shutdown()
+
+
+def test_abort_finishes_running_and_waiting_requests(engine):
+    long = SamplingParams(max_new_tokens=10_000, temperature=1.0, ignore_eos=True)
+    futures = [engine.submit(f"r{i}", [1, 2, 3], long) for i in range(6)]  # 4 run, 2 wait
+    time.sleep(0.3)
+    engine.abort("r0")
+    assert futures[0].result(10).finish_reason["type"] == "abort"
+    engine.abort()
+    outs = [f.result(10) for f in futures[1:]]
+    assert all(o.finish_reason["type"] == "abort" for o in outs)
+
+
+def test_weight_swap_between_steps_tags_later_tokens_with_the_new_version(model, engine):
+    future = engine.submit("long", [1, 2, 3], SamplingParams(max_new_tokens=400, temperature=1.0, ignore_eos=True))
+    time.sleep(0.2)
+    new = [(name, p.detach() * 1.01) for name, p in model.named_parameters()]
+    engine.update_weights(new, version=1).result(10)
+    out = future.result(60)
+    spans = out.version_spans()
+    assert [s["version"] for s in spans] == [0, 1]
+    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 400
+    name, tensor = new[0]
+    assert torch.equal(dict(model.named_parameters())[name], tensor)
+
+
+def test_pause_holds_generation_until_resume(engine):
+    engine.pause()
+    future = engine.submit("p", [1, 2], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    time.sleep(0.3)
+    assert not future.done()
+    engine.resume()
+    assert len(future.result(10).output_ids) == 5
+
+
+def test_bad_requests_are_refused(model, engine):
+    with pytest.raises(ValueError, match="input_ids is empty"):
+        engine.submit("x", [], SamplingParams())
+    with pytest.raises(ValueError, match=r"input_ids must be in \[0, "):
+        engine.submit("x", [model.config.vocab_size], SamplingParams())
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(KeyError, match="no parameter 'nope'"):
+        engine.update_weights([("nope", torch.zeros(1))], version=1).result(10)
