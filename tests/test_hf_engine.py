@@ -93,7 +93,7 @@ def test_weight_swap_between_steps_tags_later_tokens_with_the_new_version(model,
     future = engine.submit("long", [1, 2, 3], SamplingParams(max_new_tokens=400, temperature=1.0, ignore_eos=True))
     time.sleep(0.2)
     new = [(name, p.detach() * 1.01) for name, p in model.named_parameters()]
-    engine.update_weights(new, version=1).result(10)
+    engine.swap_weights(new, version=1).result(10)
     out = future.result(60)
     spans = out.version_spans()
     assert [s["version"] for s in spans] == [0, 1]
@@ -119,4 +119,4 @@ def test_bad_requests_are_refused(model, engine):
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
     with pytest.raises(KeyError, match="no parameter 'nope'"):
-        engine.update_weights([("nope", torch.zeros(1))], version=1).result(10)
+        engine.swap_weights([("nope", torch.zeros(1))], version=1).result(10)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -12,6 +13,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # -1: no limit
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings; needs an engine with a tokenizer
     ignore_eos: bool = False
     seed: int | None = None
 
@@ -44,3 +46,23 @@ class Completion:
             else:
                 spans.append({"version": v, "start": i, "end": i + 1})
         return spans
+
+
+class Engine(Protocol):
+    """What the HTTP server needs from an inference engine (hf, vllm)."""
+
+    version: int
+
+    async def generate(self, rid: str, input_ids: list[int], params: SamplingParams) -> Completion: ...
+
+    def abort(self, rid: str | None = None) -> None: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    async def update_weights(self, named_tensors: list, version: int) -> None: ...
+
+    def load(self) -> dict: ...
+
+    def shutdown(self) -> None: ...

@@ -9,6 +9,7 @@ attention mask and explicit positions, so sequences of any length share a forwar
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 from collections.abc import Callable
@@ -34,8 +35,10 @@ class _Sequence:
 
 
 class HFEngine:
-    def __init__(self, model: PreTrainedModel, *, max_batch_size: int = 64, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(self, model: PreTrainedModel, *, max_batch_size: int = 64, eos_token_ids: tuple[int, ...] = (),
+                 tokenizer=None):
         self.model = model.eval()
+        self.tokenizer = tokenizer  # only needed for stop strings
         self.max_batch_size = max_batch_size
         config_eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else []
@@ -54,9 +57,9 @@ class HFEngine:
         self._thread.start()
 
     @classmethod
-    def from_pretrained(cls, path: str, *, dtype: str = "float32", **kw) -> "HFEngine":
+    def from_pretrained(cls, path: str, *, dtype: str = "float32", tokenizer=None, **kw) -> "HFEngine":
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
-        return cls(model, **kw)
+        return cls(model, tokenizer=tokenizer, **kw)
 
     # ------------------------------------------------------------------ public, any thread
 
@@ -64,6 +67,8 @@ class HFEngine:
         """Queue a request; the future resolves to its ``Completion``."""
         if not input_ids:
             raise ValueError("input_ids is empty")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; pass stop_token_ids instead")
         vocab = self.model.config.vocab_size
         if min(input_ids) < 0 or max(input_ids) >= vocab:
             raise ValueError(f"input_ids must be in [0, {vocab})")
@@ -72,6 +77,9 @@ class HFEngine:
         self._waiting.put(seq)
         self._wake.set()
         return seq.future
+
+    async def generate(self, rid: str, input_ids: list[int], params: SamplingParams) -> Completion:
+        return await asyncio.wrap_future(self.submit(rid, input_ids, params))
 
     def abort(self, rid: str | None = None) -> None:
         """Finish matching requests (all when ``rid`` is None) with finish reason ``abort``."""
@@ -84,7 +92,10 @@ class HFEngine:
         self._unpaused.set()
         self._wake.set()
 
-    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> Future:
+    async def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
+        await asyncio.wrap_future(self.swap_weights(named_tensors, version))
+
+    def swap_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> Future:
         """Copy new tensors in between decode steps; tokens sampled afterwards carry ``version``."""
         def apply() -> None:
             params = dict(self.model.named_parameters())
@@ -209,12 +220,20 @@ class HFEngine:
             out.finish_reason = {"type": "abort", "message": "aborted"}
         elif token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             out.finish_reason = {"type": "stop", "matched": token}
+        elif params.stop and (matched := self._stop_string(out.output_ids, params.stop)):
+            out.finish_reason = {"type": "stop", "matched": matched}
         elif len(out.output_ids) >= params.max_new_tokens:
             out.finish_reason = {"type": "length", "length": len(out.output_ids)}
         else:
             return False
         seq.future.set_result(out)
         return True
+
+    def _stop_string(self, output_ids: list[int], stops: tuple[str, ...]) -> str | None:
+        # Only the tail can newly contain a stop string: decode a window, not the whole output.
+        window = max(map(len, stops)) + 8
+        tail = self.tokenizer.decode(output_ids[-window:])
+        return next((s for s in stops if s in tail), None)
 
     def _retire(self, keep: list[int]) -> None:
         self._running = [self._running[i] for i in keep]
