@@ -50,17 +50,58 @@ def up(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
 
 
 @app.command()
-def serve(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
+def serve(
+    config: ConfigArg = None,
+    overrides: OverridesArg = None,
+    port: Annotated[Optional[int], typer.Option(help="Port (default: server.base_port).")] = None,
+) -> None:
     """Start one rollout server (an inference engine behind SGLang's HTTP API)."""
-    _load(config, overrides)
-    _not_built("serve", "the rollout server", 3)
+    from streamrl.rollout.serve import serve as run_server
+
+    cfg = _load(config, overrides)
+    try:
+        run_server(cfg, port=port)
+    except (ValueError, OSError) as e:
+        err.print(f"[red]streamrl serve:[/] {e}", soft_wrap=True)
+        raise typer.Exit(2) from None
 
 
 @app.command("launch-router")
-def launch_router(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
+def launch_router(
+    config: ConfigArg = None,
+    overrides: OverridesArg = None,
+    worker: Annotated[Optional[list[str]], typer.Option(help="A server URL to route to besides the registry's.")] = None,
+) -> None:
     """Start sglang-router and keep its worker set in step with the server registry."""
-    _load(config, overrides)
-    _not_built("launch-router", "the router launcher", 3)
+    import threading
+
+    from streamrl.buffer import Namespace, ServerRegistry
+    from streamrl.rollout.router import Router, follow_registry
+
+    cfg = _load(config, overrides)
+    cfg.run.path.mkdir(parents=True, exist_ok=True)
+    router = Router(host=cfg.router.host, port=cfg.router.port, policy=cfg.router.policy,
+                    prometheus_port=cfg.router.prometheus_port, request_timeout_s=cfg.router.request_timeout_s,
+                    health_check_interval_s=cfg.router.health_check_interval_s,
+                    log_path=cfg.run.path / "router.log")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        router.start()
+        err.print(f"sglang-router ready on {router.url} (log: {router.log_path})", soft_wrap=True)
+        static = frozenset(worker or ())
+        if cfg.redis.url:
+            registry = ServerRegistry(Namespace.open(cfg.redis.url, cfg.run.name), ttl_s=cfg.server.registry_ttl_s)
+            follow_registry(router, registry, every_s=cfg.router.sync_every_s, stop=stop, static=static)
+        else:
+            err.print("redis.url is not set: routing only to --worker URLs", soft_wrap=True)
+            router.sync(set(static))
+            while not stop.wait(1) and router.proc.poll() is None:
+                pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        router.stop()
 
 
 @app.command("launch-rollout")

@@ -61,6 +61,9 @@ class RouterConfig(Section):
     port: int = Field(30000, ge=0, le=65535)
     policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = "cache_aware"
     request_timeout_s: float = Field(600.0, gt=0)
+    prometheus_port: int | None = Field(None, ge=1, le=65535, description="router metrics; default port + 1")
+    health_check_interval_s: float = Field(2.0, ge=1)
+    sync_every_s: float = Field(1.0, gt=0, description="how often the worker set follows the registry")
 
 
 class ServerConfig(Section):

@@ -28,8 +28,7 @@ def test_each_subcommand_has_help(name):
     assert out.returncode == 0 and "Usage" in out.stdout
 
 
-@pytest.mark.parametrize("name, issue", [("up", 7), ("serve", 3), ("launch-router", 3),
-                                         ("launch-rollout", 4), ("launch-learner", 5)])
+@pytest.mark.parametrize("name, issue", [("up", 7), ("launch-rollout", 4), ("launch-learner", 5)])
 def test_parts_not_built_yet_say_so_and_fail(name, issue):
     out = _run(name, "configs/quickstart.yaml")
     assert out.returncode == 2
@@ -69,3 +68,8 @@ def test_redis_subcommand_serves_until_terminated(tmp_path):
     with pytest.raises(redis.ConnectionError):
         redis.Redis(port=port, password="pw", socket_connect_timeout=1).ping()
     assert (tmp_path / "default" / "redis" / "redis.log").exists()
+
+
+def test_serve_without_a_model_path_says_so():
+    out = _run("serve", "configs/quickstart.yaml")
+    assert out.returncode == 2 and "model.path is not set" in out.stderr

@@ -1,1 +1,26 @@
 """Inference engines. Each turns token ids into sampled token ids with behaviour logprobs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from streamrl.rollout.engines.base import Completion, Engine, SamplingParams
+
+__all__ = ["Completion", "Engine", "SamplingParams", "load_engine"]
+
+
+def load_engine(name: str, model_path: str, *, dtype: str = "float32", max_batch_size: int = 64,
+                tokenizer: Any = None) -> Engine:
+    """Build the engine called ``name`` over a local Hugging Face model directory."""
+    if name == "hf":
+        from streamrl.rollout.engines.hf import HFEngine
+
+        return HFEngine.from_pretrained(model_path, dtype=dtype, max_batch_size=max_batch_size, tokenizer=tokenizer)
+    if name == "vllm":
+        from streamrl.rollout.engines.vllm import VLLMEngine
+
+        return VLLMEngine(model_path, dtype=dtype, max_batch_size=max_batch_size)
+    if name == "sglang":
+        raise ValueError("engine 'sglang' is a stock SGLang server: start it with `python -m sglang.launch_server` "
+                         "and register its URL; streamrl speaks its API as is")
+    raise ValueError(f"unknown engine {name!r}; expected hf, vllm or sglang")

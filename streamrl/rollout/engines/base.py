@@ -37,6 +37,11 @@ class Completion:
     versions: list[int] = field(default_factory=list)
     finish_reason: dict = field(default_factory=dict)  # SGLang's shape: {"type": "stop"|"length"|"abort", ...}
 
+    @property
+    def finish_type(self) -> str:
+        """``stop`` | ``length`` | ``abort``, as ``Sample.finish_reason`` takes it."""
+        return self.finish_reason.get("type", "abort")
+
     def version_spans(self) -> list[dict]:
         """Runs of equal version as ``[{"version", "start", "end"}]`` (end exclusive)."""
         spans: list[dict] = []

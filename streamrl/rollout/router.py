@@ -1,0 +1,132 @@
+"""sglang-router, started on loopback and kept in step with the registry of rollout servers.
+
+The router is the real Rust ``sglang-router`` (PyPI). We start it with explicit
+loopback binds (its defaults listen on all interfaces), wait for it, and manage its
+worker set through its HTTP API: ``POST /workers``, ``GET /workers``,
+``DELETE /workers/{id}``.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from streamrl.buffer import ServerRegistry
+
+log = logging.getLogger("streamrl.router")
+
+
+class Router:
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 30000,
+        policy: str = "cache_aware",
+        prometheus_port: int | None = None,
+        request_timeout_s: float = 600.0,
+        health_check_interval_s: float = 2.0,
+        health_failure_threshold: int = 2,
+        log_path: Path | None = None,
+    ):
+        self.host, self.port, self.policy = host, port, policy
+        self.prometheus_port = prometheus_port or port + 1
+        self.request_timeout_s = request_timeout_s
+        self.health_check_interval_s = health_check_interval_s
+        self.health_failure_threshold = health_failure_threshold
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self._http = httpx.Client(base_url=self.url, timeout=10)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def argv(self) -> list[str]:
+        return [
+            sys.executable, "-m", "sglang_router.launch_router",
+            "--host", self.host, "--port", str(self.port),
+            "--policy", self.policy,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prometheus_port),
+            "--request-timeout-secs", str(int(self.request_timeout_s)),
+            "--health-check-interval-secs", str(max(1, int(self.health_check_interval_s))),
+            "--health-failure-threshold", str(self.health_failure_threshold),
+            "--health-success-threshold", "1",
+            "--log-level", "warn",
+        ]
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(self.argv(), stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sglang-router exited with {self.proc.returncode} on startup"
+                                   + (f"; see {self.log_path}" if self.log_path else ""))
+            try:
+                if self._http.get("/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"sglang-router did not answer on {self.url} within {timeout_s:.0f}s")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._http.close()
+
+    # ---------------------------------------------------------------- worker set
+
+    def workers(self) -> dict[str, str]:
+        """url -> worker id, as the router knows them."""
+        reply = self._http.get("/workers")
+        reply.raise_for_status()
+        return {w["url"]: w["id"] for w in reply.json()["workers"]}
+
+    def add(self, url: str) -> None:
+        reply = self._http.post("/workers", json={"url": url})
+        if reply.status_code not in (200, 202):
+            raise RuntimeError(f"router refused worker {url}: {reply.status_code} {reply.text}")
+
+    def remove(self, url: str) -> None:
+        worker_id = self.workers().get(url)
+        if worker_id is not None:
+            self._http.delete(f"/workers/{worker_id}")
+
+    def sync(self, urls: set[str]) -> tuple[set[str], set[str]]:
+        """Make the router's worker set equal ``urls``; returns (added, removed)."""
+        known = self.workers()
+        added, removed = urls - set(known), set(known) - urls
+        for url in sorted(added):
+            self.add(url)
+        for url in sorted(removed):
+            self._http.delete(f"/workers/{known[url]}")
+        return added, removed
+
+
+def follow_registry(router: Router, registry: ServerRegistry, *, every_s: float, stop: threading.Event,
+                    static: frozenset[str] = frozenset()) -> None:
+    """Keep the router's workers equal to the live servers in the registry (plus ``static`` ones)."""
+    while not stop.is_set():
+        try:
+            added, removed = router.sync({s.url for s in registry.alive()} | static)
+            for url in added:
+                log.info("router: added %s", url)
+            for url in removed:
+                log.info("router: removed %s", url)
+        except Exception as e:  # Redis or router hiccup: try again next round
+            log.warning("router sync failed: %s", e)
+        stop.wait(every_s)

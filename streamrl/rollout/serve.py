@@ -1,0 +1,63 @@
+"""The ``streamrl serve`` process: an engine, its HTTP server, and its heartbeat in the registry."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import httpx
+import uvicorn
+
+from streamrl.buffer import Namespace, ServerInfo, ServerRegistry
+from streamrl.config import Config
+from streamrl.rollout.engines import load_engine
+from streamrl.rollout.server import create_app
+
+log = logging.getLogger("streamrl.serve")
+
+
+def serve(cfg: Config, *, host: str | None = None, port: int | None = None) -> None:
+    from transformers import AutoTokenizer
+
+    if not cfg.model.path:
+        raise ValueError("model.path is not set: give a local Hugging Face model directory")
+    host, port = host or cfg.server.host, port or cfg.server.base_port
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+    engine = load_engine(cfg.server.engine, cfg.model.path, dtype=cfg.model.dtype,
+                         max_batch_size=cfg.server.max_batch_size, tokenizer=tokenizer)
+    app = create_app(engine, model_path=cfg.model.path, tokenizer=tokenizer, token=cfg.server.token,
+                     engine_name=cfg.server.engine)
+    url = f"http://{host}:{port}"
+    stop = threading.Event()
+    if cfg.redis.url:
+        registry = ServerRegistry(Namespace.open(cfg.redis.url, cfg.run.name), ttl_s=cfg.server.registry_ttl_s)
+        beat = threading.Thread(target=_heartbeat, args=(registry, url, engine, cfg, stop), daemon=True)
+        beat.start()
+    else:
+        log.warning("redis.url is not set: %s will not announce itself in a registry", url)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        stop.set()
+        if cfg.redis.url:
+            registry.remove(url)
+        engine.shutdown()
+
+
+def _heartbeat(registry: ServerRegistry, url: str, engine, cfg: Config, stop: threading.Event) -> None:
+    """Announce the server once it answers /health, then keep the registry entry alive."""
+    started = time.time()
+    while not stop.is_set():
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        stop.wait(0.2)
+    while not stop.is_set():
+        try:
+            registry.heartbeat(ServerInfo(url, cfg.server.engine, engine.version, started))
+        except Exception as e:  # keep serving; the registry entry expires and the router drops us
+            log.warning("heartbeat to the registry failed: %s", e)
+        stop.wait(cfg.server.heartbeat_s)

@@ -1,0 +1,132 @@
+"""Real processes: rollout servers, the registry in a real redis-server, and the real sglang-router."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from streamrl.buffer import Namespace, ServerRegistry
+from streamrl.buffer.redis_server import free_port
+from streamrl.rollout.client import GenerateClient, GenerateError
+from streamrl.rollout.engines.base import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+def _wait(url: str, path: str = "/health", timeout_s: float = 60, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
+        try:
+            if httpx.get(url + path, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+@pytest.fixture
+def cluster(tiny_model_dir, redis_server, tmp_path):
+    """Starts processes on demand and kills whatever is left at the end."""
+    procs = []
+    run = f"router-{os.getpid()}-{time.monotonic_ns()}"
+    common = [f"model.path={tiny_model_dir}", f"redis.url={redis_server.url}", f"run.name={run}",
+              f"run.dir={tmp_path}", "server.heartbeat_s=0.3", "server.registry_ttl_s=1.5"]
+
+    def server() -> str:
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "streamrl", "serve", *common, "--port", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        _wait(url, proc=proc)
+        return url, proc
+
+    def router() -> str:
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "streamrl", "launch-router", *common,
+                                 f"router.port={port}", f"router.prometheus_port={free_port()}",
+                                 "router.policy=round_robin", "router.health_check_interval_s=1",
+                                 "router.sync_every_s=0.3"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        _wait(url, proc=proc)
+        return url, proc
+
+    yield server, router, Namespace.open(redis_server.url, run)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _served(url: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    line = next((l for l in text.splitlines() if l.startswith('streamrl_requests_total{status="ok"}')), None)
+    return float(line.split()[-1]) if line else 0.0
+
+
+def _router_workers(url: str) -> set[str]:
+    return {w["url"] for w in httpx.get(url + "/workers").json()["workers"]}
+
+
+def _until(predicate, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.2)
+
+
+async def _burst(router_url: str, n: int) -> list:
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    async with GenerateClient(router_url, retries=6, backoff_s=0.2) as client:
+        return await asyncio.gather(*(client.generate([1, 2, 3], params) for _ in range(n)))
+
+
+def test_router_spreads_requests_drops_dead_servers_and_adds_new_ones(cluster):
+    server, router, ns = cluster
+    (a, a_proc), (b, _) = server(), server()
+    router_url, _ = router()
+    _until(lambda: _router_workers(router_url) == {a, b})
+
+    outs = asyncio.run(_burst(router_url, 24))
+    assert all(len(o.output_ids) == 4 and o.finish_type == "length" for o in outs)
+    assert all(o.versions == [0] * 4 and len(o.logprobs) == 4 for o in outs)
+    assert _served(a) > 0 and _served(b) > 0
+
+    a_proc.send_signal(signal.SIGKILL)
+    outs = asyncio.run(_burst(router_url, 12))  # requests keep succeeding while a is dying
+    assert len(outs) == 12
+    _until(lambda: _router_workers(router_url) == {b})
+    assert [s.url for s in ServerRegistry(ns).alive()] == [b]
+
+    c, _ = server()  # joins at run time
+    _until(lambda: _router_workers(router_url) == {b, c})
+    before = _served(c)
+    asyncio.run(_burst(router_url, 12))
+    assert _served(c) > before
+
+
+def test_client_raises_on_4xx_without_retrying(cluster):
+    server, _, _ = cluster
+    url, _ = server()
+
+    async def bad():
+        async with GenerateClient(url, retries=3) as client:
+            await client.generate([10_000], SamplingParams(max_new_tokens=2))
+
+    t0 = time.monotonic()
+    with pytest.raises(GenerateError, match="refused the request: HTTP 400"):
+        asyncio.run(bad())
+    assert time.monotonic() - t0 < 2
