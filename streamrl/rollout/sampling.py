@@ -13,17 +13,29 @@ import torch
 from streamrl.rollout.engines.base import SamplingParams
 
 
-def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, float]:
-    """One token from a row of logits ``[V]``; returns (token id, behaviour logprob)."""
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> tuple[list[int], list[float]]:
+    """One token per row of ``logits [B, V]``; returns (token ids, behaviour logprobs)."""
     logits = logits.float()
-    if params.temperature == 0:
-        token = int(logits.argmax())
-        return token, float(torch.log_softmax(logits, -1)[token])
-    scaled = logits / params.temperature
+    temperatures = torch.tensor([p.temperature or 1.0 for p in params]).unsqueeze(1)
+    scaled = logits / temperatures
     logprobs = torch.log_softmax(scaled, -1)
-    truncated = truncate(scaled, params.top_k, params.top_p)
-    token = int(torch.multinomial(torch.softmax(truncated, -1), 1, generator=generator))
-    return token, float(logprobs[token])
+    tokens = logits.argmax(-1)  # greedy rows keep this
+    sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+    if sampled:
+        rows = scaled[sampled]
+        for j, i in enumerate(sampled):
+            if params[i].top_k != -1 or params[i].top_p < 1.0:
+                rows[j] = truncate(rows[j], params[i].top_k, params[i].top_p)
+        probs = torch.softmax(rows, -1)
+        shared = [j for j, i in enumerate(sampled) if generators[i] is None]
+        if shared:  # one draw for every row without its own seed
+            tokens[[sampled[j] for j in shared]] = torch.multinomial(probs[shared], 1).squeeze(1)
+        for j, i in enumerate(sampled):
+            if generators[i] is not None:
+                tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return tokens.tolist(), chosen.tolist()
 
 
 def truncate(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

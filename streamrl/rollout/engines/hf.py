@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from streamrl.rollout.engines.base import Completion, SamplingParams
-from streamrl.rollout.sampling import sample_row
+from streamrl.rollout.sampling import sample_batch
 
 
 @dataclass
@@ -168,7 +168,7 @@ class HFEngine:
     def _prefill(self, seq: _Sequence) -> None:
         ids = torch.tensor([seq.prompt])
         out = self.model(input_ids=ids, use_cache=True)
-        self._emit(seq, out.logits[0, -1])
+        self._emit([seq], out.logits[:, -1])
         if self._finished(seq):
             return
         mask = torch.ones(1, len(seq.prompt), dtype=torch.long)
@@ -195,20 +195,20 @@ class HFEngine:
         out = self.model(input_ids=last, attention_mask=mask, position_ids=positions,
                          past_key_values=self._cache, use_cache=True)
         self._cache, self._mask = out.past_key_values, mask
-        keep = []
-        for i, seq in enumerate(self._running):
-            if not seq.aborted:
-                self._emit(seq, out.logits[i, -1])
-            if not self._finished(seq):
-                keep.append(i)
+        live = [i for i, seq in enumerate(self._running) if not seq.aborted]
+        self._emit([self._running[i] for i in live], out.logits[live, -1])
+        keep = [i for i, seq in enumerate(self._running) if not self._finished(seq)]
         if len(keep) < len(self._running):
             self._retire(keep)
 
-    def _emit(self, seq: _Sequence, logits: torch.Tensor) -> None:
-        token, logprob = sample_row(logits, seq.params, seq.generator)
-        seq.out.output_ids.append(token)
-        seq.out.logprobs.append(logprob)
-        seq.out.versions.append(self.version)
+    def _emit(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
+        if not seqs:
+            return
+        tokens, logprobs = sample_batch(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
+            seq.out.output_ids.append(token)
+            seq.out.logprobs.append(logprob)
+            seq.out.versions.append(self.version)
 
     def _finished(self, seq: _Sequence) -> bool:
         """Resolve the future when the sequence is done; True if it was."""
