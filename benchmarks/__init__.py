@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
 from pathlib import Path
 
-
-def _queue(quick: bool, out: Path) -> None:
-    from benchmarks.replay_stream import main
-
-    main(quick=quick, out=out)
+# study name -> module with main(quick, out)
+MODULES = {"queue": "benchmarks.replay_stream", "generate": "benchmarks.generate"}
 
 
-SUITES: dict[str, Callable[..., None]] = {"queue": _queue}
+def run_suite(name: str, *, quick: bool, out: Path) -> dict:
+    return importlib.import_module(MODULES[name]).main(quick=quick, out=out)

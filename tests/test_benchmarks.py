@@ -2,12 +2,12 @@ import json
 
 import pytest
 
-from benchmarks import SUITES
+from benchmarks import run_suite
 
 
 @pytest.mark.slow
 def test_queue_benchmark_quick_writes_table_json_and_plot(tmp_path, capsys):
-    SUITES["queue"](quick=True, out=tmp_path)
+    run_suite("queue", quick=True, out=tmp_path)
     data = json.loads((tmp_path / "queue.json").read_text())
     assert {"machine", "results", "repeats"} <= set(data)
     for row in data["results"]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from streamrl.rollout.engines.base import Completion, SamplingParams
 from streamrl.rollout.sampling import sample_batch
@@ -154,38 +155,52 @@ class HFEngine:
                 self._running, self._cache, self._mask = [], None, None
 
     def _admit(self) -> None:
-        while len(self._running) < self.max_batch_size:
+        """Prefill every waiting request that fits, in one left-padded forward, and join the batch."""
+        joining = []
+        while len(self._running) + len(joining) < self.max_batch_size:
             try:
-                seq = self._waiting.get_nowait()
+                joining.append(self._waiting.get_nowait())
             except queue.Empty:
-                return
-            try:
-                with torch.no_grad():
-                    self._prefill(seq)
-            except Exception as e:
-                seq.future.set_exception(e)
-
-    def _prefill(self, seq: _Sequence) -> None:
-        ids = torch.tensor([seq.prompt])
-        out = self.model(input_ids=ids, use_cache=True)
-        self._emit([seq], out.logits[:, -1])
-        if self._finished(seq):
+                break
+        if not joining:
             return
-        mask = torch.ones(1, len(seq.prompt), dtype=torch.long)
-        self._merge(out.past_key_values, mask)
-        self._running.append(seq)
+        try:
+            with torch.no_grad():
+                self._prefill(joining)
+        except Exception as e:
+            for seq in joining:
+                if not seq.future.done():
+                    seq.future.set_exception(e)
+
+    def _prefill(self, joining: list[_Sequence]) -> None:
+        width = max(len(seq.prompt) for seq in joining)
+        ids = torch.tensor([[0] * (width - len(seq.prompt)) + seq.prompt for seq in joining])
+        mask = torch.tensor([[0] * (width - len(seq.prompt)) + [1] * len(seq.prompt) for seq in joining])
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        self._emit(joining, out.logits[:, -1])
+        keep = [i for i, seq in enumerate(joining) if not self._finished(seq)]
+        if not keep:
+            return
+        cache = out.past_key_values
+        if len(keep) < len(joining):
+            cache.batch_select_indices(torch.tensor(keep))
+            mask = mask[keep]
+        self._merge(cache, mask)
+        self._running.extend(joining[i] for i in keep)
 
     def _merge(self, cache: DynamicCache, mask: torch.Tensor) -> None:
-        """Append one prefilled sequence to the batch, left-padding whichever side is shorter."""
+        """Append newly prefilled sequences to the batch, left-padding whichever side is shorter."""
         if self._cache is None:
+            cache.layers = [_SlackLayer.of(layer.keys, layer.values) for layer in cache.layers]
             self._cache, self._mask = cache, mask
             return
         width = max(self._mask.shape[1], mask.shape[1])
-        layers = []
-        for old, new in zip(self._cache.layers, cache.layers):
-            layers.append(tuple(torch.cat([_pad_left(a, width), _pad_left(b, width)]) for a, b in
-                                ((old.keys, new.keys), (old.values, new.values))))
-        self._cache = DynamicCache(ddp_cache_data=[(k, v) for (k, v) in layers], config=self.model.config)
+        self._cache.layers = [
+            _SlackLayer.of(*(torch.cat([_pad_left(mine, width), _pad_left(theirs, width)])
+                             for mine, theirs in ((old.keys, new.keys), (old.values, new.values))))
+            for old, new in zip(self._cache.layers, cache.layers)
+        ]
         self._mask = torch.cat([_pad_left_mask(self._mask, width), _pad_left_mask(mask, width)])
 
     def _decode_step(self) -> None:
@@ -248,7 +263,7 @@ class HFEngine:
         if first_real:
             self._mask = self._mask[:, first_real:]
             for layer in self._cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, first_real:], layer.values[:, :, first_real:]
+                layer.drop_left(first_real)
 
     def _abort(self, rid: str | None) -> None:
         for seq in self._running:
@@ -265,6 +280,53 @@ class HFEngine:
                 pending.append(seq)
         for seq in pending:
             self._waiting.put(seq)
+
+
+class _SlackLayer(DynamicLayer):
+    """A KV layer kept in a buffer with room to grow along the sequence.
+
+    transformers' DynamicLayer concatenates on every token, copying the whole cache
+    each decode step; here a step writes one column in place, and the buffer
+    doubles when full (amortised O(1) per token).
+    """
+
+    @classmethod
+    def of(cls, keys: torch.Tensor, values: torch.Tensor, slack: int = 64) -> "_SlackLayer":
+        layer = cls()
+        layer.dtype, layer.device, layer.is_initialized = keys.dtype, keys.device, True
+        b, h, t, d = keys.shape
+        layer._k = keys.new_empty(b, h, t + slack, d)
+        layer._v = values.new_empty(b, h, t + slack, values.shape[-1])
+        layer._k[:, :, :t], layer._v[:, :, :t] = keys, values
+        layer._set_length(t)
+        return layer
+
+    def _set_length(self, n: int) -> None:
+        self.length = n
+        self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        n = key_states.shape[-2]
+        end = self.length + n
+        if end > self._k.shape[2]:
+            grown = max(2 * self._k.shape[2], end + 64)
+            self._k = torch.cat([self._k[:, :, : self.length], self._k.new_empty(*self._k.shape[:2], grown - self.length,
+                                                                                 self._k.shape[3])], dim=2)
+            self._v = torch.cat([self._v[:, :, : self.length], self._v.new_empty(*self._v.shape[:2], grown - self.length,
+                                                                                 self._v.shape[3])], dim=2)
+        self._k[:, :, self.length : end] = key_states
+        self._v[:, :, self.length : end] = value_states
+        self._set_length(end)
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._k, self._v = self._k[indices], self._v[indices]
+        self._set_length(self.length)
+
+    def drop_left(self, n: int) -> None:
+        """Forget the first ``n`` positions (padding for every row)."""
+        self._k, self._v = self._k[:, :, n:], self._v[:, :, n:]
+        self._set_length(self.length - n)
 
 
 def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:

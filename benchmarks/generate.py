@@ -1,0 +1,218 @@
+"""Generation throughput: a rollout server under concurrency vs static-batch ``model.generate``.
+
+RL rollouts have very uneven output lengths. A static batch runs until its longest
+member finishes; continuous batching refills a slot as soon as a sequence ends.
+Both sides serve the same requests (prompts, sampled lengths) on the same model in
+the same run. Then the same load goes through sglang-router: to one server (router
+overhead) and to two servers.
+
+    python -m benchmarks.generate [--quick]      (or: streamrl bench generate)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from benchmarks.common import console, median, new_figure, print_table, save_figure, write_json
+from streamrl.buffer.redis_server import free_port
+from streamrl.rollout.client import GenerateClient
+from streamrl.rollout.engines.base import SamplingParams
+from streamrl.rollout.router import Router
+from streamrl.testing import make_tiny_model
+
+MODEL = {"hidden": 512, "layers": 8}  # ~21M parameters: compute-bound on a CPU, small enough to run in minutes
+
+
+def make_requests(n: int, vocab: int, max_len: int, seed: int) -> list[tuple[list[int], int]]:
+    """(prompt ids, output length): prompts of 16-64 tokens, long-tailed output lengths."""
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(np.log(max_len / 5), 0.8, n), 8, max_len).astype(int)
+    return [(rng.integers(3, vocab, rng.integers(16, 65)).tolist(), int(k)) for k in lengths]
+
+
+async def drive(url: str, requests, concurrency: int) -> tuple[float, int]:
+    """Send every request with at most ``concurrency`` in flight; (seconds, generated tokens)."""
+    gate = asyncio.Semaphore(concurrency)
+    async with GenerateClient(url, retries=3) as client:
+        async def one(prompt, length):
+            async with gate:
+                out = await client.generate(prompt, SamplingParams(max_new_tokens=length, ignore_eos=True))
+                return len(out.output_ids)
+
+        t0 = time.perf_counter()
+        tokens = await asyncio.gather(*(one(p, k) for p, k in requests))
+        return time.perf_counter() - t0, sum(tokens)
+
+
+def static_batches(model, requests, batch: int) -> tuple[float, int]:
+    """``model.generate`` over fixed batches of ``batch``; each runs to its longest request."""
+    import torch
+
+    useful, t0 = 0, time.perf_counter()
+    for i in range(0, len(requests), batch):
+        chunk = requests[i : i + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(k for _, k in chunk),
+                           do_sample=True, temperature=1.0, top_k=0, eos_token_id=None, pad_token_id=0)
+        useful += sum(k for _, k in chunk)
+    return time.perf_counter() - t0, useful
+
+
+@contextmanager
+def servers(model_dir: str, count: int, env: dict | None = None):
+    procs, urls = [], []
+    try:
+        for _ in range(count):
+            port = free_port()
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "streamrl", "serve", f"model.path={model_dir}", "server.max_batch_size=64",
+                 "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                env={**os.environ, **(env or {})}))
+            urls.append(f"http://127.0.0.1:{port}")
+        for url, proc in zip(urls, procs):
+            _wait_healthy(url, proc)
+        yield urls
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            proc.wait(30)
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server for {url} exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+@contextmanager
+def router(urls: list[str]):
+    r = Router(port=free_port(), prometheus_port=free_port(), policy="round_robin")
+    r.start()
+    try:
+        r.sync(set(urls))
+        deadline = time.monotonic() + 30
+        while set(r.workers()) != set(urls):
+            if time.monotonic() > deadline:
+                raise TimeoutError("router did not take the workers")
+            time.sleep(0.1)
+        time.sleep(1.0)  # first health check marks them healthy
+        yield r.url
+    finally:
+        r.stop()
+
+
+def run(quick: bool) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    repeats = 1 if quick else 3
+    concurrencies = [1, 8, 32] if quick else [1, 8, 32, 64]
+    max_len = 128 if quick else 256
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_model(Path(tmp) / "model", **MODEL)
+        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        vocab = model.config.vocab_size
+        n_params = sum(p.numel() for p in model.parameters())
+        rows = []
+        with servers(model_dir, 1) as (url,):
+            asyncio.run(drive(url, make_requests(4, vocab, 8, 99), 4))  # warm-up
+            for c in concurrencies:
+                samples = {"server": [], "static": []}
+                for r in range(repeats):
+                    reqs = make_requests(max(2 * c, 8 if quick else 16), vocab, max_len, seed=r)
+                    s, tok = drive_sync(url, reqs, c)
+                    samples["server"].append(tok / s)
+                    s, tok = static_batches(model, reqs, c)
+                    samples["static"].append(tok / s)
+                rows.append({"concurrency": c, "samples": samples, "server_tok_s": median(samples["server"]),
+                             "static_tok_s": median(samples["static"]),
+                             "ratio": median(samples["server"]) / median(samples["static"])})
+                console.log(f"concurrency {c}: server {rows[-1]['server_tok_s']:.0f} tok/s, "
+                            f"static {rows[-1]['static_tok_s']:.0f} tok/s")
+            del model
+            c = concurrencies[-1]
+            reqs = make_requests(2 * c, vocab, max_len, seed=7)
+            direct = [_tps(drive_sync(url, reqs, c)) for _ in range(repeats)]
+            with router([url]) as router_url:
+                via_router = [_tps(drive_sync(router_url, reqs, c)) for _ in range(repeats)]
+        # two servers share the 2 cores: one torch thread each, so they do not fight over them
+        with servers(model_dir, 2, env={"OMP_NUM_THREADS": "1"}) as urls, router(urls) as router_url:
+            two = [_tps(drive_sync(router_url, reqs, c)) for _ in range(repeats)]
+    routing = {"concurrency": c, "direct_1": median(direct), "router_1": median(via_router),
+               "router_2": median(two), "samples": {"direct_1": direct, "router_1": via_router, "router_2": two}}
+    return {"study": "generate", "repeats": repeats, "max_new_tokens": max_len, "model": {**MODEL, "params": n_params},
+            "torch_threads": torch.get_num_threads(), "concurrency": rows, "routing": routing}
+
+
+def drive_sync(url, reqs, c):
+    return asyncio.run(drive(url, reqs, c))
+
+
+def _tps(result: tuple[float, int]) -> float:
+    seconds, tokens = result
+    return tokens / seconds
+
+
+def report(data: dict, out: Path) -> None:
+    rows = [[r["concurrency"], r["server_tok_s"], r["static_tok_s"], r["ratio"]] for r in data["concurrency"]]
+    print_table(f"Generation tokens/s, {data['model']['params'] / 1e6:.0f}M-parameter Llama, output lengths "
+                f"long-tailed up to {data['max_new_tokens']}, medians of {data['repeats']}",
+                ["concurrency", "server (continuous)", "model.generate (static)", "server/static"], rows)
+    rt = data["routing"]
+    print_table(f"Through sglang-router at concurrency {rt['concurrency']}",
+                ["path", "tokens/s", "vs direct"],
+                [["1 server, direct", rt["direct_1"], 1.0], ["1 server, via router", rt["router_1"],
+                 rt["router_1"] / rt["direct_1"]], ["2 servers, via router", rt["router_2"],
+                 rt["router_2"] / rt["direct_1"]]])
+    json_path = write_json(out, "generate", data)
+    fig, (ax1, ax2) = new_figure(2, "Rollout generation throughput (same model, same requests)")
+    cs = [r["concurrency"] for r in data["concurrency"]]
+    ax1.plot(cs, [r["server_tok_s"] for r in data["concurrency"]], "o-", label="streamrl server (continuous)")
+    ax1.plot(cs, [r["static_tok_s"] for r in data["concurrency"]], "s--", label="model.generate (static batches)")
+    ax1.set_xscale("log", base=2)
+    ax1.set_xlabel("concurrency")
+    ax1.set_ylabel("generated tokens/s")
+    ax1.legend()
+    ax2.bar(["direct", "router, 1", "router, 2"], [rt["direct_1"], rt["router_1"], rt["router_2"]])
+    ax2.set_ylabel("generated tokens/s")
+    ax2.set_title(f"routing at concurrency {rt['concurrency']}")
+    png_path = save_figure(fig, out, "generate")
+    console.print(f"wrote {json_path} and {png_path}")
+
+
+def main(quick: bool = False, out: Path = Path("benchmarks/results")) -> dict:
+    data = run(quick)
+    report(data, out)
+    return data
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    main(args.quick, args.out)
