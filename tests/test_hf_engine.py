@@ -102,13 +102,19 @@ def test_weight_swap_between_steps_tags_later_tokens_with_the_new_version(model,
     assert torch.equal(dict(model.named_parameters())[name], tensor)
 
 
-def test_pause_holds_generation_until_resume(engine):
+def test_pause_holds_generation_and_weights_can_be_swapped_meanwhile(model, engine):
+    running = engine.submit("r", [1, 2], SamplingParams(max_new_tokens=300, ignore_eos=True))
+    time.sleep(0.2)
     engine.pause()
-    future = engine.submit("p", [1, 2], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    waiting = engine.submit("p", [1, 2], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    time.sleep(0.1)
     time.sleep(0.3)
-    assert not future.done()
+    assert not waiting.done() and not running.done()
+    engine.swap_weights([(n, p.detach().clone()) for n, p in model.named_parameters()], version=2).result(5)
     engine.resume()
-    assert len(future.result(10).output_ids) == 5
+    assert len(waiting.result(10).output_ids) == 5
+    out = running.result(30)
+    assert [s["version"] for s in out.version_spans()] == [0, 2]
 
 
 def test_bad_requests_are_refused(model, engine):

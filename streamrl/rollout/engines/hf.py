@@ -87,6 +87,7 @@ class HFEngine:
         self._run_between_steps(lambda: self._abort(rid))
 
     def pause(self) -> None:
+        """Stop advancing sequences after the current step; running ones keep their place."""
         self._unpaused.clear()
 
     def resume(self) -> None:
@@ -115,7 +116,6 @@ class HFEngine:
 
     def shutdown(self) -> None:
         self._stop = True
-        self._unpaused.set()
         self._wake.set()
         self._thread.join(10)
 
@@ -137,11 +137,11 @@ class HFEngine:
 
     def _loop(self) -> None:
         while not self._stop:
-            while not self._control.empty():
+            while not self._control.empty():  # runs while paused too: a push is pause, swap, continue
                 self._control.get()()
-            self._unpaused.wait()
-            self._admit()
-            if not self._running:
+            if self._unpaused.is_set():
+                self._admit()
+            if not self._running or not self._unpaused.is_set():
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
