@@ -19,7 +19,9 @@ log = logging.getLogger("streamrl.serve")
 
 def serve(cfg: Config, *, host: str | None = None, port: int | None = None) -> None:
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # a server's log is for requests, not loading bars
     if not cfg.model.path:
         raise ValueError("model.path is not set: give a local Hugging Face model directory")
     host, port = host or cfg.server.host, port or cfg.server.base_port
