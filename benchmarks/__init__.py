@@ -9,5 +9,5 @@ from pathlib import Path
 MODULES = {"queue": "benchmarks.replay_stream", "generate": "benchmarks.generate"}
 
 
-def run_suite(name: str, *, quick: bool, out: Path) -> dict:
-    return importlib.import_module(MODULES[name]).main(quick=quick, out=out)
+def run_suite(name: str, *, quick: bool, out: Path, **options) -> dict:
+    return importlib.import_module(MODULES[name]).main(quick=quick, out=out, **options)

