@@ -58,8 +58,14 @@ TINY_CORPUS = [
 ] * 20
 
 
-def make_tiny_model(path, *, vocab_size: int = 256, hidden: int = 64, layers: int = 2, seed: int = 0) -> str:
-    """Save a small Llama and a byte-level BPE tokenizer trained on a built-in corpus to ``path``.
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tiny_model(path, *, vocab_size: int = 512, hidden: int = 64, layers: int = 2, seed: int = 0) -> str:
+    """Save a small Llama and a byte-level BPE tokenizer (ChatML template) trained on a built-in corpus.
 
     Loadable by ``AutoModelForCausalLM`` / ``AutoTokenizer`` like any local HF directory;
     nothing is downloaded.
@@ -71,18 +77,19 @@ def make_tiny_model(path, *, vocab_size: int = 256, hidden: int = 64, layers: in
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    special = ["<|endoftext|>", "<|user|>", "<|assistant|>"]
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(TINY_CORPUS, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = CHATML
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        eos_token_id=eos, bos_token_id=None, pad_token_id=eos, tie_word_embeddings=False,
+        eos_token_id=eos, bos_token_id=None, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
     )
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -1,0 +1,46 @@
+"""Finding environments by name: Python entry points (group ``streamrl.envs``) or ``module:Class``.
+
+A user adds an environment without touching streamrl: declare it in their own
+package's entry points, or name it in the config as ``my_pkg.envs:MyEnv``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import Any
+
+from streamrl.envs.base import Env
+
+GROUP = "streamrl.envs"
+
+
+def available() -> list[str]:
+    return sorted(ep.name for ep in entry_points(group=GROUP))
+
+
+def env_class(name: str) -> type[Env]:
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"cannot load env {name!r}: {e}") from None
+    else:
+        found = [ep for ep in entry_points(group=GROUP) if ep.name == name]
+        if not found:
+            raise ValueError(f"unknown env {name!r}; installed: {', '.join(available()) or 'none'}; "
+                             "or give module:Class")
+        cls = found[0].load()
+    if not (isinstance(cls, type) and issubclass(cls, Env)):
+        raise ValueError(f"env {name!r} is {cls!r}, not a subclass of streamrl.envs.Env")
+    return cls
+
+
+def env_factory(name: str, args: dict[str, Any] | None = None) -> Callable[[], Env]:
+    """A zero-argument constructor: one fresh env per episode."""
+    cls = env_class(name)
+    args = dict(args or {})
+    cls(**args)  # fail now, with the config's words, rather than in the first episode
+    return lambda: cls(**args)

@@ -1,0 +1,100 @@
+import asyncio
+import itertools
+
+import pytest
+
+from streamrl.envs import Action, Env, env_class, env_factory
+from streamrl.envs.arithmetic import Arithmetic
+from streamrl.envs.calculator import Calculator, calculate
+from streamrl.envs.guess import GuessNumber
+
+
+def _act(text: str) -> Action:
+    return Action(text=text, token_ids=[])
+
+
+def test_builtin_envs_are_found_by_entry_point_and_by_path():
+    assert env_class("arithmetic") is Arithmetic
+    assert env_class("streamrl.envs.guess:GuessNumber") is GuessNumber
+    assert isinstance(env_factory("calculator", {"digits": 2})(), Calculator)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("nope", "unknown env 'nope'; installed: arithmetic, calculator, guess"),
+    ("os:path", "not a subclass of streamrl.envs.Env"),
+    ("no_such_module:X", "cannot load env"),
+])
+def test_bad_env_names_are_explained(name, message):
+    with pytest.raises(ValueError, match=message):
+        env_class(name)
+
+
+def test_bad_env_args_fail_at_construction():
+    with pytest.raises(ValueError, match="digits >= 1"):
+        env_factory("arithmetic", {"digits": 0})
+
+
+def test_arithmetic_rewards_the_right_number_and_the_format():
+    env = Arithmetic(digits=2)
+    item = next(env.items(seed=3))
+    obs = asyncio.run(env.reset(item))
+    assert item["question"] in obs.messages[0]["content"]
+    answer = item["answer"]
+    assert asyncio.run(env.step(_act(f"{answer}"))).reward == pytest.approx(1.1)
+    assert asyncio.run(env.step(_act(f"It is {answer}."))).reward == pytest.approx(1.0)
+    assert asyncio.run(env.step(_act(f"{answer + 1}"))).reward == pytest.approx(0.1)
+    assert asyncio.run(env.step(_act("no idea"))).reward == 0.0
+
+
+def test_arithmetic_items_are_deterministic_per_seed():
+    a = list(itertools.islice(Arithmetic().items(seed=1), 5))
+    assert a == list(itertools.islice(Arithmetic().items(seed=1), 5)) != list(itertools.islice(Arithmetic().items(2), 5))
+
+
+def test_calculator_runs_the_tool_then_scores_the_answer():
+    env = Calculator()
+    asyncio.run(env.reset({"question": "What is 12 * 3 + 4?", "answer": 40}))
+    first = asyncio.run(env.step(_act("<calc>12*3+4</calc>")))
+    assert not first.done and first.observation.messages[0]["content"] == "Result: 40"
+    final = asyncio.run(env.step(_act("40")))
+    assert final.done and final.reward == 1.0 and final.info["calls"] == 1
+
+
+@pytest.mark.parametrize("expr, result", [("2+3*4", "14"), ("(1+2)/4", "0.75"), ("7//2", "3"), ("-3", "-3"),
+                                          ("1/0", "error: division by zero"),
+                                          ("__import__('os')", "error: only numbers"),
+                                          ("2**10", "error: only numbers"), ("9" * 300, "error: expression too long"),
+                                          ("1e13*1e13", "error: numbers too large")])
+def test_calculator_parses_arithmetic_and_nothing_else(expr, result):
+    assert calculate(expr).startswith(result)
+
+
+def test_guess_gives_feedback_and_rewards_fewer_turns():
+    env = GuessNumber(high=10, max_turns=3)
+    asyncio.run(env.reset({"secret": 7}))
+    low = asyncio.run(env.step(_act("5")))
+    assert not low.done and low.observation.messages[0]["content"] == "Higher"
+    high = asyncio.run(env.step(_act("9")))
+    assert high.observation.messages[0]["content"] == "Lower"
+    win = asyncio.run(env.step(_act("7")))
+    assert win.done and win.reward == pytest.approx(0.8)
+    asyncio.run(env.reset({"secret": 7}))
+    for _ in range(2):
+        asyncio.run(env.step(_act("1")))
+    lost = asyncio.run(env.step(_act("2")))
+    assert lost.done and lost.reward == 0.0
+
+
+def test_a_user_env_in_a_few_lines():
+    class Echo(Env):
+        async def reset(self, item):
+            from streamrl.envs import Observation
+            return Observation(messages=[{"role": "user", "content": item["say"]}])
+
+        async def step(self, action):
+            from streamrl.envs import StepResult
+            return StepResult(reward=float(action.text == "hi"))
+
+    env = Echo()
+    asyncio.run(env.reset({"say": "hi"}))
+    assert asyncio.run(env.step(_act("hi"))).reward == 1.0

@@ -1,0 +1,132 @@
+"""Token exactness of multi-turn episodes, with a real BPE tokenizer and the real hf engine."""
+
+import asyncio
+
+import numpy as np
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from streamrl.envs.base import Action, Env, Observation, StepResult
+from streamrl.protocol import Group, decode_group, encode_group
+from streamrl.rollout.engines.base import SamplingParams
+from streamrl.rollout.engines.hf import HFEngine
+from streamrl.rollout.episode import ChatRenderer, run_episode
+
+
+class Scripted(Env):
+    """Three turns; each observation is chat messages (or raw tokens when ``raw`` is set)."""
+
+    max_turns = 3
+
+    def __init__(self, raw: list[int] | None = None):
+        self.raw, self.turn = raw, 0
+
+    async def reset(self, item):
+        return Observation(messages=[{"role": "user", "content": item["question"]}])
+
+    async def step(self, action: Action) -> StepResult:
+        self.turn += 1
+        if self.turn == 3:
+            return StepResult(reward=1.0, done=True, info={"last": action.text[:10]})
+        obs = Observation(token_ids=self.raw) if self.raw else Observation(
+            messages=[{"role": "user", "content": f"Result: {123 * self.turn}"}])
+        return StepResult(reward=0.25, done=False, observation=obs)
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    engine = HFEngine(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tokenizer=tokenizer)
+    yield tokenizer, engine
+    engine.shutdown()
+
+
+def _play(env, tokenizer, engine, **kw):
+    outs = []
+
+    async def generate(ids, params):
+        out = await engine.generate(f"r{len(outs)}", ids, params)
+        outs.append((list(ids), out))
+        return out
+
+    params = kw.pop("params", SamplingParams(max_new_tokens=12, temperature=1.0, seed=1))
+    sample = asyncio.run(run_episode(env, {"question": "what is 12 plus 7"}, generate=generate,
+                                     renderer=ChatRenderer(tokenizer), params=params, max_context=kw.pop("max_context", 512)))
+    return sample, outs
+
+
+def test_tokens_are_exactly_the_generated_ones_plus_separately_rendered_observations(parts):
+    tokenizer, engine = parts
+    sample, outs = _play(Scripted(), tokenizer, engine)
+    assert len(outs) == 3 and sample.seq_lens is None
+    # every generation saw exactly the stored context: prompt, replies, observations so far
+    for ids, _ in outs:
+        assert sample.tokens[: len(ids)].tolist() == ids
+    expected, mask = [], []
+    first = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": "what is 12 plus 7"}],
+                                                    tokenize=False, add_generation_prompt=True),
+                      add_special_tokens=False).input_ids
+    expected += first
+    mask += [0] * len(first)
+    for i, (_, out) in enumerate(outs):
+        expected += out.output_ids
+        mask += [1] * len(out.output_ids)
+        if i < 2:
+            end_of_turn = "" if out.output_ids[-1] == tokenizer.eos_token_id else "<|im_end|>"
+            tail = tokenizer(f"{end_of_turn}\n<|im_start|>user\nResult: {123 * (i + 1)}<|im_end|>\n<|im_start|>assistant\n",
+                             add_special_tokens=False).input_ids
+            expected += tail
+            mask += [0] * len(tail)
+    assert sample.tokens.tolist() == expected
+    assert sample.loss_mask.tolist() == mask
+    generated = sample.loss_mask.astype(bool)
+    assert np.allclose(sample.logprobs[generated], [lp for _, o in outs for lp in o.logprobs])
+    assert (sample.versions[generated] == 0).all() and (sample.versions[~generated] == -1).all()
+    assert sample.turn_rewards == [0.25, 0.25, 1.0] and sample.reward == 1.5
+    assert sample.env_info["turns"] == 3
+    # re-tokenising the text would not give these tokens: that is why nothing is re-tokenised
+    text = tokenizer.decode(sample.tokens.tolist(), skip_special_tokens=False)
+    assert tokenizer(text, add_special_tokens=False).input_ids != sample.tokens.tolist()
+
+
+def test_tokenisation_is_not_additive_for_this_tokenizer(parts):
+    tokenizer, _ = parts
+    a, b = "the ans", "wer is"
+    assert tokenizer(a).input_ids + tokenizer(b).input_ids != tokenizer(a + b).input_ids
+
+
+def test_raw_token_observations_are_inserted_verbatim(parts):
+    tokenizer, engine = parts
+    raw = [5, 6, 7, 8]
+    sample, outs = _play(Scripted(raw=raw), tokenizer, engine)
+    after_first = len(outs[0][0]) + len(outs[0][1].output_ids)
+    assert sample.tokens[after_first : after_first + 4].tolist() == raw
+    assert sample.loss_mask[after_first : after_first + 4].tolist() == [0, 0, 0, 0]
+
+
+def test_a_template_that_rewrites_history_starts_a_new_sequence(parts, tiny_model_dir):
+    _, engine = parts
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    # like reasoning templates: earlier assistant turns are rendered without their content
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['role'] == 'assistant' and not loop.last %}(hidden){% else %}{{ m['content'] }}{% endif %}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    sample, outs = _play(Scripted(), tokenizer, engine)
+    assert sample.seq_lens is not None and len(sample.seq_lens) >= 2
+    assert int(sample.seq_lens.sum()) == sample.num_tokens
+    starts = np.r_[0, np.cumsum(sample.seq_lens)[:-1]]
+    for ids, _ in outs:  # each generation saw exactly its own sequence so far
+        assert any(sample.tokens[s : s + len(ids)].tolist() == ids for s in starts)
+    second = sample.tokens[starts[1]:].tolist()
+    assert "(hidden)" in tokenizer.decode(second)
+    group = Group(prompt_id="p", env="scripted", samples=[sample])
+    assert decode_group(encode_group(group)).samples[0].seq_lens.tolist() == sample.seq_lens.tolist()
+
+
+def test_context_budget_ends_the_episode(parts):
+    tokenizer, engine = parts
+    sample, outs = _play(Scripted(), tokenizer, engine, max_context=40,
+                         params=SamplingParams(max_new_tokens=30, ignore_eos=True))
+    assert len(sample.tokens) <= 40 + 30
+    assert sample.finish_reason == "length"

@@ -1,0 +1,26 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from streamrl.models import convert_smollm2
+from streamrl.rollout.engines.base import SamplingParams
+from streamrl.rollout.engines.hf import HFEngine
+
+
+@pytest.mark.slow
+def test_smollm2_converts_to_a_plain_directory_our_engine_serves(tmp_path):
+    path = convert_smollm2(tmp_path / "smollm2")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    assert 130e6 < sum(p.numel() for p in model.parameters()) < 140e6
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=True)["input_ids"]
+    engine = HFEngine(model, tokenizer=tokenizer)
+    try:
+        out = engine.submit("q", prompt, SamplingParams(max_new_tokens=12, temperature=0)).result(120)
+    finally:
+        engine.shutdown()
+    assert "5" in tokenizer.decode(out.output_ids)  # a real instruct model answers
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    assert out.output_ids == ref[: len(out.output_ids)]
