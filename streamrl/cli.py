@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 from pathlib import Path
@@ -105,10 +106,24 @@ def launch_router(
 
 
 @app.command("launch-rollout")
-def launch_rollout(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
-    """Start rollout workers that stream groups into the replay stream."""
-    _load(config, overrides)
-    _not_built("launch-rollout", "the rollout worker", 4)
+def launch_rollout(
+    config: ConfigArg = None,
+    overrides: OverridesArg = None,
+    name: Annotated[str, typer.Option(help="Worker name; a restart under the same name resumes its prompts.")]
+    = "worker-0",
+    groups: Annotated[Optional[int], typer.Option(help="Stop after starting this many groups.")] = None,
+) -> None:
+    """Start a rollout worker that streams groups of trajectories into the replay stream."""
+    from streamrl.rollout.dataset import DatasetError
+    from streamrl.rollout.worker import launch
+
+    cfg = _load(config, overrides)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        launch(cfg, name, groups)
+    except (ValueError, DatasetError, OSError) as e:
+        err.print(f"[red]streamrl launch-rollout:[/] {e}", soft_wrap=True)
+        raise typer.Exit(2) from None
 
 
 @app.command("launch-learner")

@@ -91,6 +91,14 @@ class RolloutConfig(Section):
     dataset: str | None = Field(None, description="JSONL/Parquet file; empty uses the env's generator")
     workers: int = Field(1, ge=0)
     concurrency: int = Field(32, ge=1, description="episodes in flight per worker")
+    env_concurrency: int = Field(64, ge=1, description="env steps in flight per worker")
+    env_timeout_s: float = Field(60.0, gt=0, description="longest an env reset or step may take")
+    max_context: int = Field(2048, ge=8, description="longest trajectory context in tokens")
+    min_group: int = Field(2, ge=1, description="fewest good samples a group needs to be pushed")
+    prompt_lease_s: float = Field(600.0, gt=0, description="how long a claimed prompt is held")
+    group_lease_s: float = Field(600.0, gt=0, description="how long an admitted group holds its slot")
+    router_url: str | None = Field(None, description="where to send /generate; default: the router section")
+    metrics_every_s: float = Field(10.0, gt=0)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
 
 

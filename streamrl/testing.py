@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from streamrl.envs.arithmetic import Arithmetic
 from streamrl.protocol import Group, Sample
 
 
@@ -94,3 +95,15 @@ def make_tiny_model(path, *, vocab_size: int = 512, hidden: int = 64, layers: in
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+class Flaky(Arithmetic):
+    """Arithmetic whose every third reset raises: for tests of failure handling."""
+
+    resets = 0
+
+    async def reset(self, item):
+        Flaky.resets += 1
+        if Flaky.resets % 3 == 0:
+            raise RuntimeError("flaky env failed on purpose")
+        return await super().reset(item)

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 import uuid
 
+import httpx
 import pytest
 
 from streamrl.buffer import EmbeddedRedis, Namespace
+from streamrl.buffer.redis_server import free_port
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +34,69 @@ def tiny_model_dir(tmp_path_factory) -> str:
     from streamrl.testing import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+class Cluster:
+    """Real streamrl processes for one test: servers, a router, rollout workers."""
+
+    def __init__(self, model_dir: str, redis_url: str, run_dir):
+        self.run = f"t{os.getpid()}-{time.monotonic_ns()}"
+        self.ns = Namespace.open(redis_url, self.run)
+        self.common = [f"model.path={model_dir}", f"redis.url={redis_url}", f"run.name={self.run}",
+                       f"run.dir={run_dir}", "server.heartbeat_s=0.3", "server.registry_ttl_s=1.5"]
+        self.run_path = run_dir / self.run
+        self.procs: list[subprocess.Popen] = []
+        self.router_url: str | None = None
+
+    def start(self, *args: str, log=subprocess.DEVNULL) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-m", "streamrl", *args], stdout=log, stderr=log)
+        self.procs.append(proc)
+        return proc
+
+    def server(self) -> tuple[str, subprocess.Popen]:
+        port = free_port()
+        proc = self.start("serve", *self.common, "--port", str(port))
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc)
+        return url, proc
+
+    def router(self) -> tuple[str, subprocess.Popen]:
+        port = free_port()
+        proc = self.start("launch-router", *self.common, f"router.port={port}",
+                          f"router.prometheus_port={free_port()}", "router.policy=round_robin",
+                          "router.health_check_interval_s=1", "router.sync_every_s=0.3")
+        self.router_url = f"http://127.0.0.1:{port}"
+        wait_healthy(self.router_url, proc)
+        return self.router_url, proc
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def cluster(tiny_model_dir, redis_server, tmp_path):
+    cluster = Cluster(tiny_model_dir, redis_server.url, tmp_path)
+    yield cluster
+    cluster.stop()

@@ -28,7 +28,7 @@ def test_each_subcommand_has_help(name):
     assert out.returncode == 0 and "Usage" in out.stdout
 
 
-@pytest.mark.parametrize("name, issue", [("up", 7), ("launch-rollout", 4), ("launch-learner", 5)])
+@pytest.mark.parametrize("name, issue", [("up", 7), ("launch-learner", 5)])
 def test_parts_not_built_yet_say_so_and_fail(name, issue):
     out = _run(name, "configs/quickstart.yaml")
     assert out.returncode == 2
@@ -73,3 +73,8 @@ def test_redis_subcommand_serves_until_terminated(tmp_path):
 def test_serve_without_a_model_path_says_so():
     out = _run("serve", "configs/quickstart.yaml")
     assert out.returncode == 2 and "model.path is not set" in out.stderr
+
+
+def test_launch_rollout_without_redis_says_so():
+    out = _run("launch-rollout", "configs/quickstart.yaml", "model.path=/nonexistent")
+    assert out.returncode == 2 and "redis.url is not set" in out.stderr

@@ -1,74 +1,17 @@
 """Real processes: rollout servers, the registry in a real redis-server, and the real sglang-router."""
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
-from streamrl.buffer import Namespace, ServerRegistry
-from streamrl.buffer.redis_server import free_port
+from streamrl.buffer import ServerRegistry
 from streamrl.rollout.client import GenerateClient, GenerateError
 from streamrl.rollout.engines.base import SamplingParams
 
 pytestmark = pytest.mark.slow
-
-
-def _wait(url: str, path: str = "/health", timeout_s: float = 60, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + path, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(url)
-
-
-@pytest.fixture
-def cluster(tiny_model_dir, redis_server, tmp_path):
-    """Starts processes on demand and kills whatever is left at the end."""
-    procs = []
-    run = f"router-{os.getpid()}-{time.monotonic_ns()}"
-    common = [f"model.path={tiny_model_dir}", f"redis.url={redis_server.url}", f"run.name={run}",
-              f"run.dir={tmp_path}", "server.heartbeat_s=0.3", "server.registry_ttl_s=1.5"]
-
-    def server() -> str:
-        port = free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "streamrl", "serve", *common, "--port", str(port)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        procs.append(proc)
-        url = f"http://127.0.0.1:{port}"
-        _wait(url, proc=proc)
-        return url, proc
-
-    def router() -> str:
-        port = free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "streamrl", "launch-router", *common,
-                                 f"router.port={port}", f"router.prometheus_port={free_port()}",
-                                 "router.policy=round_robin", "router.health_check_interval_s=1",
-                                 "router.sync_every_s=0.3"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        procs.append(proc)
-        url = f"http://127.0.0.1:{port}"
-        _wait(url, proc=proc)
-        return url, proc
-
-    yield server, router, Namespace.open(redis_server.url, run)
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def _served(url: str) -> float:
@@ -95,9 +38,8 @@ async def _burst(router_url: str, n: int) -> list:
 
 
 def test_router_spreads_requests_drops_dead_servers_and_adds_new_ones(cluster):
-    server, router, ns = cluster
-    (a, a_proc), (b, _) = server(), server()
-    router_url, _ = router()
+    (a, a_proc), (b, _) = cluster.server(), cluster.server()
+    router_url, _ = cluster.router()
     _until(lambda: _router_workers(router_url) == {a, b})
 
     outs = asyncio.run(_burst(router_url, 24))
@@ -109,9 +51,9 @@ def test_router_spreads_requests_drops_dead_servers_and_adds_new_ones(cluster):
     outs = asyncio.run(_burst(router_url, 12))  # requests keep succeeding while a is dying
     assert len(outs) == 12
     _until(lambda: _router_workers(router_url) == {b})
-    assert [s.url for s in ServerRegistry(ns).alive()] == [b]
+    assert [s.url for s in ServerRegistry(cluster.ns).alive()] == [b]
 
-    c, _ = server()  # joins at run time
+    c, _ = cluster.server()  # joins at run time
     _until(lambda: _router_workers(router_url) == {b, c})
     before = _served(c)
     asyncio.run(_burst(router_url, 12))
@@ -119,8 +61,7 @@ def test_router_spreads_requests_drops_dead_servers_and_adds_new_ones(cluster):
 
 
 def test_client_raises_on_4xx_without_retrying(cluster):
-    server, _, _ = cluster
-    url, _ = server()
+    url, _ = cluster.server()
 
     async def bad():
         async with GenerateClient(url, retries=3) as client:

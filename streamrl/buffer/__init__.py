@@ -5,6 +5,7 @@ Knows nothing of models or torch; speaks only the wire types of ``streamrl.proto
 
 from streamrl.buffer.admission import Admission
 from streamrl.buffer.connection import BufferUnavailable, Namespace, connect
+from streamrl.buffer.prompts import PromptClaims
 from streamrl.buffer.redis_server import EmbeddedRedis
 from streamrl.buffer.registry import ServerInfo, ServerRegistry
 from streamrl.buffer.stream import Entry, ReplayStream, StreamReader
@@ -17,6 +18,7 @@ __all__ = [
     "Entry",
     "Namespace",
     "PolicyVersion",
+    "PromptClaims",
     "ReplayStream",
     "ServerInfo",
     "ServerRegistry",

@@ -17,14 +17,20 @@ from streamrl.protocol import SCHEMA, Group, WireError, decode_group, encode_gro
 START = "0-0"
 
 # Atomic put: remember the group id (so a retry after a lost reply is a no-op),
-# append the entry, close the admission lease and count it — all or nothing.
+# append the entry, close the admission lease, finish the prompt's claim and
+# count it — all or nothing.
 _PUT = """
 local seen = redis.call('GET', KEYS[2])
 if seen then return {seen, 0} end
-local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
+local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 4))
 redis.call('SET', KEYS[2], id, 'EX', ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[2])
 redis.call('HINCRBY', KEYS[4], 'accepted', 1)
+if ARGV[3] ~= '' then
+  redis.call('ZREM', KEYS[5], ARGV[3])
+  redis.call('HDEL', KEYS[6], ARGV[3])
+  redis.call('HDEL', KEYS[7], ARGV[3])
+end
 return {id, 1}
 """
 
@@ -53,15 +59,20 @@ class ReplayStream:
         self.dedupe_ttl_s = dedupe_ttl_s
         self._put = ns.conn.register_script(_PUT)
 
-    def put(self, group: Group) -> str:
-        """Append a group; returns its entry id. Putting the same group id twice stores it once."""
+    def put(self, group: Group, prompt_index: int | None = None) -> str:
+        """Append a group; returns its entry id. Putting the same group id twice stores it once.
+
+        ``prompt_index``: the claimed prompt (``PromptClaims``) this group finishes.
+        """
         payload = encode_group(group)
         v_min, v_max = group.version_range()
         fields = ["d", payload, "gid", group.group_id, "v_min", v_min, "v_max", v_max,
                   "ntok", group.num_tokens, "schema", SCHEMA]
-        keys = [self.key, self.ns.key(f"gid:{group.group_id}"), self.ns.key("inflight"), self.ns.key("counters")]
+        keys = [self.key, self.ns.key(f"gid:{group.group_id}"), self.ns.key("inflight"), self.ns.key("counters"),
+                self.ns.key("prompts:leases"), self.ns.key("prompts:owner"), self.ns.key("prompts:life")]
+        claim = "" if prompt_index is None else prompt_index
         with self.ns.reachable(f"put group {group.group_id}"):
-            entry_id, _fresh = self._put(keys=keys, args=[self.dedupe_ttl_s, group.group_id, *fields])
+            entry_id, _fresh = self._put(keys=keys, args=[self.dedupe_ttl_s, group.group_id, claim, *fields])
         return entry_id.decode()
 
     def __len__(self) -> int:

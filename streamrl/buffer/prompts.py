@@ -1,0 +1,64 @@
+"""Sharding prompts among rollout workers: each dataset index is claimed once, and finished once.
+
+Workers take global indices from one counter (index ``i`` is dataset row ``i mod N``
+of epoch ``i // N``). A claim holds a lease; putting the prompt's group into the
+replay stream releases it in the same atomic step (see ``ReplayStream.put``), so a
+worker that dies mid-prompt leaves an expired claim that the next worker takes
+over — nothing lost, nothing done twice. A restarted worker takes back its own
+claims at once, without waiting for the lease.
+"""
+
+from __future__ import annotations
+
+from streamrl.buffer.connection import Namespace
+
+# Take a released or expired claim first (oldest first), else a fresh index.
+_CLAIM = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local index
+local mine = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '+inf')
+for _, i in ipairs(mine) do
+  if redis.call('HGET', KEYS[2], i) == ARGV[1] and redis.call('HGET', KEYS[4], i) ~= ARGV[3] then
+    index = i
+    break
+  end
+end
+if not index then
+  local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, 1)
+  if #expired > 0 then index = expired[1] end
+end
+if not index then index = tostring(redis.call('INCR', KEYS[3]) - 1) end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), index)
+redis.call('HSET', KEYS[2], index, ARGV[1])
+redis.call('HSET', KEYS[4], index, ARGV[3])
+return index
+"""
+
+
+class PromptClaims:
+    def __init__(self, ns: Namespace, worker: str, *, lease_s: float = 600.0, life: str = ""):
+        """``worker`` names the worker across restarts; ``life`` tells this run of it from earlier ones."""
+        self.ns, self.worker, self.life = ns, worker, life
+        self.lease_ms = int(lease_s * 1000)
+        self.keys = [ns.key("prompts:leases"), ns.key("prompts:owner"), ns.key("prompts:next"),
+                     ns.key("prompts:life")]
+        self._claim = ns.conn.register_script(_CLAIM)
+
+    def claim(self) -> int:
+        """The next prompt index this worker should run."""
+        with self.ns.reachable("claim a prompt"):
+            return int(self._claim(keys=self.keys, args=[self.worker, self.lease_ms, self.life]))
+
+    def release(self, index: int) -> None:
+        """Finish a prompt that produced no group (so it is not retried)."""
+        with self.ns.reachable("release a prompt"):
+            pipe = self.ns.conn.pipeline()
+            pipe.zrem(self.keys[0], index)
+            pipe.hdel(self.keys[1], index)
+            pipe.hdel(self.keys[3], index)
+            pipe.execute()
+
+    def outstanding(self) -> int:
+        with self.ns.reachable("count claimed prompts"):
+            return self.ns.conn.zcard(self.keys[0])

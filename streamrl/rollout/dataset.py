@@ -1,0 +1,59 @@
+"""Prompt datasets: a local JSONL or Parquet file, or an env's own generator, indexed by position."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+
+class DatasetError(ValueError):
+    """A dataset file or row that cannot be used; the message names the file and row."""
+
+
+class Prompts:
+    """Row ``i`` of a finite dataset (repeating by epoch), or item ``i`` of an endless generator."""
+
+    def __init__(self, rows: list[dict[str, Any]] | None = None,
+                 generator: Callable[[], Iterator[dict[str, Any]]] | None = None):
+        if (rows is None) == (generator is None):
+            raise ValueError("Prompts needs rows or a generator")
+        if rows is not None and not rows:
+            raise DatasetError("the dataset has no rows")
+        self.rows, self._generator = rows, generator
+        self._made: list[dict[str, Any]] = []
+        self._source = generator() if generator else None
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if self.rows is not None:
+            return self.rows[index % len(self.rows)]
+        if index >= len(self._made):  # the generator is deterministic: extend to the index
+            self._made.extend(itertools.islice(self._source, index + 1 - len(self._made)))
+        return self._made[index]
+
+
+def load_rows(path: str | Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"dataset file not found: {path}")
+    if path.suffix == ".jsonl":
+        return [_row(line, path, n) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DatasetError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+        return pq.read_table(path).to_pylist()
+    raise DatasetError(f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl or .parquet")
+
+
+def _row(line: str, path: Path, n: int) -> dict[str, Any]:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{path}:{n}: not valid JSON: {e}") from None
+    if not isinstance(row, dict):
+        raise DatasetError(f"{path}:{n}: each line must be a JSON object, got {type(row).__name__}")
+    return row

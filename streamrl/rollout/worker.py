@@ -1,0 +1,256 @@
+"""The rollout worker: claims prompts, plays ``n`` episodes of each through the router, and
+pushes each finished group into the replay stream.
+
+Admission control keeps the data fresh (a group starts only while the learner's
+version allows it); prompt claims keep the data whole (a prompt is finished by the
+put of its group, or taken over after a crash); the atomic put keeps it single
+(a group lands once or not at all). A failing env fails its sample, not the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import signal
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from streamrl.buffer import Admission, Namespace, PolicyVersion, PromptClaims, ReplayStream
+from streamrl.config import Config
+from streamrl.envs import Env, Observation, StepResult, env_factory
+from streamrl.protocol import Group, Sample, WireError, validate_group
+from streamrl.rollout.client import GenerateClient, GenerateError
+from streamrl.rollout.dataset import Prompts, load_rows
+from streamrl.rollout.engines.base import Completion, SamplingParams
+from streamrl.rollout.episode import ChatRenderer, run_episode
+
+log = logging.getLogger("streamrl.worker")
+
+
+class EnvFault(RuntimeError):
+    """An env raised, timed out, or returned something that is not an observation or step result."""
+
+
+class GuardedEnv(Env):
+    """Wraps a user's env: bounded concurrency, a time limit, and type checks on what it returns."""
+
+    def __init__(self, env: Env, gate: asyncio.Semaphore, timeout_s: float):
+        self.env, self.gate, self.timeout_s = env, gate, timeout_s
+        self.max_turns = env.max_turns
+
+    async def _call(self, what: str, coro, kind: type):
+        async with self.gate:
+            try:
+                result = await asyncio.wait_for(coro, self.timeout_s)
+            except asyncio.TimeoutError:
+                raise EnvFault(f"{what} timed out after {self.timeout_s:.0f}s") from None
+            except Exception as e:
+                raise EnvFault(f"{what} raised {type(e).__name__}: {e}") from e
+        if not isinstance(result, kind):
+            raise EnvFault(f"{what} returned {type(result).__name__}, expected {kind.__name__}")
+        if isinstance(result, StepResult) and not math.isfinite(result.reward):
+            raise EnvFault(f"{what} returned a non-finite reward {result.reward}")
+        return result
+
+    async def reset(self, item: dict[str, Any]) -> Observation:
+        return await self._call("env.reset", self.env.reset(item), Observation)
+
+    async def step(self, action) -> StepResult:
+        return await self._call("env.step", self.env.step(action), StepResult)
+
+    async def close(self) -> None:
+        try:
+            await asyncio.wait_for(self.env.close(), self.timeout_s)
+        except Exception as e:  # closing must not lose the episode
+            log.warning("env.close failed: %s", e)
+
+
+class RolloutWorker:
+    def __init__(self, cfg: Config, name: str, *, redis_url: str):
+        from transformers import AutoTokenizer
+
+        self.cfg, self.name = cfg, name
+        rollout = cfg.rollout
+        if not cfg.model.path and not cfg.model.tokenizer:
+            raise ValueError("model.path (or model.tokenizer) is not set: the worker needs the tokenizer")
+        ns = Namespace.open(redis_url, cfg.run.name)
+        max_staleness = 0 if cfg.mode == "sync" else cfg.off_policy.max_staleness
+        self.stream, self.version = ReplayStream(ns), PolicyVersion(ns)
+        self.admission = Admission(ns, max_staleness=max_staleness, groups_per_step=cfg.learner.groups_per_step,
+                                   lease_s=rollout.group_lease_s)
+        self.claims = PromptClaims(ns, name, lease_s=rollout.prompt_lease_s, life=uuid.uuid4().hex)
+        self.make_env = env_factory(rollout.env, rollout.env_args)
+        self.prompts = (Prompts(rows=load_rows(rollout.dataset)) if rollout.dataset
+                        else Prompts(generator=lambda: self.make_env().items(cfg.run.seed)))
+        self.renderer = ChatRenderer(AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path))
+        s = rollout.sampling
+        self.params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                                     top_k=s.top_k)
+        self.router_url = rollout.router_url or f"http://{cfg.router.host}:{cfg.router.port}"
+        self.metrics = WorkerMetrics(cfg.run.path / "metrics" / f"rollout-{name}.jsonl")
+        self.stopping = asyncio.Event()
+
+    # ------------------------------------------------------------------ main loop
+
+    async def run(self, max_groups: int | None = None) -> None:
+        rollout = self.cfg.rollout
+        self.generation_gate = asyncio.Semaphore(rollout.concurrency)
+        self.env_gate = asyncio.Semaphore(rollout.env_concurrency)
+        groups_in_flight = asyncio.Semaphore(max(1, math.ceil(rollout.concurrency / rollout.sampling.n)) + 1)
+        tasks: set[asyncio.Task] = set()
+        reporter = asyncio.create_task(self._report_every(rollout.metrics_every_s))
+        async with GenerateClient(self.router_url) as self.client:
+            started = 0
+            while not self.stopping.is_set() and (max_groups is None or started < max_groups):
+                await groups_in_flight.acquire()
+                group_id = uuid.uuid4().hex
+                if not await self._admit(group_id):
+                    groups_in_flight.release()
+                    break
+                index = await asyncio.to_thread(self.claims.claim)
+                task = asyncio.create_task(self._group(group_id, index))
+                task.add_done_callback(lambda t: groups_in_flight.release())
+                task.add_done_callback(_log_crash)
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                started += 1
+            if tasks:  # finish what was started; a group is put whole or not at all
+                await asyncio.wait(tasks)
+        reporter.cancel()
+        self.metrics.write(self.admission.counters())
+
+    async def _admit(self, group_id: str) -> bool:
+        """Wait for a slot under the staleness bound; False if asked to stop meanwhile."""
+        delay = 0.05
+        while not self.stopping.is_set():
+            if await asyncio.to_thread(self.admission.try_admit, group_id):
+                return True
+            self.metrics.count("admission_waits")
+            try:
+                await asyncio.wait_for(self.stopping.wait(), delay)
+            except asyncio.TimeoutError:
+                delay = min(1.0, delay * 2)
+        return False
+
+    async def _group(self, group_id: str, index: int) -> None:
+        item = self.prompts[index]
+        results = await asyncio.gather(*(self._episode(item) for _ in range(self.cfg.rollout.sampling.n)),
+                                       return_exceptions=True)
+        good = [r for r in results if isinstance(r, Sample)]
+        for r in results:
+            if not isinstance(r, Sample):
+                self.metrics.failure(r)
+        if len(good) < self.cfg.rollout.min_group:
+            await asyncio.to_thread(self.admission.abandon, group_id)
+            await asyncio.to_thread(self.claims.release, index)
+            self.metrics.count("groups_abandoned")
+            return
+        group = Group(prompt_id=str(index), env=self.cfg.rollout.env, samples=good, group_id=group_id,
+                      meta={"prompt_index": index, "worker": self.name, "failed": len(results) - len(good)})
+        try:
+            validate_group(group)
+        except WireError as e:  # an engine or env produced something the learner cannot use
+            self.metrics.failure(e)
+            await asyncio.to_thread(self.admission.abandon, group_id)
+            await asyncio.to_thread(self.claims.release, index)
+            return
+        version = await asyncio.to_thread(self.version.get)
+        await asyncio.to_thread(self.stream.put, group, index)
+        self.metrics.pushed(group, staleness=version - group.version_range()[0])
+
+    async def _episode(self, item: dict[str, Any]) -> Sample:
+        env = GuardedEnv(self.make_env(), self.env_gate, self.cfg.rollout.env_timeout_s)
+        try:
+            sample = await run_episode(env, item, generate=self._generate, renderer=self.renderer,
+                                       params=self.params, max_context=self.cfg.rollout.max_context)
+        finally:
+            await env.close()
+        self.metrics.episode(sample)
+        return sample
+
+    async def _generate(self, input_ids: list[int], params: SamplingParams) -> Completion:
+        async with self.generation_gate:
+            return await self.client.generate(input_ids, params)
+
+    async def _report_every(self, seconds: float) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            self.metrics.write(await asyncio.to_thread(self.admission.counters))
+
+
+def _log_crash(task: asyncio.Task) -> None:
+    """A group that died (Redis gone for good) is redone from its claim after a restart."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("group failed: %r", task.exception())
+
+
+class WorkerMetrics:
+    """Counters of one worker, appended as JSON lines (one per report)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.counts: Counter[str] = Counter()
+        self.rewards: list[float] = []
+        self.staleness: list[int] = []
+        self.tokens = 0
+        self.env_s = self.generate_s = 0.0
+        self.since = time.time()
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counts[name] += n
+
+    def failure(self, error: BaseException) -> None:
+        kind = {EnvFault: "env", GenerateError: "generate", WireError: "wire"}.get(type(error), "other")
+        self.counts[f"failed_{kind}"] += 1
+        log.warning("sample failed (%s): %s", kind, error)
+
+    def episode(self, sample: Sample) -> None:
+        self.counts["episodes"] += 1
+        self.tokens += int(sample.loss_mask.sum())
+        self.rewards.append(sample.reward)
+        self.env_s += sample.timings.get("env_s", 0.0)
+        self.generate_s += sample.timings.get("generate_s", 0.0)
+
+    def pushed(self, group: Group, staleness: int) -> None:
+        self.counts["groups_pushed"] += 1
+        self.staleness.append(staleness)
+
+    def write(self, ledger: dict[str, int]) -> None:
+        now = time.time()
+        span = max(now - self.since, 1e-9)
+        episodes = self.counts["episodes"]
+        record = {
+            "time": now, **self.counts,
+            "episodes_per_s": episodes / span, "tokens_per_s": self.tokens / span,
+            "reward_mean": sum(self.rewards) / len(self.rewards) if self.rewards else None,
+            "env_s_per_episode": self.env_s / episodes if episodes else None,
+            "staleness_mean": sum(self.staleness) / len(self.staleness) if self.staleness else None,
+            "staleness_max": max(self.staleness, default=None), "ledger": ledger,
+        }
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.counts.clear()
+        self.rewards.clear()
+        self.staleness.clear()
+        self.tokens, self.env_s, self.generate_s, self.since = 0, 0.0, 0.0, now
+
+
+def launch(cfg: Config, name: str, max_groups: int | None = None) -> None:
+    """Process entry of ``streamrl launch-rollout``: run until SIGTERM/SIGINT (or ``max_groups``)."""
+    if not cfg.redis.url:
+        raise ValueError("redis.url is not set: a rollout worker pushes into a shared Redis")
+    worker = RolloutWorker(cfg, name, redis_url=cfg.redis.url)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, worker.stopping.set)
+        await worker.run(max_groups)
+
+    asyncio.run(main())
