@@ -67,6 +67,19 @@ def serve(
         raise typer.Exit(2) from None
 
 
+@app.command("serve-reward")
+def serve_reward(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
+    """Start a reward-model server: a sequence-classification model behind POST /score."""
+    from streamrl.rollout.reward_server import serve_reward as run
+
+    cfg = _load(config, overrides)
+    try:
+        run(cfg)
+    except (ValueError, OSError) as e:
+        err.print(f"[red]streamrl serve-reward:[/] {e}", soft_wrap=True)
+        raise typer.Exit(2) from None
+
+
 @app.command("launch-router")
 def launch_router(
     config: ConfigArg = None,

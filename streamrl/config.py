@@ -102,6 +102,17 @@ class RolloutConfig(Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
 
 
+class RewardConfig(Section):
+    """A reward-model server (``streamrl serve-reward``) and where envs find it."""
+
+    model_path: str | None = Field(None, description="local HF sequence-classification model")
+    host: str = "127.0.0.1"
+    port: int = Field(32000, ge=1, le=65535)
+    max_batch_size: int = Field(32, ge=1)
+    max_wait_ms: float = Field(5.0, ge=0, description="how long a batch waits to fill")
+    max_length: int = Field(2048, ge=8, description="longest (prompt, response) in tokens; longer is cut from the left")
+
+
 class OffPolicyConfig(Section):
     max_staleness: int = Field(2, ge=0, description="oldest policy lag a trained token may have")
     stale: Literal["drop", "keep"] = Field("drop", description="what the learner does with data past the bound")
@@ -143,6 +154,7 @@ class Config(Section):
     router: RouterConfig = Field(default_factory=RouterConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
     off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)

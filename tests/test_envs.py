@@ -20,7 +20,7 @@ def test_builtin_envs_are_found_by_entry_point_and_by_path():
 
 
 @pytest.mark.parametrize("name, message", [
-    ("nope", "unknown env 'nope'; installed: arithmetic, calculator, guess"),
+    ("nope", "unknown env .nope.; installed: arithmetic, calculator, guess, reward_model"),
     ("os:path", "not a subclass of streamrl.envs.Env"),
     ("no_such_module:X", "cannot load env"),
 ])
