@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Installs streamrl with its test tools into .venv and runs the tests.
+# Installs streamrl with its test tools (and GEM, to test its adapter) into .venv and runs the tests.
 #   scripts/test.sh                 everything (what CI runs)
 #   scripts/test.sh -m "not slow"   the fast set, about a minute
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh dev
+bash scripts/setup.sh dev,gem
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/streamrl/torch_extensions}"
 set +e
 .venv/bin/python -m pytest "$@"

@@ -20,7 +20,7 @@ def test_builtin_envs_are_found_by_entry_point_and_by_path():
 
 
 @pytest.mark.parametrize("name, message", [
-    ("nope", "unknown env .nope.; installed: arithmetic, calculator, guess, reward_model"),
+    ("nope", "unknown env .nope.; installed: arithmetic, calculator, gem, guess, reward_model"),
     ("os:path", "not a subclass of streamrl.envs.Env"),
     ("no_such_module:X", "cannot load env"),
 ])
@@ -98,3 +98,22 @@ def test_a_user_env_in_a_few_lines():
     env = Echo()
     asyncio.run(env.reset({"say": "hi"}))
     assert asyncio.run(env.step(_act("hi"))).reward == 1.0
+
+
+def test_gem_envs_play_through_the_adapter():
+    pytest.importorskip("gem", reason="gem-llm is not installed (pip install 'streamrl[gem]')")
+    env = env_factory("gem", {"env_id": "game:GuessTheNumber-v0-easy"})()
+    obs = asyncio.run(env.reset({"seed": 3}))
+    assert "Guess The Number" in obs.messages[0]["content"]
+    for guess in range(1, 11):  # the easy game has 10 numbers and enough turns to bisect; sweep instead
+        result = asyncio.run(env.step(_act(f"\\boxed{{{guess}}}")))
+        if result.done:
+            break
+        assert result.observation.messages[0]["content"]
+    assert result.done
+
+
+def test_gem_bad_env_id_is_explained():
+    pytest.importorskip("gem", reason="gem-llm is not installed (pip install 'streamrl[gem]')")
+    with pytest.raises(ValueError, match="gem.make"):
+        env_factory("gem", {"env_id": "game:NoSuchGame-v0"})
