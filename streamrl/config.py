@@ -99,6 +99,7 @@ class RolloutConfig(Section):
     group_lease_s: float = Field(600.0, gt=0, description="how long an admitted group holds its slot")
     router_url: str | None = Field(None, description="where to send /generate; default: the router section")
     metrics_every_s: float = Field(10.0, gt=0)
+    prometheus_port: int | None = Field(None, ge=1, le=65535, description="worker /metrics on 127.0.0.1")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
 
 

@@ -20,7 +20,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from streamrl.buffer import Admission, Namespace, PolicyVersion, PromptClaims, ReplayStream
+from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+from prometheus_client import Counter as PromCounter
+
+from streamrl.buffer import Admission, BufferUnavailable, Namespace, PolicyVersion, PromptClaims, ReplayStream
 from streamrl.config import Config
 from streamrl.envs import Env, Observation, StepResult, env_factory
 from streamrl.protocol import Group, Sample, WireError, validate_group
@@ -92,7 +95,7 @@ class RolloutWorker:
         self.params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                                      top_k=s.top_k)
         self.router_url = rollout.router_url or f"http://{cfg.router.host}:{cfg.router.port}"
-        self.metrics = WorkerMetrics(cfg.run.path / "metrics" / f"rollout-{name}.jsonl")
+        self.metrics = WorkerMetrics(cfg.run.path / "metrics" / f"rollout-{name}.jsonl", rollout.prometheus_port)
         self.stopping = asyncio.Event()
 
     # ------------------------------------------------------------------ main loop
@@ -146,8 +149,8 @@ class RolloutWorker:
             if not isinstance(r, Sample):
                 self.metrics.failure(r)
         if len(good) < self.cfg.rollout.min_group:
-            await asyncio.to_thread(self.admission.abandon, group_id)
-            await asyncio.to_thread(self.claims.release, index)
+            await self._redis(self.admission.abandon, group_id)
+            await self._redis(self.claims.release, index)
             self.metrics.count("groups_abandoned")
             return
         group = Group(prompt_id=str(index), env=self.cfg.rollout.env, samples=good, group_id=group_id,
@@ -156,12 +159,24 @@ class RolloutWorker:
             validate_group(group)
         except WireError as e:  # an engine or env produced something the learner cannot use
             self.metrics.failure(e)
-            await asyncio.to_thread(self.admission.abandon, group_id)
-            await asyncio.to_thread(self.claims.release, index)
+            await self._redis(self.admission.abandon, group_id)
+            await self._redis(self.claims.release, index)
             return
-        version = await asyncio.to_thread(self.version.get)
-        await asyncio.to_thread(self.stream.put, group, index)
+        version = await self._redis(self.version.get)
+        await self._redis(self.stream.put, group, index)
         self.metrics.pushed(group, staleness=version - group.version_range()[0])
+
+    async def _redis(self, fn, *args):
+        """A Redis call that outlasts an outage: a finished group waits in memory, never dropped."""
+        delay = 1.0
+        while True:
+            try:
+                return await asyncio.to_thread(fn, *args)
+            except BufferUnavailable as e:
+                self.metrics.count("redis_outages")
+                log.warning("%s; retrying in %.0fs", e, delay)
+                await asyncio.sleep(delay)
+                delay = min(30.0, delay * 2)
 
     async def _episode(self, item: dict[str, Any]) -> Sample:
         env = GuardedEnv(self.make_env(), self.env_gate, self.cfg.rollout.env_timeout_s)
@@ -190,11 +205,21 @@ def _log_crash(task: asyncio.Task) -> None:
 
 
 class WorkerMetrics:
-    """Counters of one worker, appended as JSON lines (one per report)."""
+    """Counters of one worker: appended as JSON lines (one per report), and on /metrics for Prometheus."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, prometheus_port: int | None = None):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.registry = CollectorRegistry()
+        self.events = PromCounter("streamrl_rollout_events", "episodes, groups, failures", ["event"],
+                                  registry=self.registry)
+        self.generated = PromCounter("streamrl_rollout_generated_tokens", "policy tokens", registry=self.registry)
+        self.env_latency = Histogram("streamrl_rollout_env_seconds", "env time per episode", registry=self.registry)
+        self.push_staleness = Histogram("streamrl_rollout_staleness_at_push", "learner version minus oldest token's",
+                                        buckets=(0, 1, 2, 3, 4, 8, 16), registry=self.registry)
+        self.reward = Gauge("streamrl_rollout_reward_mean", "mean reward since the last report", registry=self.registry)
+        if prometheus_port is not None:
+            start_http_server(prometheus_port, addr="127.0.0.1", registry=self.registry)
         self.counts: Counter[str] = Counter()
         self.rewards: list[float] = []
         self.staleness: list[int] = []
@@ -204,22 +229,27 @@ class WorkerMetrics:
 
     def count(self, name: str, n: int = 1) -> None:
         self.counts[name] += n
+        self.events.labels(name).inc(n)
 
     def failure(self, error: BaseException) -> None:
         kind = {EnvFault: "env", GenerateError: "generate", WireError: "wire"}.get(type(error), "other")
-        self.counts[f"failed_{kind}"] += 1
+        self.count(f"failed_{kind}")
         log.warning("sample failed (%s): %s", kind, error)
 
     def episode(self, sample: Sample) -> None:
-        self.counts["episodes"] += 1
-        self.tokens += int(sample.loss_mask.sum())
+        self.count("episodes")
+        generated = int(sample.loss_mask.sum())
+        self.tokens += generated
+        self.generated.inc(generated)
         self.rewards.append(sample.reward)
         self.env_s += sample.timings.get("env_s", 0.0)
         self.generate_s += sample.timings.get("generate_s", 0.0)
+        self.env_latency.observe(sample.timings.get("env_s", 0.0))
 
     def pushed(self, group: Group, staleness: int) -> None:
-        self.counts["groups_pushed"] += 1
+        self.count("groups_pushed")
         self.staleness.append(staleness)
+        self.push_staleness.observe(staleness)
 
     def write(self, ledger: dict[str, int]) -> None:
         now = time.time()
@@ -233,6 +263,8 @@ class WorkerMetrics:
             "staleness_mean": sum(self.staleness) / len(self.staleness) if self.staleness else None,
             "staleness_max": max(self.staleness, default=None), "ledger": ledger,
         }
+        if record["reward_mean"] is not None:
+            self.reward.set(record["reward_mean"])
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         self.counts.clear()

@@ -1,0 +1,59 @@
+import json
+
+import httpx
+import pytest
+
+from streamrl.buffer.redis_server import free_port
+from streamrl.rollout.dataset import DatasetError, Prompts, load_rows
+from streamrl.rollout.worker import EnvFault, WorkerMetrics
+
+
+def test_jsonl_and_parquet_rows_repeat_by_epoch(tmp_path):
+    rows = [{"question": f"q{i}", "answer": i} for i in range(3)]
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    parquet = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    for path in (jsonl, parquet):
+        prompts = Prompts(rows=load_rows(path))
+        assert [prompts[i]["answer"] for i in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_a_generator_is_indexed_deterministically():
+    prompts = Prompts(generator=lambda: iter(range(100, 200)))
+    assert prompts[5] == 105 and prompts[2] == 102 and prompts[50] == 150
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"a": 1}\nnot json\n', r"d.jsonl:2: not valid JSON"),
+    ('[1, 2]\n', r"d.jsonl:1: each line must be a JSON object, got list"),
+    ("", "the dataset has no rows"),
+])
+def test_bad_dataset_files_name_the_line(tmp_path, content, message):
+    path = tmp_path / "d.jsonl"
+    path.write_text(content)
+    with pytest.raises(DatasetError, match=message):
+        Prompts(rows=load_rows(path))
+
+
+def test_unknown_format_and_missing_file(tmp_path):
+    with pytest.raises(DatasetError, match="dataset file not found"):
+        load_rows(tmp_path / "nope.jsonl")
+    (tmp_path / "d.csv").write_text("a,b\n")
+    with pytest.raises(DatasetError, match="unsupported dataset format '.csv'"):
+        load_rows(tmp_path / "d.csv")
+
+
+def test_worker_metrics_go_to_jsonl_and_prometheus(tmp_path):
+    port = free_port()
+    metrics = WorkerMetrics(tmp_path / "m.jsonl", prometheus_port=port)
+    metrics.failure(EnvFault("boom"))
+    metrics.count("groups_pushed", 2)
+    metrics.write({"accepted": 2})
+    line = json.loads((tmp_path / "m.jsonl").read_text())
+    assert line["failed_env"] == 1 and line["groups_pushed"] == 2 and line["ledger"] == {"accepted": 2}
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    assert 'streamrl_rollout_events_total{event="failed_env"} 1.0' in text
