@@ -100,3 +100,20 @@ def cluster(tiny_model_dir, redis_server, tmp_path):
     cluster = Cluster(tiny_model_dir, redis_server.url, tmp_path)
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def reward_dir(tiny_model_dir, tmp_path_factory) -> str:
+    """A small sequence-classification reward model sharing the tiny model's tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id)
+    path = tmp_path_factory.mktemp("reward-model")
+    LlamaForSequenceClassification(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

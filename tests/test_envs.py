@@ -20,7 +20,7 @@ def test_builtin_envs_are_found_by_entry_point_and_by_path():
 
 
 @pytest.mark.parametrize("name, message", [
-    ("nope", "unknown env .nope.; installed: arithmetic, calculator, gem, guess, reward_model"),
+    ("nope", "unknown env .nope.; installed: arithmetic, calculator, gem, guess, reward_model, single_turn"),
     ("os:path", "not a subclass of streamrl.envs.Env"),
     ("no_such_module:X", "cannot load env"),
 ])
@@ -117,3 +117,21 @@ def test_gem_bad_env_id_is_explained():
     pytest.importorskip("gem", reason="gem-llm is not installed (pip install 'streamrl[gem]')")
     with pytest.raises(ValueError, match="gem.make"):
         env_factory("gem", {"env_id": "game:NoSuchGame-v0"})
+
+
+def length_reward(item, response):  # a user's reward function, found by module:function
+    return len(response) / 10
+
+
+def test_single_turn_with_builtin_and_user_reward_functions():
+    env = env_factory("single_turn", {"reward": "last_number", "system": "Be brief."})()
+    obs = asyncio.run(env.reset({"prompt": "2+3?", "answer": 5}))
+    assert [m["role"] for m in obs.messages] == ["system", "user"]
+    assert asyncio.run(env.step(_act("it is 5"))).reward == 1.0
+    env = env_factory("single_turn", {"reward": "test_envs:length_reward"})()
+    asyncio.run(env.reset({"messages": [{"role": "user", "content": "hi"}]}))
+    assert asyncio.run(env.step(_act("12345"))).reward == 0.5
+    with pytest.raises(ValueError, match="unknown reward function 'nope'; installed: exact_match, last_number"):
+        env_factory("single_turn", {"reward": "nope"})
+    with pytest.raises(ValueError, match="needs 'prompt' or 'messages'"):
+        asyncio.run(env.reset({"question": "?"}))

@@ -3,9 +3,7 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from fastapi.testclient import TestClient
-from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
 from streamrl.buffer.redis_server import free_port
 from streamrl.envs import Action
@@ -13,19 +11,6 @@ from streamrl.envs.reward_model import RewardModelEnv
 from streamrl.rollout.reward_server import Pair, RewardModel, create_reward_app
 
 from conftest import wait_healthy
-
-
-@pytest.fixture(scope="module")
-def reward_dir(tiny_model_dir, tmp_path_factory):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, num_labels=1,
-                         pad_token_id=tokenizer.pad_token_id)
-    path = tmp_path_factory.mktemp("reward-model")
-    LlamaForSequenceClassification(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
 
 
 PAIRS = [Pair(prompt="what is 12 plus 7", response="19"), Pair(prompt="the quick brown fox", response="jumps over"),

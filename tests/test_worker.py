@@ -102,3 +102,23 @@ def test_a_raising_env_is_counted_not_fatal(fleet):
     assert groups, "no group made it despite most episodes succeeding"
     failed = sum(g.meta["failed"] for g in groups)
     assert failed > 0 and all(len(g.samples) >= 2 for g in groups)
+
+
+def test_rlhf_groups_are_scored_by_a_reward_model_server(fleet, reward_dir, tmp_path):
+    from streamrl.buffer.redis_server import free_port
+
+    from conftest import wait_healthy
+
+    port = free_port()
+    server = fleet.start("serve-reward", f"reward.model_path={reward_dir}", f"reward.port={port}")
+    wait_healthy(f"http://127.0.0.1:{port}", server)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"tell me about {w}"}) for w in ("foxes", "dogs", "tools")))
+    proc = _worker(fleet, "rollout.env=reward_model", f"rollout.dataset={data}",
+                   f"rollout.env_args={{url: 'http://127.0.0.1:{port}'}}", "learner.groups_per_step=50", "--groups", "3")
+    assert proc.wait(120) == 0
+    groups = _groups(fleet)
+    assert sorted(int(g.prompt_id) for g in groups) == [0, 1, 2]
+    rewards = [s.reward for g in groups for s in g.samples]
+    assert all(s.env_info["rm_score"] == s.reward for g in groups for s in g.samples)
+    assert len(set(rewards)) > 1  # real scores of different replies, not a constant
