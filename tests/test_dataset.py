@@ -22,6 +22,16 @@ def test_jsonl_and_parquet_rows_repeat_by_epoch(tmp_path):
         assert [prompts[i]["answer"] for i in range(7)] == [0, 1, 2, 0, 1, 2, 0]
 
 
+def test_a_saved_hugging_face_dataset(tmp_path):
+    datasets = pytest.importorskip("datasets", reason="datasets is not installed (pip install 'streamrl[data]')")
+    rows = [{"prompt": "a", "answer": 1}, {"prompt": "b", "answer": 2}]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(tmp_path / "hf")
+    assert load_rows(tmp_path / "hf") == rows
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetError, match="not a dataset saved with save_to_disk"):
+        load_rows(tmp_path / "empty")
+
+
 def test_a_generator_is_indexed_deterministically():
     prompts = Prompts(generator=lambda: iter(range(100, 200)))
     assert prompts[5] == 105 and prompts[2] == 102 and prompts[50] == 150

@@ -35,7 +35,10 @@ class Prompts:
 
 
 def load_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a .jsonl or .parquet file, or of a Hugging Face dataset saved with ``save_to_disk``."""
     path = Path(path)
+    if path.is_dir():
+        return _hf_rows(path)
     if not path.is_file():
         raise DatasetError(f"dataset file not found: {path}")
     if path.suffix == ".jsonl":
@@ -47,6 +50,23 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
             raise DatasetError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
         return pq.read_table(path).to_pylist()
     raise DatasetError(f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl or .parquet")
+
+
+def _hf_rows(path: Path) -> list[dict[str, Any]]:
+    try:
+        import datasets
+    except ImportError:
+        raise DatasetError(f"{path} is a directory: reading a saved Hugging Face dataset needs `pip install datasets`") \
+            from None
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as e:
+        raise DatasetError(f"{path}: not a dataset saved with save_to_disk: {e}") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if "train" not in loaded:
+            raise DatasetError(f"{path}: a DatasetDict without a 'train' split ({', '.join(loaded)})")
+        loaded = loaded["train"]
+    return loaded.to_list()
 
 
 def _row(line: str, path: Path, n: int) -> dict[str, Any]:
