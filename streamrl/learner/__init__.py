@@ -1,0 +1,1 @@
+"""The learner: partitioning, advantages and losses, the DeepSpeed engine, checkpoints, weight push."""
