@@ -1,0 +1,127 @@
+"""Advantages and the staleness-corrected policy loss (ARCHITECTURE §3), on flat token tensors.
+
+Shapes: per-token tensors are ``[T]`` over a micro-batch's concatenated sequences;
+``mask`` is 1 on tokens the policy generated. Losses return *sums*: the caller
+divides by the global token (or sequence) count, so an uneven split across ranks
+gives exactly the full batch's gradient (see ``normaliser``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+# --------------------------------------------------------------------------- advantages
+
+
+def rloo(rewards: torch.Tensor) -> torch.Tensor:
+    """Leave-one-out: ``A_i = R_i - mean_{j != i} R_j`` over one group. Sums to zero."""
+    n = rewards.numel()
+    if n < 2:
+        return torch.zeros_like(rewards)
+    return rewards - (rewards.sum() - rewards) / (n - 1)
+
+
+def grpo(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """``(R_i - mean) / (std + eps)`` over one group (std unbiased; ``scale=False`` skips it)."""
+    centred = rewards - rewards.mean()
+    if not scale or rewards.numel() < 2:
+        return centred
+    return centred / (rewards.std() + eps)
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over one sequence's generated tokens.
+
+    ``rewards[t]`` and ``values[t]`` per token; the value after the last token is 0.
+    Returns (advantages, returns = advantages + values).
+    """
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros((), dtype=rewards.dtype)
+    for t in reversed(range(rewards.numel())):
+        next_value = values[t + 1] if t + 1 < values.numel() else 0.0
+        delta = rewards[t] + gamma * next_value - values[t]
+        running = delta + gamma * lam * running
+        advantages[t] = running
+    return advantages, advantages + values
+
+
+# --------------------------------------------------------------------------- KL to a reference
+
+
+def kl(logp: torch.Tensor, logp_ref: torch.Tensor, kind: Literal["k1", "k2", "k3"] = "k3") -> torch.Tensor:
+    """Per-token estimators of KL(pi || pi_ref) for tokens sampled from pi, with ``r = pi_ref / pi``.
+
+    k1 = -log r (unbiased, noisy), k2 = (log r)^2 / 2, k3 = r - 1 - log r (unbiased, >= 0).
+    """
+    log_r = logp_ref - logp
+    if kind == "k1":
+        return -log_r
+    if kind == "k2":
+        return 0.5 * log_r**2
+    if kind == "k3":
+        return torch.expm1(log_r) - log_r
+    raise ValueError(f"unknown KL estimator {kind!r}; expected k1, k2 or k3")
+
+
+# --------------------------------------------------------------------------- policy loss
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    correction: Literal["none", "tis", "decoupled"] = "decoupled"
+    clip_low: float = 0.2
+    clip_high: float | None = None  # None: same as clip_low
+    dual_clip: float | None = None  # c > 1: bound the loss of negative advantages (Ye et al. 2020)
+    tis_cap: float = 2.0
+
+    def __call__(self, logp: torch.Tensor, logp_behav: torch.Tensor, logp_prox: torch.Tensor | None,
+                 advantages: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-token loss (masked, not yet summed) and statistics.
+
+        none:      u = pi / pi_behav,                        w = 1
+        tis:       u = pi / pi_prox, w = min(pi_prox / pi_behav, C)   (stop-gradient)
+        decoupled: u = pi / pi_prox, w = pi_prox / pi_behav            (stop-gradient)
+        loss = -w * min(u A, clip(u, 1 - eps, 1 + eps_high) A)
+        """
+        if self.correction == "none" or logp_prox is None:
+            anchor, weight = logp_behav, torch.ones_like(logp)
+        else:
+            anchor = logp_prox.detach()
+            weight = torch.exp(anchor - logp_behav)
+            if self.correction == "tis":
+                weight = weight.clamp(max=self.tis_cap)
+        ratio = torch.exp(logp - anchor)
+        high = self.clip_low if self.clip_high is None else self.clip_high
+        clipped = ratio.clamp(1 - self.clip_low, 1 + high)
+        objective = torch.minimum(ratio * advantages, clipped * advantages)
+        if self.dual_clip is not None:
+            objective = torch.where(advantages < 0, torch.maximum(objective, self.dual_clip * advantages), objective)
+        per_token = -weight.detach() * objective * mask
+        m = mask.bool()
+        stats = {
+            "ratio_mean": ratio[m].mean() if m.any() else ratio.new_zeros(()),
+            "clip_frac": ((ratio[m] - clipped[m]).abs() > 0).float().mean() if m.any() else ratio.new_zeros(()),
+            "is_weight_mean": weight[m].mean() if m.any() else ratio.new_zeros(()),
+            "is_weight_max": weight[m].max() if m.any() else ratio.new_zeros(()),
+        }
+        if self.correction == "tis" and m.any():
+            stats["is_capped_frac"] = (weight[m] >= self.tis_cap).float().mean()
+        return per_token, stats
+
+
+def normaliser(global_tokens: int, world_size: int) -> float:
+    """Scale for a rank's summed loss: ``sum / N * world_size``, because DP all-reduce averages."""
+    if global_tokens < 1:
+        raise ValueError("the global batch has no generated tokens")
+    return world_size / global_tokens
+
+
+def sequence_mean(per_token: torch.Tensor, mask: torch.Tensor, seq_index: torch.Tensor) -> torch.Tensor:
+    """Sequence-level aggregation: each sequence's mean over its tokens, summed over sequences."""
+    n = int(seq_index.max()) + 1 if seq_index.numel() else 0
+    sums = torch.zeros(n, dtype=per_token.dtype).index_add(0, seq_index, per_token * mask)
+    counts = torch.zeros(n, dtype=per_token.dtype).index_add(0, seq_index, mask.to(per_token.dtype))
+    return (sums / counts.clamp(min=1)).sum()
