@@ -140,10 +140,27 @@ def launch_rollout(
 
 
 @app.command("launch-learner")
-def launch_learner(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
-    """Start a learner rank (run it under torchrun or the deepspeed launcher)."""
-    _load(config, overrides)
-    _not_built("launch-learner", "the learner", 5)
+def launch_learner(
+    config: ConfigArg = None,
+    overrides: OverridesArg = None,
+    steps: Annotated[Optional[int], typer.Option(help="Optimizer steps to run (default: learner.max_steps).")] = None,
+) -> None:
+    """Start a learner rank: `torchrun --nproc_per_node N -m streamrl launch-learner CONFIG` (alone: one rank)."""
+    import os
+
+    from streamrl.buffer.redis_server import free_port
+    from streamrl.learner.main import launch
+
+    cfg = _load(config, overrides)
+    if "RANK" not in os.environ:  # started without a launcher: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        launch(cfg, steps)
+    except ValueError as e:
+        err.print(f"[red]streamrl launch-learner:[/] {e}", soft_wrap=True)
+        raise typer.Exit(2) from None
 
 
 @app.command()

@@ -109,11 +109,12 @@ class StreamReader:
             try:
                 entries.append(Entry(entry_id, _decode_entry(fields)))
             except WireError as e:
-                self._dead_letter(entry_id, str(e), fields.get(b"d", b""))
+                self.dead_letter(entry_id, str(e), fields.get(b"d", b""))
             self.cursor = entry_id
         return entries
 
-    def _dead_letter(self, entry_id: str, reason: str, payload: bytes) -> None:
+    def dead_letter(self, entry_id: str, reason: str, payload: bytes = b"") -> None:
+        """File an entry that cannot be used (idempotent: replaying it files it once)."""
         keys = [self.ns.key("dead"), self.ns.key("dead_ids"), self.ns.key("counters")]
         with self.ns.reachable(f"dead-letter entry {entry_id}"):
             self._dead(keys=keys, args=[entry_id, reason, payload])

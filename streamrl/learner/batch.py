@@ -1,0 +1,87 @@
+"""From groups in the replay stream to training sequences: staleness guard, advantages, packing for ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+import torch
+
+from streamrl.learner import losses
+from streamrl.protocol import Group
+
+
+@dataclass
+class TrainSequence:
+    tokens: np.ndarray      # int32 [T]
+    mask: np.ndarray        # uint8 [T], 1 on generated tokens
+    logprobs: np.ndarray    # float32 [T], behaviour logprobs
+    advantages: np.ndarray  # float32 [T]
+    staleness: int          # learner version minus the oldest generated token's
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def advantages(rewards: np.ndarray, algorithm: str) -> np.ndarray:
+    r = torch.as_tensor(rewards, dtype=torch.float32)
+    if algorithm == "rloo":
+        return losses.rloo(r).numpy()
+    if algorithm == "grpo":
+        return losses.grpo(r).numpy()
+    raise ValueError(f"algorithm {algorithm!r} needs a critic (ppo) or is unknown; expected rloo or grpo here")
+
+
+def stale(group: Group, version: int, max_staleness: int) -> bool:
+    oldest, _ = group.version_range()
+    return oldest >= 0 and version - oldest > max_staleness
+
+
+def sequences(groups: list[Group], version: int, algorithm: str) -> list[TrainSequence]:
+    """Every sequence of every sample, with its sample's advantage on each of its tokens."""
+    out = []
+    for group in groups:
+        adv = advantages(np.array([s.reward for s in group.samples]), algorithm)
+        for sample, a in zip(group.samples, adv):
+            oldest = int(sample.generated_versions.min())
+            for part in sample.sequences():
+                out.append(TrainSequence(
+                    tokens=sample.tokens[part], mask=sample.loss_mask[part], logprobs=sample.logprobs[part],
+                    advantages=np.full(part.stop - part.start, a, np.float32), staleness=version - oldest))
+    return out
+
+
+# ------------------------------------------------------------------ rank shards on the wire (msgpack, no pickle)
+
+
+def pack(shard: list[list[TrainSequence]], global_tokens: int) -> bytes:
+    return msgpack.packb({"global_tokens": global_tokens, "micro_batches": [
+        [[s.tokens.tobytes(), s.mask.tobytes(), s.logprobs.tobytes(), s.advantages.tobytes(), s.staleness]
+         for s in mb] for mb in shard]})
+
+
+def unpack(payload: bytes) -> tuple[list[list[TrainSequence]], int]:
+    raw = msgpack.unpackb(payload)
+    shard = [[TrainSequence(np.frombuffer(t, np.int32), np.frombuffer(m, np.uint8), np.frombuffer(lp, np.float32),
+                            np.frombuffer(a, np.float32), st) for t, m, lp, a, st in mb]
+             for mb in raw["micro_batches"]]
+    return shard, raw["global_tokens"]
+
+
+def collate(mb: list[TrainSequence]) -> dict[str, torch.Tensor]:
+    """Right-padded tensors for one micro-batch; targets are shifted by one."""
+    width = max(len(s) for s in mb)
+
+    def pad(name: str, dtype) -> torch.Tensor:
+        out = torch.zeros(len(mb), width, dtype=dtype)
+        for i, s in enumerate(mb):
+            out[i, : len(s)] = torch.as_tensor(np.asarray(getattr(s, name)).astype(np.float32 if dtype.is_floating_point
+                                                                                    else np.int64))
+        return out
+
+    attention = torch.zeros(len(mb), width, dtype=torch.long)
+    for i, s in enumerate(mb):
+        attention[i, : len(s)] = 1
+    return {"input_ids": pad("tokens", torch.long), "attention_mask": attention, "mask": pad("mask", torch.float32),
+            "logprobs": pad("logprobs", torch.float32), "advantages": pad("advantages", torch.float32)}

@@ -1,0 +1,122 @@
+"""``streamrl launch-learner``: the training loop, one process per data-parallel rank (torchrun).
+
+Rank 0 owns the replay-stream cursor: it reads ``groups_per_step`` groups, applies
+the staleness guard, computes advantages, partitions the sequences and sends each
+rank its micro-batches (msgpack bytes over the DP group — no pickle). Every rank
+steps; rank 0 bumps the policy version in Redis and writes a metrics line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from streamrl.buffer import Admission, Namespace, PolicyVersion, StreamReader
+from streamrl.config import Config
+from streamrl.learner import batch as batching
+from streamrl.learner.engine import PolicyEngine
+from streamrl.learner.partition import plan_micro_batches
+
+log = logging.getLogger("streamrl.learner")
+
+
+def _send(payloads: list[bytes] | None) -> bytes:
+    """Rank 0 sends payload r to rank r (sizes first, then one padded byte tensor)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sizes = torch.zeros(world, dtype=torch.long)
+    if rank == 0:
+        sizes = torch.tensor([len(p) for p in payloads], dtype=torch.long)
+    dist.broadcast(sizes, 0)
+    buf = torch.zeros(int(sizes.max()), dtype=torch.uint8)
+    mine = None
+    for r in range(world):  # one broadcast per rank keeps it simple and backend-agnostic
+        if rank == 0:
+            buf[: sizes[r]] = torch.frombuffer(bytearray(payloads[r]), dtype=torch.uint8)
+        dist.broadcast(buf, 0)
+        if r == rank:
+            mine = bytes(buf[: sizes[r]].numpy())
+    return mine
+
+
+class Learner:
+    def __init__(self, cfg: Config, redis_url: str):
+        self.cfg = cfg
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.policy = PolicyEngine(cfg, cfg.model.path)
+        self.vocab_size = self.policy.module.config.vocab_size
+        self.version = 0
+        if self.rank == 0:
+            ns = Namespace.open(redis_url, cfg.run.name)
+            self.reader, self.versions = StreamReader(ns), PolicyVersion(ns)
+            self.admission = Admission(ns, max_staleness=cfg.off_policy.max_staleness,
+                                       groups_per_step=cfg.learner.groups_per_step)
+            self.versions.set(self.version)
+            self.metrics = Path(cfg.run.path) / "metrics" / "learner.jsonl"
+            self.metrics.parent.mkdir(parents=True, exist_ok=True)
+
+    def _collect(self) -> tuple[list, dict]:
+        """``groups_per_step`` fresh groups from the stream; stale ones dropped (and counted) or kept."""
+        want, groups, dropped = self.cfg.learner.groups_per_step, [], 0
+        max_staleness = 0 if self.cfg.mode == "sync" else self.cfg.off_policy.max_staleness
+        t0 = time.perf_counter()
+        while len(groups) < want:
+            for entry in self.reader.read(want - len(groups), block_ms=1000):
+                top = max(int(s.tokens.max()) for s in entry.group.samples)
+                if top >= self.vocab_size:  # valid on the wire, but not for this model
+                    self.reader.dead_letter(entry.id, f"token id {top} >= vocab size {self.vocab_size}")
+                    continue
+                if batching.stale(entry.group, self.version, max_staleness) and self.cfg.off_policy.stale == "drop":
+                    dropped += 1
+                    continue
+                groups.append(entry.group)
+        if dropped:
+            self.admission.count_dropped_stale(dropped)
+        return groups, {"wait_s": time.perf_counter() - t0, "dropped_stale": dropped}
+
+    def step(self) -> dict:
+        payloads, info = None, {}
+        if self.rank == 0:
+            groups, info = self._collect()
+            seqs = batching.sequences(groups, self.version, self.cfg.learner.algorithm)
+            plan = plan_micro_batches([len(s) for s in seqs], self.world, self.cfg.learner.micro_batch_tokens)
+            global_tokens = int(sum(s.mask.sum() for s in seqs))
+            payloads = [batching.pack([[seqs[i] for i in mb] for mb in rank], global_tokens) for rank in plan.ranks]
+            rewards = [s.reward for g in groups for s in g.samples]
+            info.update(reward_mean=sum(rewards) / len(rewards), groups=len(groups),
+                        staleness_max=max(s.staleness for s in seqs), micro_batches_per_rank=plan.per_rank)
+        shard, global_tokens = batching.unpack(_send(payloads))
+        t0 = time.perf_counter()
+        stats = self.policy.step(shard, global_tokens)
+        self.version += 1
+        if self.rank == 0:
+            self.versions.set(self.version)
+            record = {"step": self.version, "time": time.time(), "train_s": time.perf_counter() - t0, **info, **stats,
+                      "cursor": self.reader.cursor}
+            with self.metrics.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            return record
+        return stats
+
+
+def launch(cfg: Config, steps: int | None = None) -> None:
+    """Process entry of ``streamrl launch-learner`` (under torchrun)."""
+    import deepspeed
+
+    if not cfg.redis.url:
+        raise ValueError("redis.url is not set: the learner reads the replay stream from a shared Redis")
+    if not cfg.model.path:
+        raise ValueError("model.path is not set: give a local Hugging Face model directory")
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    learner = Learner(cfg, cfg.redis.url)
+    for _ in range(steps or cfg.learner.max_steps):
+        record = learner.step()
+        if learner.rank == 0:
+            log.info("step %(step)s  reward %(reward_mean).3f  loss %(loss).4f  tokens %(tokens).0f", record)
+    dist.barrier()

@@ -1,0 +1,72 @@
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from streamrl.buffer import Namespace, PolicyVersion, ReplayStream
+from streamrl.learner import batch as batching
+from streamrl.learner.engine import token_logprobs
+from streamrl.protocol import Group, Sample
+from streamrl.testing import synthetic_group
+
+
+def _sample(reward, versions=(0, 0), seq_lens=None):
+    return Sample(tokens=[1, 2, 3, 4], loss_mask=[0, 1, 0, 1], logprobs=[0, -1, 0, -1],
+                  versions=[-1, versions[0], -1, versions[1]], reward=reward, seq_lens=seq_lens)
+
+
+def test_sequences_carry_their_samples_rloo_advantage_and_staleness():
+    group = Group("p", "e", [_sample(1.0, seq_lens=[2, 2]), _sample(0.0, versions=(3, 4))])
+    seqs = batching.sequences([group], version=5, algorithm="rloo")
+    assert [len(s) for s in seqs] == [2, 2, 4]  # the split trajectory became two sequences
+    assert [float(s.advantages[0]) for s in seqs] == [1.0, 1.0, -1.0]
+    assert [s.staleness for s in seqs] == [5, 5, 2]
+    assert batching.stale(group, version=5, max_staleness=2) and not batching.stale(group, 5, max_staleness=5)
+
+
+def test_rank_shards_round_trip_without_pickle():
+    seqs = batching.sequences([synthetic_group(3, 10, prompt_len=4)], version=1, algorithm="grpo")
+    payload = batching.pack([[seqs[0], seqs[1]], [seqs[2]]], global_tokens=18)
+    shard, n = batching.unpack(payload)
+    assert n == 18 and [len(mb) for mb in shard] == [2, 1]
+    assert all(np.array_equal(a.tokens, b.tokens) and np.array_equal(a.advantages, b.advantages)
+               for a, b in zip([s for mb in shard for s in mb], seqs))
+    batch = batching.collate(shard[0])
+    assert batch["input_ids"].shape == (2, 10) and batch["mask"].sum() == 12
+
+
+def test_learner_logprobs_are_the_tempered_logprobs_of_each_next_token():
+    logits = torch.randn(1, 4, 7)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    lp = token_logprobs(logits, ids, temperature=0.5)
+    want = torch.log_softmax(logits[0, :-1] / 0.5, -1)[torch.arange(3), ids[0, 1:]]
+    assert lp[0, 0] == 0 and torch.allclose(lp[0, 1:], want)
+
+
+@pytest.mark.slow
+def test_two_rank_learner_trains_from_the_replay_stream(redis_server, tiny_model_dir, tmp_path):
+    ns = Namespace.open(redis_server.url, "learner-e2e")
+    stream, rng = ReplayStream(ns), np.random.default_rng(0)
+    ids = []
+    for i in range(14):
+        vocab = 10_000 if i in (3, 9) else 200  # two groups the model cannot embed
+        ids.append(stream.put(synthetic_group(4, int(rng.integers(20, 60)), prompt_len=8, vocab=vocab, rng=rng,
+                                              prompt_id=str(i))))
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "streamrl", "launch-learner",
+         f"model.path={tiny_model_dir}", f"redis.url={redis_server.url}", "run.name=learner-e2e",
+         f"run.dir={tmp_path}", "learner.groups_per_step=4", "learner.micro_batch_tokens=128",
+         "off_policy.max_staleness=8", "--steps", "3"],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "learner-e2e" / "metrics" / "learner.jsonl").open()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["groups"] == 4 and r["tokens"] > 0 and np.isfinite(r["loss"]) for r in records)
+    assert records[-1]["cursor"] == ids[-1]  # 12 good groups + 2 dead-lettered = all 14 entries
+    assert PolicyVersion(ns).get() == 3
+    dead = ns.conn.xrange(ns.key("dead"))
+    assert [f[b"src"].decode() for _, f in dead] == [ids[3], ids[9]]
+    assert b"vocab size" in dead[0][1][b"reason"]
