@@ -143,7 +143,8 @@ def launch_rollout(
 def launch_learner(
     config: ConfigArg = None,
     overrides: OverridesArg = None,
-    steps: Annotated[Optional[int], typer.Option(help="Optimizer steps to run (default: learner.max_steps).")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="Train until the policy version reaches this "
+                                                      "(default: learner.max_steps).")] = None,
 ) -> None:
     """Start a learner rank: `torchrun --nproc_per_node N -m streamrl launch-learner CONFIG` (alone: one rank)."""
     import os

@@ -135,7 +135,8 @@ class LearnerConfig(Section):
     clip_eps_high: float | None = None
     kl_coef: float = Field(0.0, ge=0)
     entropy_coef: float = Field(0.0, ge=0)
-    checkpoint_every: int = Field(50, ge=1)
+    checkpoint_every: int = Field(50, ge=1, description="optimizer steps between checkpoints")
+    resume: Literal["auto", "never"] = Field("auto", description="auto: continue from the newest checkpoint")
     deepspeed_config: Path | None = Field(None, description="user DeepSpeed JSON, used as is")
 
 

@@ -70,3 +70,53 @@ def test_two_rank_learner_trains_from_the_replay_stream(redis_server, tiny_model
     dead = ns.conn.xrange(ns.key("dead"))
     assert [f[b"src"].decode() for _, f in dead] == [ids[3], ids[9]]
     assert b"vocab size" in dead[0][1][b"reason"]
+
+
+@pytest.mark.slow
+def test_a_killed_learner_resumes_from_its_checkpoint_applying_every_group_exactly_once(
+        redis_server, tiny_model_dir, tmp_path):
+    import os
+    import signal
+    import time
+
+    ns = Namespace.open(redis_server.url, "learner-kill")
+    stream, rng = ReplayStream(ns), np.random.default_rng(1)
+
+    def put(n):
+        for _ in range(n):
+            stream.put(synthetic_group(4, int(rng.integers(20, 60)), prompt_len=8, vocab=200, rng=rng))
+
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "streamrl", "launch-learner",
+            f"model.path={tiny_model_dir}", f"redis.url={redis_server.url}", "run.name=learner-kill",
+            f"run.dir={tmp_path}", "learner.groups_per_step=4", "learner.micro_batch_tokens=128",
+            "off_policy.max_staleness=99", "learner.checkpoint_every=2", "--steps", "5"]
+    metrics = tmp_path / "learner-kill" / "metrics" / "learner.jsonl"
+
+    def records():
+        return [json.loads(line) for line in metrics.open()] if metrics.exists() else []
+
+    put(12)  # three steps' worth: the learner checkpoints at version 2, trains step 3, then waits for data
+    first = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while len(records()) < 3:
+        assert first.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    import psutil
+
+    ranks = psutil.Process(first.pid).children(recursive=True)  # torchrun starts ranks in their own groups
+    os.killpg(first.pid, signal.SIGKILL)  # the launcher and every rank, step 3 applied but not checkpointed
+    for rank in ranks:
+        rank.kill()
+    psutil.wait_procs(ranks, timeout=30)
+    first.wait()
+    killed_run = records()
+    put(8)
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    resumed_run = records()[len(killed_run):]
+    assert [r["step"] for r in killed_run] == [1, 2, 3] and [r["step"] for r in resumed_run] == [3, 4, 5]
+    applied = [g for r in killed_run[:2] + resumed_run for g in r["group_ids"]]  # what the final weights hold
+    assert len(applied) == len(set(applied)) == 20
+    assert resumed_run[0]["group_ids"] == killed_run[2]["group_ids"]  # step 3 replayed from the checkpoint
+    assert resumed_run[0]["loss"] == pytest.approx(killed_run[2]["loss"], rel=1e-5)  # with the same weights
+    assert PolicyVersion(ns).get() == 5

@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from streamrl.buffer import Admission, Namespace, PolicyVersion, StreamReader
+from streamrl.buffer import Admission, Namespace, PolicyVersion, ReplayStream, StreamReader
 from streamrl.config import Config
 from streamrl.learner import batch as batching
+from streamrl.learner import checkpoint
 from streamrl.learner.engine import PolicyEngine
 from streamrl.learner.partition import plan_micro_batches
 
@@ -50,10 +51,16 @@ class Learner:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.policy = PolicyEngine(cfg, cfg.model.path)
         self.vocab_size = self.policy.module.config.vocab_size
-        self.version = 0
+        self.checkpoints = Path(cfg.run.path) / "checkpoints"
+        resumed = checkpoint.load(self.policy.engine, self.checkpoints) if cfg.learner.resume == "auto" else None
+        self.version = resumed["version"] if resumed else 0
         if self.rank == 0:
             ns = Namespace.open(redis_url, cfg.run.name)
-            self.reader, self.versions = StreamReader(ns), PolicyVersion(ns)
+            self.stream = ReplayStream(ns)
+            self.reader = StreamReader(ns, cursor=resumed["cursor"] if resumed else "0-0")
+            self.versions = PolicyVersion(ns)
+            if resumed:
+                log.info("resumed from %s: version %d, cursor %s", resumed["path"], self.version, self.reader.cursor)
             self.admission = Admission(ns, max_staleness=cfg.off_policy.max_staleness,
                                        groups_per_step=cfg.learner.groups_per_step)
             self.versions.set(self.version)
@@ -89,11 +96,14 @@ class Learner:
             payloads = [batching.pack([[seqs[i] for i in mb] for mb in rank], global_tokens) for rank in plan.ranks]
             rewards = [s.reward for g in groups for s in g.samples]
             info.update(reward_mean=sum(rewards) / len(rewards), groups=len(groups),
+                        group_ids=[g.group_id for g in groups],
                         staleness_max=max(s.staleness for s in seqs), micro_batches_per_rank=plan.per_rank)
         shard, global_tokens = batching.unpack(_send(payloads))
         t0 = time.perf_counter()
         stats = self.policy.step(shard, global_tokens)
         self.version += 1
+        if self.version % self.cfg.learner.checkpoint_every == 0:
+            self.checkpoint()
         if self.rank == 0:
             self.versions.set(self.version)
             record = {"step": self.version, "time": time.time(), "train_s": time.perf_counter() - t0, **info, **stats,
@@ -102,6 +112,15 @@ class Learner:
                 f.write(json.dumps(record) + "\n")
             return record
         return stats
+
+
+    def checkpoint(self) -> None:
+        """Save on every rank (the cursor is rank 0's); then trim what the checkpoint covers."""
+        cursor = self.reader.cursor if self.rank == 0 else ""
+        checkpoint.save(self.policy.engine, self.checkpoints, version=self.version, cursor=cursor)
+        dist.barrier()
+        if self.rank == 0 and cursor != "0-0":
+            self.stream.trim(cursor)
 
 
 def launch(cfg: Config, steps: int | None = None) -> None:
@@ -115,7 +134,8 @@ def launch(cfg: Config, steps: int | None = None) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     learner = Learner(cfg, cfg.redis.url)
-    for _ in range(steps or cfg.learner.max_steps):
+    target = steps if steps is not None else cfg.learner.max_steps
+    while learner.version < target:
         record = learner.step()
         if learner.rank == 0:
             log.info("step %(step)s  reward %(reward_mean).3f  loss %(loss).4f  tokens %(tokens).0f", record)

@@ -1,0 +1,32 @@
+"""Learner checkpoints: DeepSpeed's (weights, optimizer, scheduler) plus what makes a resume exact.
+
+The replay cursor, the policy version and the RNG states go in DeepSpeed's
+``client_state``, written with the weights they belong to: a restarted learner has
+the weights that applied exactly the groups up to the cursor, and reads on from there.
+DeepSpeed writes the ``latest`` pointer only after every file of a tag is down, so a
+learner killed mid-save resumes from the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def save(engine: Any, root: Path, *, version: int, cursor: str) -> None:
+    """Collective: every rank calls it."""
+    state = {"version": version, "cursor": cursor, "torch_rng": torch.get_rng_state()}
+    engine.save_checkpoint(str(root), tag=f"version-{version}", client_state=state)
+
+
+def load(engine: Any, root: Path) -> dict[str, Any] | None:
+    """Restore the newest checkpoint under ``root``; None when there is none. Collective."""
+    if not (root / "latest").is_file():
+        return None
+    path, state = engine.load_checkpoint(str(root))
+    if path is None:
+        raise RuntimeError(f"checkpoint under {root} could not be loaded")
+    torch.set_rng_state(state["torch_rng"])
+    return {"version": int(state["version"]), "cursor": str(state["cursor"]), "path": path}
