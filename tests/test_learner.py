@@ -120,3 +120,50 @@ def test_a_killed_learner_resumes_from_its_checkpoint_applying_every_group_exact
     assert resumed_run[0]["group_ids"] == killed_run[2]["group_ids"]  # step 3 replayed from the checkpoint
     assert resumed_run[0]["loss"] == pytest.approx(killed_run[2]["loss"], rel=1e-5)  # with the same weights
     assert PolicyVersion(ns).get() == 5
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    import os
+
+    import deepspeed
+
+    from streamrl.buffer.redis_server import free_port
+    from streamrl.config import load_config
+    from streamrl.learner.engine import PolicyEngine
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                      DS_ACCELERATOR="cpu")
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "learner.lr=0.01", "learner.kl_coef=0.1",
+                             "learner.entropy_coef=0.01", "off_policy.correction=decoupled"])
+    return PolicyEngine(cfg, tiny_model_dir)
+
+
+def _shard(advantage=1.0):
+    seqs = batching.sequences([synthetic_group(4, 24, prompt_len=6, vocab=200, rng=np.random.default_rng(3))],
+                              version=0, algorithm="rloo")
+    for s in seqs:
+        s.advantages = np.full(len(s), advantage, np.float32)
+    return [[seqs[0], seqs[1]], [seqs[2], seqs[3]], []], int(sum(s.mask.sum() for s in seqs))
+
+
+@pytest.mark.slow
+def test_a_step_changes_the_weights_and_reports_entropy_and_kl(engine):
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    shard, n = _shard()
+    stats = engine.step(shard, n)  # the empty third micro-batch joins with a zero loss
+    assert stats["skipped"] == 0.0 and stats["tokens"] == n
+    assert stats["entropy"] > 0 and stats["kl"] == pytest.approx(0.0, abs=1e-6)  # still at the reference
+    assert any(not torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+    stats = engine.step(*_shard())
+    assert stats["kl"] > 0  # the policy has moved away from the reference
+
+
+@pytest.mark.slow
+def test_a_non_finite_loss_skips_the_step_and_leaves_the_weights(engine):
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    stats = engine.step(*_shard(advantage=float("nan")))
+    assert stats["skipped"] == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+    assert engine.step(*_shard())["skipped"] == 0.0  # and the next good batch trains

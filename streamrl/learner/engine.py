@@ -9,7 +9,6 @@ the full batch's gradient however unevenly the tokens fell on the ranks.
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
 
@@ -17,7 +16,7 @@ import torch
 
 from streamrl.config import Config
 from streamrl.learner.batch import TrainSequence, collate
-from streamrl.learner.losses import PolicyLoss, normaliser
+from streamrl.learner.losses import PolicyLoss, kl, normaliser
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -65,6 +64,9 @@ class PolicyEngine:
                                clip_high=cfg.learner.clip_eps_high, tis_cap=cfg.off_policy.tis_cap)
         self.temperature = cfg.rollout.sampling.temperature
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.reference = None
+        if cfg.learner.kl_coef > 0:  # a frozen copy of the initial policy
+            self.reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval().requires_grad_(False)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -80,31 +82,84 @@ class PolicyEngine:
         return out
 
     def step(self, shard: list[list[TrainSequence]], global_tokens: int) -> dict[str, float]:
-        """One optimizer step over this rank's micro-batches; returns summed statistics."""
+        """One optimizer step over this rank's micro-batches; returns statistics.
+
+        A non-finite loss or gradient on any rank skips the whole step on every rank
+        (reported as ``skipped``): nothing of that batch reaches the weights.
+        """
         batches = [collate(mb) if mb else None for mb in shard]
         prox = self.proximal([b for b in batches if b is not None]) if self.cfg.off_policy.correction != "none" else None
-        scale = normaliser(global_tokens, self.world_size)
-        stats = {"loss": 0.0, "tokens": 0.0, "clip_frac": 0.0, "is_weight_max": 0.0}
         prox_iter = iter(prox or [])
+        scale = normaliser(global_tokens, self.world_size)
+        stats = {"loss": 0.0, "tokens": 0.0, "padding": 0.0, "clip_frac": 0.0, "is_weight_max": 0.0,
+                 "entropy": 0.0, "kl": 0.0}
+        bad = False
         for i, batch in enumerate(batches):
-            self.engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
-            if batch is None:  # an empty micro-batch still joins the step, with a zero loss
-                loss = sum(p.sum() * 0.0 for p in self.engine.module.parameters())
-            else:
-                logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                logp = token_logprobs(logits, batch["input_ids"], self.temperature)
-                per_token, s = self.loss(logp, batch["logprobs"], next(prox_iter, None), batch["advantages"],
-                                         batch["mask"])
-                loss = per_token.sum() * scale
-                n = float(batch["mask"].sum())
-                stats["loss"] += float(per_token.sum()) / max(global_tokens, 1)
-                stats["tokens"] += n
-                stats["clip_frac"] += float(s["clip_frac"]) * n
-                stats["is_weight_max"] = max(stats["is_weight_max"], float(s["is_weight_max"]))
-            if not math.isfinite(float(loss)):
-                raise FloatingPointError(f"non-finite loss {float(loss)} in micro-batch {i}")
-            self.engine.backward(loss)
+            last = i == len(batches) - 1
+            self.engine.set_gradient_accumulation_boundary(last)
+            loss = self._zero_loss() if batch is None else self._loss(batch, next(prox_iter, None), stats)
+            if not torch.isfinite(loss):
+                bad, loss = True, self._zero_loss()  # keep the ranks' collectives in step
+            self.engine.backward(loss * scale)
+            if not last:
+                self.engine.step()
+        if self._any_rank(bad or not self._grads_finite()):
+            self.engine.zero_grad()
+            self.engine.optimizer.zero_grad()
+            stats["skipped"] = 1.0
+        else:
             self.engine.step()
-        stats["clip_frac"] /= max(stats["tokens"], 1.0)
+            stats["skipped"] = 0.0
+        n = max(stats["tokens"], 1.0)
+        stats["clip_frac"] /= n
+        stats["entropy"] /= n
+        stats["kl"] /= n
+        stats["loss"] /= max(global_tokens, 1)
         stats["lr"] = self.scheduler.get_last_lr()[0] if self.scheduler else self.cfg.learner.lr
         return stats
+
+    def _loss(self, batch: dict[str, torch.Tensor], prox: torch.Tensor | None, stats: dict) -> torch.Tensor:
+        """Summed loss of one micro-batch: clipped policy term, minus entropy bonus, plus KL to the reference."""
+        logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logp = token_logprobs(logits, batch["input_ids"], self.temperature)
+        mask = batch["mask"]
+        per_token, s = self.loss(logp, batch["logprobs"], prox, batch["advantages"], mask)
+        if self.cfg.learner.entropy_coef > 0:
+            entropy = token_entropy(logits, self.temperature)
+            per_token = per_token - self.cfg.learner.entropy_coef * entropy * mask
+            stats["entropy"] += float((entropy * mask).sum().detach())
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logits = self.reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            k = kl(logp, token_logprobs(ref_logits, batch["input_ids"], self.temperature), "k3")
+            per_token = per_token + self.cfg.learner.kl_coef * k * mask
+            stats["kl"] += float((k * mask).sum().detach())
+        n = float(mask.sum())
+        stats["loss"] += float(per_token.sum().detach())
+        stats["tokens"] += n
+        stats["padding"] += float((batch["attention_mask"] == 0).sum())
+        stats["clip_frac"] += float(s["clip_frac"]) * n
+        stats["is_weight_max"] = max(stats["is_weight_max"], float(s["is_weight_max"]))
+        return per_token.sum()
+
+    def _zero_loss(self) -> torch.Tensor:
+        """A zero that still touches every parameter, for an empty or discarded micro-batch."""
+        return sum(p.sum() * 0.0 for p in self.engine.module.parameters())
+
+    def _grads_finite(self) -> bool:
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        return all(bool(torch.isfinite(g).all()) for g in grads)
+
+    def _any_rank(self, flag: bool) -> bool:
+        import torch.distributed as dist
+
+        t = torch.tensor([float(flag)])
+        if dist.is_initialized():
+            dist.all_reduce(t)
+        return bool(t.item() > 0)
+
+
+def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Entropy of the tempered distribution that predicted each token (0 at t=0), like ``token_logprobs``."""
+    logp = torch.log_softmax(logits[:, :-1].float() / (temperature or 1.0), -1)
+    return torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))

@@ -101,6 +101,11 @@ class Learner:
         shard, global_tokens = batching.unpack(_send(payloads))
         t0 = time.perf_counter()
         stats = self.policy.step(shard, global_tokens)
+        if stats["skipped"]:  # nothing reached the weights: the version stays, the batch is reported
+            log.warning("step skipped: non-finite loss or gradient")
+            if self.rank == 0:
+                self._write({"step": self.version, "time": time.time(), **info, **stats, "cursor": self.reader.cursor})
+            return stats
         self.version += 1
         if self.version % self.cfg.learner.checkpoint_every == 0:
             self.checkpoint()
@@ -108,11 +113,15 @@ class Learner:
             self.versions.set(self.version)
             record = {"step": self.version, "time": time.time(), "train_s": time.perf_counter() - t0, **info, **stats,
                       "cursor": self.reader.cursor}
-            with self.metrics.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+            record["tokens_per_s"] = record["tokens"] / max(record["train_s"], 1e-9)
+            self._write(record)
             return record
         return stats
 
+
+    def _write(self, record: dict) -> None:
+        with self.metrics.open("a") as f:
+            f.write(json.dumps(record) + "\n")
 
     def checkpoint(self) -> None:
         """Save on every rank (the cursor is rank 0's); then trim what the checkpoint covers."""
