@@ -137,6 +137,7 @@ class LearnerConfig(Section):
     entropy_coef: float = Field(0.0, ge=0)
     checkpoint_every: int = Field(50, ge=1, description="optimizer steps between checkpoints")
     resume: Literal["auto", "never"] = Field("auto", description="auto: continue from the newest checkpoint")
+    export_every: int = Field(50, ge=1, description="optimizer steps between plain HF exports (and one at the end)")
     deepspeed_config: Path | None = Field(None, description="user DeepSpeed JSON, used as is")
 
 

@@ -70,6 +70,14 @@ def test_two_rank_learner_trains_from_the_replay_stream(redis_server, tiny_model
     dead = ns.conn.xrange(ns.key("dead"))
     assert [f[b"src"].decode() for _, f in dead] == [ids[3], ids[9]]
     assert b"vocab size" in dead[0][1][b"reason"]
+    export = tmp_path / "learner-e2e" / "export"
+    assert (export / "latest").read_text() == "version-3"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    exported = AutoModelForCausalLM.from_pretrained(export / "version-3")  # a plain HF directory
+    AutoTokenizer.from_pretrained(export / "version-3")
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert any(not torch.equal(a, b) for a, b in zip(exported.parameters(), original.parameters()))
 
 
 @pytest.mark.slow

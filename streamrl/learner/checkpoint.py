@@ -30,3 +30,40 @@ def load(engine: Any, root: Path) -> dict[str, Any] | None:
         raise RuntimeError(f"checkpoint under {root} could not be loaded")
     torch.set_rng_state(state["torch_rng"])
     return {"version": int(state["version"]), "cursor": str(state["cursor"]), "path": path}
+
+
+def export_hf(engine: Any, tokenizer_dir: str, root: Path, *, version: int, rank: int, zero_stage: int) -> Path | None:
+    """Write the policy as a plain HF directory ``root/version-N`` (then point ``root/latest`` at it).
+
+    Loadable by transformers, vLLM and SGLang; late-joining rollout servers start from it.
+    Collective under ZeRO-3 (the shards are gathered); rank 0 writes.
+    """
+    import os
+    import shutil
+
+    import deepspeed
+    from transformers import AutoTokenizer
+
+    target = root / f"version-{version}"
+    params = list(engine.module.parameters())
+    gather = deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero_stage == 3 else _nothing()
+    with gather:
+        if rank != 0:
+            return None
+        tmp = root / f".version-{version}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        engine.module.save_pretrained(tmp, safe_serialization=True)
+        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)  # a reader sees the whole directory or none of it
+    (root / "latest.tmp").write_text(target.name)
+    os.replace(root / "latest.tmp", root / "latest")
+    return target
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

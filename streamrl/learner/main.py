@@ -93,9 +93,11 @@ class Learner:
             seqs = batching.sequences(groups, self.version, self.cfg.learner.algorithm)
             plan = plan_micro_batches([len(s) for s in seqs], self.world, self.cfg.learner.micro_batch_tokens)
             global_tokens = int(sum(s.mask.sum() for s in seqs))
+            loads = [sum(len(seqs[i]) for i in mb) for rank in plan.ranks for mb in rank]
+            info["micro_batch_imbalance"] = max(loads) / max(sum(loads) / len(loads), 1e-9)
             payloads = [batching.pack([[seqs[i] for i in mb] for mb in rank], global_tokens) for rank in plan.ranks]
             rewards = [s.reward for g in groups for s in g.samples]
-            info.update(reward_mean=sum(rewards) / len(rewards), groups=len(groups),
+            info.update(reward_mean=sum(rewards) / len(rewards), groups=len(groups), tokens_global=global_tokens,
                         group_ids=[g.group_id for g in groups],
                         staleness_max=max(s.staleness for s in seqs), micro_batches_per_rank=plan.per_rank)
         shard, global_tokens = batching.unpack(_send(payloads))
@@ -109,15 +111,22 @@ class Learner:
         self.version += 1
         if self.version % self.cfg.learner.checkpoint_every == 0:
             self.checkpoint()
+        if self.version % self.cfg.learner.export_every == 0:
+            self.export()
         if self.rank == 0:
             self.versions.set(self.version)
             record = {"step": self.version, "time": time.time(), "train_s": time.perf_counter() - t0, **info, **stats,
                       "cursor": self.reader.cursor}
-            record["tokens_per_s"] = record["tokens"] / max(record["train_s"], 1e-9)
+            record["tokens_per_s"] = record["tokens_global"] / max(record["train_s"], 1e-9)
             self._write(record)
             return record
         return stats
 
+
+    def export(self) -> None:
+        checkpoint.export_hf(self.policy.engine, self.cfg.model.tokenizer or self.cfg.model.path,
+                             Path(self.cfg.run.path) / "export", version=self.version, rank=self.rank,
+                             zero_stage=self.cfg.learner.zero_stage)
 
     def _write(self, record: dict) -> None:
         with self.metrics.open("a") as f:
@@ -147,5 +156,7 @@ def launch(cfg: Config, steps: int | None = None) -> None:
     while learner.version < target:
         record = learner.step()
         if learner.rank == 0:
-            log.info("step %(step)s  reward %(reward_mean).3f  loss %(loss).4f  tokens %(tokens).0f", record)
+            log.info("step %(step)s  reward %(reward_mean).3f  loss %(loss).4f  tokens %(tokens_global)d", record)
+    if learner.version % cfg.learner.export_every:  # the final weights, for serving and evaluation
+        learner.export()
     dist.barrier()
