@@ -6,7 +6,8 @@ import importlib
 from pathlib import Path
 
 # study name -> module with main(quick, out)
-MODULES = {"queue": "benchmarks.replay_stream", "generate": "benchmarks.generate"}
+MODULES = {"queue": "benchmarks.replay_stream", "generate": "benchmarks.generate", "partition": "benchmarks.partition",
+           "learner": "benchmarks.learner"}
 
 
 def run_suite(name: str, *, quick: bool, out: Path, **options) -> dict:

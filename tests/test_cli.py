@@ -50,7 +50,7 @@ def test_config_errors_are_readable_and_exit_2():
 
 def test_unknown_benchmark_is_refused():
     out = _run("bench", "nope")
-    assert out.returncode == 2 and "available: queue, generate" in out.stderr
+    assert out.returncode == 2 and "available: queue, generate, partition, learner" in out.stderr
 
 
 def test_redis_subcommand_serves_until_terminated(tmp_path):
