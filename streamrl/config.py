@@ -139,6 +139,9 @@ class LearnerConfig(Section):
     resume: Literal["auto", "never"] = Field("auto", description="auto: continue from the newest checkpoint")
     export_every: int = Field(50, ge=1, description="optimizer steps between plain HF exports (and one at the end)")
     deepspeed_config: Path | None = Field(None, description="user DeepSpeed JSON, used as is")
+    ptx_dataset: str | None = Field(None, description="SFT rows mixed into each step (prompt/completion or text)")
+    ptx_coef: float = Field(0.0, ge=0, description="weight of the SFT loss (mean token cross-entropy)")
+    ptx_per_rank: int = Field(2, ge=1, description="SFT rows per rank per step")
 
 
 class WeightSyncConfig(Section):

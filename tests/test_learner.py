@@ -144,7 +144,7 @@ def engine(tiny_model_dir):
                       DS_ACCELERATOR="cpu")
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "learner.lr=0.01", "learner.kl_coef=0.1",
-                             "learner.entropy_coef=0.01", "off_policy.correction=decoupled"])
+                             "learner.entropy_coef=0.01", "off_policy.correction=decoupled", "learner.ptx_coef=1.0"])
     return PolicyEngine(cfg, tiny_model_dir)
 
 
@@ -175,3 +175,35 @@ def test_a_non_finite_loss_skips_the_step_and_leaves_the_weights(engine):
     assert stats["skipped"] == 1.0
     assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
     assert engine.step(*_shard())["skipped"] == 0.0  # and the next good batch trains
+
+
+def test_ptx_rows_train_on_completions_only(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from streamrl.learner.ptx import PtxData
+
+    rows = tmp_path / "sft.jsonl"
+    rows.write_text('{"prompt": "what is 2 plus 3", "completion": "5"}\n{"text": "the quick brown fox"}\n')
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    data = PtxData(str(rows), tok)
+    sft = data.sequence(0)
+    completion = tok("5", add_special_tokens=False).input_ids + [tok.eos_token_id]
+    assert sft.tokens[-len(completion):].tolist() == completion
+    assert sft.mask.tolist() == [0] * (len(sft) - len(completion)) + [1] * len(completion)
+    text = data.sequence(1)
+    assert text.mask[0] == 0 and text.mask[1:].all()
+    assert [s.tokens.tolist() for s in data.for_step(3, 1, 2, 2)] == [data.sequence(14).tokens.tolist(),
+                                                                      data.sequence(15).tokens.tolist()]
+
+
+@pytest.mark.slow
+def test_ptx_term_lowers_the_sft_loss(engine, tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from streamrl.learner.ptx import PtxData
+
+    rows = tmp_path / "sft.jsonl"
+    rows.write_text('{"prompt": "what is 12 plus 7", "completion": "the answer is 19"}\n')
+    ptx = PtxData(str(rows), AutoTokenizer.from_pretrained(tiny_model_dir)).for_step(0, 0, 1, 2)
+    losses = [engine.step(*_shard(advantage=0.0), ptx=ptx)["ptx_loss"] for _ in range(5)]
+    assert losses[-1] < losses[0]

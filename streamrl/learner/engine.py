@@ -81,8 +81,9 @@ class PolicyEngine:
         self.engine.train()
         return out
 
-    def step(self, shard: list[list[TrainSequence]], global_tokens: int) -> dict[str, float]:
-        """One optimizer step over this rank's micro-batches; returns statistics.
+    def step(self, shard: list[list[TrainSequence]], global_tokens: int,
+             ptx: list[TrainSequence] | None = None) -> dict[str, float]:
+        """One optimizer step over this rank's micro-batches (and its SFT rows); returns statistics.
 
         A non-finite loss or gradient on any rank skips the whole step on every rank
         (reported as ``skipped``): nothing of that batch reaches the weights.
@@ -93,14 +94,19 @@ class PolicyEngine:
         scale = normaliser(global_tokens, self.world_size)
         stats = {"loss": 0.0, "tokens": 0.0, "padding": 0.0, "clip_frac": 0.0, "is_weight_max": 0.0,
                  "entropy": 0.0, "kl": 0.0}
+        work = [(b, lambda b: self._loss(b, next(prox_iter, None), stats), scale) for b in batches]
+        if ptx:
+            ptx_batch = collate(ptx)
+            ptx_scale = normaliser(self._sum_over_ranks(float(ptx_batch["mask"].sum())), self.world_size)
+            work.append((ptx_batch, lambda b: self._ptx_loss(b, stats), ptx_scale))
         bad = False
-        for i, batch in enumerate(batches):
-            last = i == len(batches) - 1
+        for i, (batch, loss_of, weight) in enumerate(work):
+            last = i == len(work) - 1
             self.engine.set_gradient_accumulation_boundary(last)
-            loss = self._zero_loss() if batch is None else self._loss(batch, next(prox_iter, None), stats)
+            loss = self._zero_loss() if batch is None else loss_of(batch)
             if not torch.isfinite(loss):
                 bad, loss = True, self._zero_loss()  # keep the ranks' collectives in step
-            self.engine.backward(loss * scale)
+            self.engine.backward(loss * weight)
             if not last:
                 self.engine.step()
         if self._any_rank(bad or not self._grads_finite()):
@@ -141,6 +147,21 @@ class PolicyEngine:
         stats["clip_frac"] += float(s["clip_frac"]) * n
         stats["is_weight_max"] = max(stats["is_weight_max"], float(s["is_weight_max"]))
         return per_token.sum()
+
+    def _ptx_loss(self, batch: dict[str, torch.Tensor], stats: dict) -> torch.Tensor:
+        """Summed token cross-entropy on SFT rows, weighted by ``ptx_coef``."""
+        logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        nll = -token_logprobs(logits, batch["input_ids"], 1.0) * batch["mask"]
+        stats["ptx_loss"] = float(nll.sum().detach()) / max(float(batch["mask"].sum()), 1.0)
+        return self.cfg.learner.ptx_coef * nll.sum()
+
+    def _sum_over_ranks(self, value: float) -> float:
+        import torch.distributed as dist
+
+        t = torch.tensor([value])
+        if dist.is_initialized():
+            dist.all_reduce(t)
+        return float(t.item())
 
     def _zero_loss(self) -> torch.Tensor:
         """A zero that still touches every parameter, for an empty or discarded micro-batch."""

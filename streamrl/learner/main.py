@@ -51,6 +51,14 @@ class Learner:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.policy = PolicyEngine(cfg, cfg.model.path)
         self.vocab_size = self.policy.module.config.vocab_size
+        self.ptx = None
+        if cfg.learner.ptx_dataset and cfg.learner.ptx_coef > 0:
+            from transformers import AutoTokenizer
+
+            from streamrl.learner.ptx import PtxData
+
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+            self.ptx = PtxData(cfg.learner.ptx_dataset, tokenizer, max_len=cfg.learner.micro_batch_tokens)
         self.checkpoints = Path(cfg.run.path) / "checkpoints"
         resumed = checkpoint.load(self.policy.engine, self.checkpoints) if cfg.learner.resume == "auto" else None
         self.version = resumed["version"] if resumed else 0
@@ -102,7 +110,8 @@ class Learner:
                         staleness_max=max(s.staleness for s in seqs), micro_batches_per_rank=plan.per_rank)
         shard, global_tokens = batching.unpack(_send(payloads))
         t0 = time.perf_counter()
-        stats = self.policy.step(shard, global_tokens)
+        ptx = self.ptx.for_step(self.version, self.rank, self.world, self.cfg.learner.ptx_per_rank) if self.ptx else None
+        stats = self.policy.step(shard, global_tokens, ptx)
         if stats["skipped"]:  # nothing reached the weights: the version stays, the batch is reported
             log.warning("step skipped: non-finite loss or gradient")
             if self.rank == 0:
