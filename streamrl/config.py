@@ -134,6 +134,11 @@ class LearnerConfig(Section):
     clip_eps: float = Field(0.2, gt=0)
     clip_eps_high: float | None = None
     kl_coef: float = Field(0.0, ge=0)
+    gamma: float = Field(1.0, ge=0, le=1, description="PPO: discount over generated tokens")
+    lam: float = Field(0.95, ge=0, le=1, description="PPO: GAE lambda")
+    critic_path: str | None = Field(None, description="PPO: value model start (default: the policy)")
+    critic_lr: float = Field(1e-5, gt=0)
+    value_clip: float = Field(0.2, gt=0)
     entropy_coef: float = Field(0.0, ge=0)
     checkpoint_every: int = Field(50, ge=1, description="optimizer steps between checkpoints")
     resume: Literal["auto", "never"] = Field("auto", description="auto: continue from the newest checkpoint")

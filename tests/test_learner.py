@@ -207,3 +207,33 @@ def test_ptx_term_lowers_the_sft_loss(engine, tiny_model_dir, tmp_path):
     ptx = PtxData(str(rows), AutoTokenizer.from_pretrained(tiny_model_dir)).for_step(0, 0, 1, 2)
     losses = [engine.step(*_shard(advantage=0.0), ptx=ptx)["ptx_loss"] for _ in range(5)]
     assert losses[-1] < losses[0]
+
+
+def test_gae_advantages_run_over_generated_tokens_only():
+    from streamrl.learner.critic import gae_advantages
+
+    seq = batching.TrainSequence(tokens=np.arange(5, dtype=np.int32), mask=np.array([0, 1, 0, 1, 1], np.uint8),
+                                 logprobs=np.zeros(5, np.float32), advantages=np.zeros(5, np.float32), staleness=0,
+                                 reward=1.0)
+    values = torch.tensor([[9.0, 0.5, 9.0, 0.5, 0.5]])  # 9s sit on observation tokens and must not count
+    adv, ret = gae_advantages(values, [seq], gamma=1.0, lam=1.0)
+    assert torch.allclose(adv, torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.5]]))
+    assert torch.allclose(ret, torch.tensor([[0.0, 1.0, 0.0, 1.0, 1.0]]))
+
+
+@pytest.mark.slow
+def test_ppo_critic_learns_the_returns(engine, tiny_model_dir):
+    from streamrl.config import load_config
+    from streamrl.learner.critic import Critic
+
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "learner.algorithm=ppo", "learner.critic_lr=0.01"])
+    critic = Critic(cfg, tiny_model_dir)
+    shard, n = _shard()
+    value_losses = []
+    for _ in range(6):
+        batches = critic.prepare(shard)
+        assert all(b is None or b["advantages"].abs().sum() > 0 for b in batches)
+        stats = engine.step(shard, n, batches=batches)
+        value_losses.append(critic.step(batches, n)["value_loss"])
+    assert stats["skipped"] == 0.0
+    assert value_losses[-1] < value_losses[0]

@@ -19,6 +19,7 @@ class TrainSequence:
     logprobs: np.ndarray    # float32 [T], behaviour logprobs
     advantages: np.ndarray  # float32 [T]
     staleness: int          # learner version minus the oldest generated token's
+    reward: float = 0.0     # the trajectory's reward (PPO puts it on the last generated token)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -30,7 +31,9 @@ def advantages(rewards: np.ndarray, algorithm: str) -> np.ndarray:
         return losses.rloo(r).numpy()
     if algorithm == "grpo":
         return losses.grpo(r).numpy()
-    raise ValueError(f"algorithm {algorithm!r} needs a critic (ppo) or is unknown; expected rloo or grpo here")
+    if algorithm == "ppo":  # the critic computes per-token advantages on each rank
+        return np.zeros(len(rewards), np.float32)
+    raise ValueError(f"unknown algorithm {algorithm!r}; expected rloo, grpo or ppo")
 
 
 def stale(group: Group, version: int, max_staleness: int) -> bool:
@@ -48,7 +51,8 @@ def sequences(groups: list[Group], version: int, algorithm: str) -> list[TrainSe
             for part in sample.sequences():
                 out.append(TrainSequence(
                     tokens=sample.tokens[part], mask=sample.loss_mask[part], logprobs=sample.logprobs[part],
-                    advantages=np.full(part.stop - part.start, a, np.float32), staleness=version - oldest))
+                    advantages=np.full(part.stop - part.start, a, np.float32), staleness=version - oldest,
+                    reward=float(sample.reward)))
     return out
 
 
@@ -57,14 +61,14 @@ def sequences(groups: list[Group], version: int, algorithm: str) -> list[TrainSe
 
 def pack(shard: list[list[TrainSequence]], global_tokens: int) -> bytes:
     return msgpack.packb({"global_tokens": global_tokens, "micro_batches": [
-        [[s.tokens.tobytes(), s.mask.tobytes(), s.logprobs.tobytes(), s.advantages.tobytes(), s.staleness]
+        [[s.tokens.tobytes(), s.mask.tobytes(), s.logprobs.tobytes(), s.advantages.tobytes(), s.staleness, s.reward]
          for s in mb] for mb in shard]})
 
 
 def unpack(payload: bytes) -> tuple[list[list[TrainSequence]], int]:
     raw = msgpack.unpackb(payload)
     shard = [[TrainSequence(np.frombuffer(t, np.int32), np.frombuffer(m, np.uint8), np.frombuffer(lp, np.float32),
-                            np.frombuffer(a, np.float32), st) for t, m, lp, a, st in mb]
+                            np.frombuffer(a, np.float32), st, r) for t, m, lp, a, st, r in mb]
              for mb in raw["micro_batches"]]
     return shard, raw["global_tokens"]
 

@@ -81,14 +81,15 @@ class PolicyEngine:
         self.engine.train()
         return out
 
-    def step(self, shard: list[list[TrainSequence]], global_tokens: int,
-             ptx: list[TrainSequence] | None = None) -> dict[str, float]:
+    def step(self, shard: list[list[TrainSequence]], global_tokens: int, ptx: list[TrainSequence] | None = None,
+             batches: list[dict | None] | None = None) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches (and its SFT rows); returns statistics.
 
+        ``batches``: the micro-batches already collated (PPO's carry per-token advantages).
         A non-finite loss or gradient on any rank skips the whole step on every rank
         (reported as ``skipped``): nothing of that batch reaches the weights.
         """
-        batches = [collate(mb) if mb else None for mb in shard]
+        batches = batches if batches is not None else [collate(mb) if mb else None for mb in shard]
         prox = self.proximal([b for b in batches if b is not None]) if self.cfg.off_policy.correction != "none" else None
         prox_iter = iter(prox or [])
         scale = normaliser(global_tokens, self.world_size)

@@ -51,6 +51,11 @@ class Learner:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.policy = PolicyEngine(cfg, cfg.model.path)
         self.vocab_size = self.policy.module.config.vocab_size
+        self.critic = None
+        if cfg.learner.algorithm == "ppo":
+            from streamrl.learner.critic import Critic
+
+            self.critic = Critic(cfg, cfg.learner.critic_path or cfg.model.path)
         self.ptx = None
         if cfg.learner.ptx_dataset and cfg.learner.ptx_coef > 0:
             from transformers import AutoTokenizer
@@ -111,7 +116,10 @@ class Learner:
         shard, global_tokens = batching.unpack(_send(payloads))
         t0 = time.perf_counter()
         ptx = self.ptx.for_step(self.version, self.rank, self.world, self.cfg.learner.ptx_per_rank) if self.ptx else None
-        stats = self.policy.step(shard, global_tokens, ptx)
+        batches = self.critic.prepare(shard) if self.critic else None
+        stats = self.policy.step(shard, global_tokens, ptx, batches)
+        if self.critic and not stats["skipped"]:
+            stats.update(self.critic.step(batches, global_tokens))
         if stats["skipped"]:  # nothing reached the weights: the version stays, the batch is reported
             log.warning("step skipped: non-finite loss or gradient")
             if self.rank == 0:

@@ -1,0 +1,97 @@
+"""The PPO critic: a value head on a transformer backbone, trained beside the policy.
+
+Rewards sit on each sequence's last generated token; GAE runs over the generated
+tokens of a sequence (observation tokens in between are not time steps). The value
+loss is PPO's clipped squared error around the values at the start of the step.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from streamrl.config import Config
+from streamrl.learner.batch import TrainSequence, collate
+from streamrl.learner.losses import gae, normaliser
+
+
+class ValueModel(torch.nn.Module):
+    def __init__(self, path: str, dtype: torch.dtype = torch.float32):
+        from transformers import AutoModel
+
+        super().__init__()
+        self.backbone = AutoModel.from_pretrained(path, dtype=dtype)
+        self.head = torch.nn.Linear(self.backbone.config.hidden_size, 1, dtype=dtype)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.head(hidden).squeeze(-1).float()
+
+
+def gae_advantages(values: torch.Tensor, seqs: list[TrainSequence], gamma: float, lam: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token advantages and returns ``[B, T]`` for a collated micro-batch (0 off the generated tokens)."""
+    advantages, returns = torch.zeros_like(values), torch.zeros_like(values)
+    for b, seq in enumerate(seqs):
+        steps = torch.as_tensor(seq.mask.astype(bool)).nonzero().squeeze(-1)
+        if steps.numel() == 0:
+            continue
+        rewards = torch.zeros(steps.numel())
+        rewards[-1] = seq.reward
+        adv, ret = gae(rewards, values[b, steps], gamma, lam)
+        advantages[b, steps], returns[b, steps] = adv, ret
+    return advantages, returns
+
+
+class Critic:
+    def __init__(self, cfg: Config, path: str):
+        import deepspeed
+
+        from streamrl.learner.engine import deepspeed_config
+
+        self.cfg = cfg
+        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        model = ValueModel(path, dtype)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learner.critic_lr)
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+
+    @torch.no_grad()
+    def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+
+    def prepare(self, shard: list[list[TrainSequence]]) -> list[dict[str, Any] | None]:
+        """Collate each micro-batch and put GAE advantages and returns into it (before any update)."""
+        out = []
+        for mb in shard:
+            if not mb:
+                out.append(None)
+                continue
+            batch = collate(mb)
+            batch["old_values"] = self.values(batch)
+            batch["advantages"], batch["returns"] = gae_advantages(batch["old_values"], mb, self.cfg.learner.gamma,
+                                                                   self.cfg.learner.lam)
+            out.append(batch)
+        return out
+
+    def step(self, batches: list[dict[str, Any] | None], global_tokens: int) -> dict[str, float]:
+        scale = normaliser(global_tokens, self.world_size)
+        eps, total = self.cfg.learner.value_clip, 0.0
+        for i, batch in enumerate(batches):
+            last = i == len(batches) - 1
+            self.engine.set_gradient_accumulation_boundary(last)
+            if batch is None:
+                loss = sum(p.sum() * 0.0 for p in self.engine.module.parameters())
+            else:
+                v = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                old, ret, mask = batch["old_values"], batch["returns"], batch["mask"]
+                clipped = old + (v - old).clamp(-eps, eps)
+                loss = (0.5 * torch.maximum((v - ret) ** 2, (clipped - ret) ** 2) * mask).sum()
+                total += float(loss.detach())
+            self.engine.backward(loss * scale)
+            self.engine.step()
+        return {"value_loss": total / max(global_tokens, 1)}
