@@ -69,3 +69,16 @@ def save_figure(fig, out: Path, name: str) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def cli(main, doc: str) -> None:
+    """``python -m benchmarks.NAME [--quick] [--out DIR]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a short run that still measures both sides")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    extra = {"--model": "HF model directory"} if "model" in main.__code__.co_varnames else {}
+    for flag, help_text in extra.items():
+        parser.add_argument(flag, help=help_text)
+    main(**vars(parser.parse_args()))

@@ -11,7 +11,6 @@ overhead) and to two servers.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import signal
@@ -22,12 +21,11 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import numpy as np
 
-from benchmarks.common import console, median, new_figure, print_table, save_figure, write_json
+from benchmarks.common import cli, console, median, new_figure, print_table, save_figure, write_json
 from streamrl.buffer.redis_server import free_port
-from streamrl.rollout.client import GenerateClient
+from streamrl.rollout.client import GenerateClient, wait_healthy
 from streamrl.rollout.engines.base import SamplingParams
 from streamrl.rollout.router import Router
 from streamrl.testing import make_tiny_model
@@ -85,27 +83,13 @@ def servers(model_dir: str, count: int, env: dict | None = None):
                 env={**os.environ, **(env or {})}))
             urls.append(f"http://127.0.0.1:{port}")
         for url, proc in zip(urls, procs):
-            _wait_healthy(url, proc)
+            wait_healthy(url, proc, timeout_s=120)
         yield urls
     finally:
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
         for proc in procs:
             proc.wait(30)
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server for {url} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(url)
 
 
 @contextmanager
@@ -213,9 +197,4 @@ def main(quick: bool = False, out: Path = Path("benchmarks/results"), model: str
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--model", help="HF model directory (default: a random ~19M Llama)")
-    args = parser.parse_args()
-    main(args.quick, args.out, args.model)
+    cli(main, __doc__)

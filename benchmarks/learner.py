@@ -10,7 +10,6 @@ non-finite guard). One process (a world of one, gloo), sides alternated per repe
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import console, median, new_figure, print_table, save_figure, write_json
+from benchmarks.common import cli, console, median, new_figure, print_table, save_figure, write_json
 from streamrl.learner import batch as batching
 from streamrl.learner.engine import token_logprobs
 from streamrl.learner.losses import PolicyLoss
@@ -113,8 +112,4 @@ def main(quick: bool = False, out: Path = Path("benchmarks/results")) -> dict:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    args = parser.parse_args()
-    main(args.quick, args.out)
+    cli(main, __doc__)

@@ -9,13 +9,12 @@ step time, so every point above 1 is idle time on the other ranks.
 
 from __future__ import annotations
 
-import argparse
 import heapq
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import console, new_figure, print_table, save_figure, write_json
+from benchmarks.common import cli, console, new_figure, print_table, save_figure, write_json
 from streamrl.learner.partition import karmarkar_karp
 
 
@@ -108,8 +107,4 @@ def main(quick: bool = False, out: Path = Path("benchmarks/results")) -> dict:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    args = parser.parse_args()
-    main(args.quick, args.out)
+    cli(main, __doc__)

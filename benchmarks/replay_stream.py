@@ -9,7 +9,6 @@ in the same run. streamrl's put adds encoding, validation and the atomic Lua put
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 import uuid
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import console, median, new_figure, print_table, save_figure, write_json
+from benchmarks.common import cli, console, median, new_figure, print_table, save_figure, write_json
 from streamrl.buffer import EmbeddedRedis, Namespace, ReplayStream, StreamReader
 from streamrl.protocol import encode_group
 from streamrl.testing import synthetic_group
@@ -131,8 +130,4 @@ def main(quick: bool = False, out: Path = Path("benchmarks/results")) -> dict:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    args = parser.parse_args()
-    main(args.quick, args.out)
+    cli(main, __doc__)

@@ -9,11 +9,11 @@ import sys
 import time
 import uuid
 
-import httpx
 import pytest
 
 from streamrl.buffer import EmbeddedRedis, Namespace
 from streamrl.buffer.redis_server import free_port
+from streamrl.rollout.client import wait_healthy
 
 
 @pytest.fixture(scope="session")
@@ -34,20 +34,6 @@ def tiny_model_dir(tmp_path_factory) -> str:
     from streamrl.testing import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
-
-
-def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(url)
 
 
 class Cluster:

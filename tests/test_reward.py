@@ -10,7 +10,7 @@ from streamrl.envs import Action
 from streamrl.envs.reward_model import RewardModelEnv
 from streamrl.rollout.reward_server import Pair, RewardModel, create_reward_app
 
-from conftest import wait_healthy
+from streamrl.rollout.client import wait_healthy
 
 
 PAIRS = [Pair(prompt="what is 12 plus 7", response="19"), Pair(prompt="the quick brown fox", response="jumps over"),

@@ -112,7 +112,7 @@ def test_a_raising_env_is_counted_not_fatal(fleet):
 def test_rlhf_groups_are_scored_by_a_reward_model_server(fleet, reward_dir, tmp_path):
     from streamrl.buffer.redis_server import free_port
 
-    from conftest import wait_healthy
+    from streamrl.rollout.client import wait_healthy
 
     port = free_port()
     server = fleet.start("serve-reward", f"reward.model_path={reward_dir}", f"reward.port={port}")

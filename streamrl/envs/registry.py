@@ -20,19 +20,24 @@ def available() -> list[str]:
     return sorted(ep.name for ep in entry_points(group=GROUP))
 
 
-def env_class(name: str) -> type[Env]:
+def load_plugin(name: str, group: str, what: str) -> Any:
+    """``module:attr``, or the entry point called ``name`` in ``group``; errors say what was looked for."""
     if ":" in name:
         module, _, attr = name.partition(":")
         try:
-            cls = getattr(importlib.import_module(module), attr)
+            return getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as e:
-            raise ValueError(f"cannot load env {name!r}: {e}") from None
-    else:
-        found = [ep for ep in entry_points(group=GROUP) if ep.name == name]
-        if not found:
-            raise ValueError(f"unknown env {name!r}; installed: {', '.join(available()) or 'none'}; "
-                             "or give module:Class")
-        cls = found[0].load()
+            raise ValueError(f"cannot load {what} {name!r}: {e}") from None
+    found = [ep for ep in entry_points(group=group) if ep.name == name]
+    if not found:
+        installed = sorted(ep.name for ep in entry_points(group=group))
+        raise ValueError(f"unknown {what} {name!r}; installed: {', '.join(installed) or 'none'}; "
+                         "or give module:attribute")
+    return found[0].load()
+
+
+def env_class(name: str) -> type[Env]:
+    cls = load_plugin(name, GROUP, "env")
     if not (isinstance(cls, type) and issubclass(cls, Env)):
         raise ValueError(f"env {name!r} is {cls!r}, not a subclass of streamrl.envs.Env")
     return cls

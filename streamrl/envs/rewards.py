@@ -7,12 +7,11 @@ Built-in: ``exact_match`` (the reply, stripped, equals ``item["answer"]``) and
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
-from importlib.metadata import entry_points
 from typing import Any
 
 from streamrl.envs.arithmetic import last_number as _last_number
+from streamrl.envs.registry import load_plugin
 
 RewardFn = Callable[[dict[str, Any], str], float]
 GROUP = "streamrl.rewards"
@@ -27,18 +26,7 @@ def last_number(item: dict[str, Any], response: str) -> float:
 
 
 def reward_fn(name: str) -> RewardFn:
-    if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"cannot load reward function {name!r}: {e}") from None
-    else:
-        found = [ep for ep in entry_points(group=GROUP) if ep.name == name]
-        if not found:
-            names = sorted(ep.name for ep in entry_points(group=GROUP))
-            raise ValueError(f"unknown reward function {name!r}; installed: {', '.join(names)}; or give module:function")
-        fn = found[0].load()
+    fn = load_plugin(name, GROUP, "reward function")
     if not callable(fn):
         raise ValueError(f"reward function {name!r} is {fn!r}, not callable")
     return fn

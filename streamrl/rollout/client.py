@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import subprocess
+import time
 from dataclasses import asdict
 
 import httpx
@@ -90,3 +92,18 @@ def _versions(meta: dict, n: int) -> list[int]:
         return versions
     # A stock SGLang server reports one weight_version (a string) for the whole response.
     return [int(meta.get("weight_version") or 0)] * n
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 60.0) -> None:
+    """Block until ``url/health`` answers 200; fail early if ``proc`` (the server) has exited."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the process serving {url} exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url}/health did not answer within {timeout_s:.0f}s")
