@@ -128,6 +128,7 @@ class LearnerConfig(Section):
     lr: float = Field(1e-5, gt=0)
     warmup_steps: int = Field(0, ge=0)
     max_steps: int = Field(100, ge=1)
+    epochs: int = Field(1, ge=1, description="optimizer steps over each batch (PPO epochs)")
     micro_batch_tokens: int = Field(8192, ge=1, description="token budget of one micro-batch")
     zero_stage: int = Field(0, ge=0, le=3)
     grad_clip: float = Field(1.0, gt=0)

@@ -237,3 +237,17 @@ def test_ppo_critic_learns_the_returns(engine, tiny_model_dir):
         value_losses.append(critic.step(batches, n)["value_loss"])
     assert stats["skipped"] == 0.0
     assert value_losses[-1] < value_losses[0]
+
+
+@pytest.mark.slow
+def test_epochs_reuse_the_proximal_so_the_ratio_is_one_only_on_the_first(engine):
+    shard, n = _shard()
+    for s in (s for mb in shard for s in mb):  # on-policy: behaviour = the current weights
+        b = batching.collate([s])
+        with torch.no_grad():
+            s.logprobs = token_logprobs(engine.module(input_ids=b["input_ids"]).logits, b["input_ids"], 1.0)[0].numpy()
+    batches = [batching.collate(mb) if mb else None for mb in shard]
+    first = engine.step(shard, n, batches=batches)
+    second = engine.step(shard, n, batches=batches)
+    assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert abs(second["ratio_mean"] - 1.0) > 1e-6  # the weights moved; the proximal did not

@@ -90,11 +90,14 @@ class PolicyEngine:
         (reported as ``skipped``): nothing of that batch reaches the weights.
         """
         batches = batches if batches is not None else [collate(mb) if mb else None for mb in shard]
-        prox = self.proximal([b for b in batches if b is not None]) if self.cfg.off_policy.correction != "none" else None
-        prox_iter = iter(prox or [])
+        if self.cfg.off_policy.correction != "none":  # kept on the batch: later epochs reuse the step's start
+            for b in batches:
+                if b is not None and "proximal" not in b:
+                    b["proximal"] = self.proximal([b])[0]
+        prox_iter = iter([b.get("proximal") for b in batches if b is not None])
         scale = normaliser(global_tokens, self.world_size)
-        stats = {"loss": 0.0, "tokens": 0.0, "padding": 0.0, "clip_frac": 0.0, "is_weight_max": 0.0,
-                 "entropy": 0.0, "kl": 0.0}
+        stats = {"loss": 0.0, "tokens": 0.0, "padding": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0,
+                 "is_weight_max": 0.0, "entropy": 0.0, "kl": 0.0}
         work = [(b, lambda b: self._loss(b, next(prox_iter, None), stats), scale) for b in batches]
         if ptx:
             ptx_batch = collate(ptx)
@@ -119,6 +122,7 @@ class PolicyEngine:
             stats["skipped"] = 0.0
         n = max(stats["tokens"], 1.0)
         stats["clip_frac"] /= n
+        stats["ratio_mean"] /= n
         stats["entropy"] /= n
         stats["kl"] /= n
         stats["loss"] /= max(global_tokens, 1)
@@ -146,6 +150,7 @@ class PolicyEngine:
         stats["tokens"] += n
         stats["padding"] += float((batch["attention_mask"] == 0).sum())
         stats["clip_frac"] += float(s["clip_frac"]) * n
+        stats["ratio_mean"] += float(s["ratio_mean"].detach()) * n
         stats["is_weight_max"] = max(stats["is_weight_max"], float(s["is_weight_max"]))
         return per_token.sum()
 

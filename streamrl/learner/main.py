@@ -116,16 +116,19 @@ class Learner:
         shard, global_tokens = batching.unpack(_send(payloads))
         t0 = time.perf_counter()
         ptx = self.ptx.for_step(self.version, self.rank, self.world, self.cfg.learner.ptx_per_rank) if self.ptx else None
-        batches = self.critic.prepare(shard) if self.critic else None
-        stats = self.policy.step(shard, global_tokens, ptx, batches)
-        if self.critic and not stats["skipped"]:
-            stats.update(self.critic.step(batches, global_tokens))
+        batches = self.critic.prepare(shard) if self.critic else [batching.collate(mb) if mb else None for mb in shard]
+        for _epoch in range(self.cfg.learner.epochs):  # PPO epochs: one optimizer step each, same data
+            stats = self.policy.step(shard, global_tokens, ptx, batches)
+            if stats["skipped"]:
+                break
+            if self.critic:
+                stats.update(self.critic.step(batches, global_tokens))
         if stats["skipped"]:  # nothing reached the weights: the version stays, the batch is reported
             log.warning("step skipped: non-finite loss or gradient")
             if self.rank == 0:
                 self._write({"step": self.version, "time": time.time(), **info, **stats, "cursor": self.reader.cursor})
             return stats
-        self.version += 1
+        self.version += 1  # one policy version per step of the loop, however many epochs it ran
         if self.version % self.cfg.learner.checkpoint_every == 0:
             self.checkpoint()
         if self.version % self.cfg.learner.export_every == 0:
