@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from streamrl.config import Config, ConfigError, dump_config, load_config
 
@@ -33,7 +34,7 @@ def _load(config: Path | None, overrides: list[str] | None) -> Config:
     try:
         return load_config(config, overrides)
     except ConfigError as e:
-        err.print(f"[red]config error:[/] {e}", highlight=False, markup=True, soft_wrap=True)
+        err.print(f"[red]config error:[/] {escape(str(e))}", highlight=False, markup=True, soft_wrap=True)
         raise typer.Exit(2) from None
 
 
@@ -63,7 +64,7 @@ def serve(
     try:
         run_server(cfg, port=port)
     except (ValueError, OSError) as e:
-        err.print(f"[red]streamrl serve:[/] {e}", soft_wrap=True)
+        err.print(f"[red]streamrl serve:[/] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2) from None
 
 
@@ -76,7 +77,7 @@ def serve_reward(config: ConfigArg = None, overrides: OverridesArg = None) -> No
     try:
         run(cfg)
     except (ValueError, OSError) as e:
-        err.print(f"[red]streamrl serve-reward:[/] {e}", soft_wrap=True)
+        err.print(f"[red]streamrl serve-reward:[/] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2) from None
 
 
@@ -135,7 +136,7 @@ def launch_rollout(
     try:
         launch(cfg, name, groups)
     except (ValueError, DatasetError, OSError) as e:
-        err.print(f"[red]streamrl launch-rollout:[/] {e}", soft_wrap=True)
+        err.print(f"[red]streamrl launch-rollout:[/] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2) from None
 
 
@@ -160,7 +161,7 @@ def launch_learner(
     try:
         launch(cfg, steps)
     except ValueError as e:
-        err.print(f"[red]streamrl launch-learner:[/] {e}", soft_wrap=True)
+        err.print(f"[red]streamrl launch-learner:[/] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2) from None
 
 
@@ -196,7 +197,7 @@ def convert_smollm2(out: Annotated[Path, typer.Argument(help="Directory to write
     try:
         err.print(f"wrote {convert(out)}")
     except FileNotFoundError as e:
-        err.print(f"[red]convert-smollm2:[/] {e}", soft_wrap=True)
+        err.print(f"[red]convert-smollm2:[/] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2) from None
 
 

@@ -83,3 +83,8 @@ def test_launch_rollout_without_redis_says_so():
 def test_launch_learner_without_redis_says_so():
     out = _run("launch-learner", "configs/quickstart.yaml")
     assert out.returncode == 2 and "redis.url is not set" in out.stderr
+
+
+def test_error_text_is_printed_literally_not_as_markup():
+    out = _run("config", "run.name=[bold]x")
+    assert out.returncode == 2 and "'[bold]x'" in out.stderr
