@@ -140,6 +140,7 @@ class LearnerConfig(Section):
     critic_path: str | None = Field(None, description="PPO: value model start (default: the policy)")
     critic_lr: float = Field(1e-5, gt=0)
     value_clip: float = Field(0.2, gt=0)
+    whiten_advantages: bool = Field(True, description="PPO: normalise advantages over the global batch")
     entropy_coef: float = Field(0.0, ge=0)
     checkpoint_every: int = Field(50, ge=1, description="optimizer steps between checkpoints")
     resume: Literal["auto", "never"] = Field("auto", description="auto: continue from the newest checkpoint")

@@ -76,6 +76,8 @@ class Critic:
             batch["advantages"], batch["returns"] = gae_advantages(batch["old_values"], mb, self.cfg.learner.gamma,
                                                                    self.cfg.learner.lam)
             out.append(batch)
+        if self.cfg.learner.whiten_advantages:
+            _whiten([b for b in out if b is not None])
         return out
 
     def step(self, batches: list[dict[str, Any] | None], global_tokens: int) -> dict[str, float]:
@@ -95,3 +97,22 @@ class Critic:
             self.engine.backward(loss * scale)
             self.engine.step()
         return {"value_loss": total / max(global_tokens, 1)}
+
+
+def _whiten(batches: list[dict[str, Any]]) -> None:
+    """Advantages to zero mean, unit variance over the generated tokens of the whole global batch."""
+    import torch.distributed as dist
+
+    moments = torch.zeros(3, dtype=torch.float64)
+    for b in batches:
+        a, m = b["advantages"].double(), b["mask"].double()
+        moments += torch.stack([(a * m).sum(), (a * a * m).sum(), m.sum()])
+    if dist.is_initialized():
+        dist.all_reduce(moments)
+    total, squares, count = moments.tolist()
+    if count < 2:
+        return
+    mean = total / count
+    std = max(squares / count - mean**2, 0.0) ** 0.5
+    for b in batches:
+        b["advantages"] = (b["advantages"] - mean) / (std + 1e-6) * b["mask"]

@@ -104,22 +104,27 @@ class PolicyEngine:
             ptx_scale = normaliser(self._sum_over_ranks(float(ptx_batch["mask"].sum())), self.world_size)
             work.append((ptx_batch, lambda b: self._ptx_loss(b, stats), ptx_scale))
         bad = False
+        timer = _Timer()
         for i, (batch, loss_of, weight) in enumerate(work):
             last = i == len(work) - 1
             self.engine.set_gradient_accumulation_boundary(last)
-            loss = self._zero_loss() if batch is None else loss_of(batch)
+            with timer("forward_s"):
+                loss = self._zero_loss() if batch is None else loss_of(batch)
             if not torch.isfinite(loss):
                 bad, loss = True, self._zero_loss()  # keep the ranks' collectives in step
-            self.engine.backward(loss * weight)
+            with timer("backward_s"):
+                self.engine.backward(loss * weight)
             if not last:
                 self.engine.step()
-        if self._any_rank(bad or not self._grads_finite()):
-            self.engine.zero_grad()
-            self.engine.optimizer.zero_grad()
-            stats["skipped"] = 1.0
-        else:
-            self.engine.step()
-            stats["skipped"] = 0.0
+        with timer("optimizer_s"):
+            if self._any_rank(bad or not self._grads_finite()):
+                self.engine.zero_grad()
+                self.engine.optimizer.zero_grad()
+                stats["skipped"] = 1.0
+            else:
+                self.engine.step()
+                stats["skipped"] = 0.0
+        stats.update(timer.totals)
         n = max(stats["tokens"], 1.0)
         stats["clip_frac"] /= n
         stats["ratio_mean"] /= n
@@ -184,6 +189,25 @@ class PolicyEngine:
         if dist.is_initialized():
             dist.all_reduce(t)
         return bool(t.item() > 0)
+
+
+class _Timer:
+    """Wall time per phase of a step (forward, backward, optimizer), summed over micro-batches."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+
+    def __call__(self, name: str):
+        import contextlib
+        import time
+
+        @contextlib.contextmanager
+        def span():
+            t0 = time.perf_counter()
+            yield
+            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - t0
+
+        return span()
 
 
 def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
