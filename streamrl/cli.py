@@ -23,6 +23,14 @@ app = typer.Typer(
 )
 err = Console(stderr=True)
 
+@app.callback()
+def _root(
+    local_rank: Annotated[Optional[int], typer.Option("--local_rank", "--local-rank", hidden=True,
+                                                      help="Set by the deepspeed launcher; LOCAL_RANK is read.")] = None,
+) -> None:
+    """Fully asynchronous, off-policy, streaming RL for LLMs."""
+
+
 ConfigArg = Annotated[Optional[Path], typer.Argument(help="YAML config file (defaults when omitted).")]
 OverridesArg = Annotated[Optional[list[str]], typer.Argument(help="Overrides such as learner.lr=1e-5.")]
 

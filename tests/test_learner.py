@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from streamrl.buffer import Namespace, PolicyVersion, ReplayStream
+from streamrl.buffer.redis_server import free_port
 from streamrl.learner import batch as batching
 from streamrl.learner.engine import token_logprobs
 from streamrl.protocol import Group, Sample
@@ -47,8 +48,8 @@ def test_learner_logprobs_are_the_tempered_logprobs_of_each_next_token():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero_stage", [0, 3])
-def test_two_rank_learner_trains_from_the_replay_stream(redis_server, tiny_model_dir, tmp_path, zero_stage):
+@pytest.mark.parametrize("zero_stage, launcher", [(0, "torchrun"), (3, "deepspeed")])
+def test_two_rank_learner_trains_from_the_replay_stream(redis_server, tiny_model_dir, tmp_path, zero_stage, launcher):
     ns = Namespace.open(redis_server.url, f"learner-e2e-{zero_stage}")
     stream, rng = ReplayStream(ns), np.random.default_rng(0)
     ids = []
@@ -56,8 +57,12 @@ def test_two_rank_learner_trains_from_the_replay_stream(redis_server, tiny_model
         vocab = 10_000 if i in (3, 9) else 200  # two groups the model cannot embed
         ids.append(stream.put(synthetic_group(4, int(rng.integers(20, 60)), prompt_len=8, vocab=vocab, rng=rng,
                                               prompt_id=str(i))))
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "streamrl"]
+              if launcher == "torchrun" else
+              [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
+               "--module", "streamrl"])
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "streamrl", "launch-learner",
+        [*launch, "launch-learner",
          f"model.path={tiny_model_dir}", f"redis.url={redis_server.url}", f"run.name={ns.run}",
          f"run.dir={tmp_path}", "learner.groups_per_step=4", "learner.micro_batch_tokens=128",
          f"learner.zero_stage={zero_stage}", "off_policy.max_staleness=8", "--steps", "3"],
