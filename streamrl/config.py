@@ -145,6 +145,8 @@ class LearnerConfig(Section):
     checkpoint_every: int = Field(50, ge=1, description="optimizer steps between checkpoints")
     resume: Literal["auto", "never"] = Field("auto", description="auto: continue from the newest checkpoint")
     export_every: int = Field(50, ge=1, description="optimizer steps between plain HF exports (and one at the end)")
+    tensorboard: bool = Field(False, description="also write metrics to runs/NAME/tensorboard")
+    wandb_project: str | None = Field(None, description="also log metrics to this W&B project")
     deepspeed_config: Path | None = Field(None, description="user DeepSpeed JSON, used as is")
     ptx_dataset: str | None = Field(None, description="SFT rows mixed into each step (prompt/completion or text)")
     ptx_coef: float = Field(0.0, ge=0, description="weight of the SFT loss (mean token cross-entropy)")

@@ -8,7 +8,6 @@ steps; rank 0 bumps the policy version in Redis and writes a metrics line.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -22,6 +21,7 @@ from streamrl.config import Config
 from streamrl.learner import batch as batching
 from streamrl.learner import checkpoint
 from streamrl.learner.engine import PolicyEngine
+from streamrl.learner.metrics import MetricsSink
 from streamrl.learner.partition import plan_micro_batches
 
 log = logging.getLogger("streamrl.learner")
@@ -77,8 +77,9 @@ class Learner:
             self.admission = Admission(ns, max_staleness=cfg.off_policy.max_staleness,
                                        groups_per_step=cfg.learner.groups_per_step)
             self.versions.set(self.version)
-            self.metrics = Path(cfg.run.path) / "metrics" / "learner.jsonl"
-            self.metrics.parent.mkdir(parents=True, exist_ok=True)
+            self.metrics = MetricsSink(Path(cfg.run.path), tensorboard=cfg.learner.tensorboard,
+                                       wandb_project=cfg.learner.wandb_project, run_name=cfg.run.name,
+                                       config=cfg.model_dump(mode="json"))
 
     def _collect(self) -> tuple[list, dict]:
         """``groups_per_step`` fresh groups from the stream; stale ones dropped (and counted) or kept."""
@@ -149,8 +150,7 @@ class Learner:
                              zero_stage=self.cfg.learner.zero_stage)
 
     def _write(self, record: dict) -> None:
-        with self.metrics.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        self.metrics.write(record)
 
     def checkpoint(self) -> None:
         """Save on every rank (the cursor is rank 0's); then trim what the checkpoint covers."""
@@ -179,4 +179,6 @@ def launch(cfg: Config, steps: int | None = None) -> None:
             log.info("step %(step)s  reward %(reward_mean).3f  loss %(loss).4f  tokens %(tokens_global)d", record)
     if learner.version % cfg.learner.export_every:  # the final weights, for serving and evaluation
         learner.export()
+    if learner.rank == 0:
+        learner.metrics.close()
     dist.barrier()
