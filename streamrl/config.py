@@ -134,7 +134,8 @@ class LearnerConfig(Section):
     grad_clip: float = Field(1.0, gt=0)
     clip_eps: float = Field(0.2, gt=0)
     clip_eps_high: float | None = None
-    kl_coef: float = Field(0.0, ge=0)
+    kl_coef: float = Field(0.0, ge=0, description="weight of KL to the initial policy (0: none)")
+    kl_in_reward: bool = Field(False, description="subtract the KL from rewards instead of adding it to the loss")
     gamma: float = Field(1.0, ge=0, le=1, description="PPO: discount over generated tokens")
     lam: float = Field(0.95, ge=0, le=1, description="PPO: GAE lambda")
     critic_path: str | None = Field(None, description="PPO: value model start (default: the policy)")

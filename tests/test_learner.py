@@ -259,3 +259,25 @@ def test_epochs_reuse_the_proximal_so_the_ratio_is_one_only_on_the_first(engine)
     second = engine.step(shard, n, batches=batches)
     assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert abs(second["ratio_mean"] - 1.0) > 1e-6  # the weights moved; the proximal did not
+
+
+def test_kl_in_the_reward_is_the_behaviour_minus_reference_logprob_sum(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tokens = [5, 9, 14, 20, 33]
+    with torch.no_grad():
+        ref = torch.log_softmax(reference(input_ids=torch.tensor([tokens])).logits[0, :-1], -1)
+    ref_lp = ref[torch.arange(4), torch.tensor(tokens[1:])].numpy()
+    mask = [0, 0, 1, 1, 1]
+
+    def sample(shift, reward):
+        lp = np.zeros(5, np.float32)
+        lp[2:] = ref_lp[1:] + shift  # behaviour logprobs of the generated tokens
+        return Sample(tokens=tokens, loss_mask=mask, logprobs=lp, versions=[-1, -1, 0, 0, 0], reward=reward)
+
+    group = Group("p", "e", [sample(0.0, 1.0), sample(-0.1, 1.0)])
+    [penalties] = batching.kl_penalties([group], reference, coef=0.5, temperature=1.0)
+    assert penalties == pytest.approx([0.0, 0.5 * 3 * -0.1], abs=1e-5)  # coef * sum over 3 generated tokens
+    seqs = batching.sequences([group], version=0, algorithm="rloo", penalties=[penalties])
+    assert [float(s.advantages[0]) for s in seqs] == pytest.approx([-0.15, 0.15], abs=1e-5)

@@ -41,18 +41,25 @@ def stale(group: Group, version: int, max_staleness: int) -> bool:
     return oldest >= 0 and version - oldest > max_staleness
 
 
-def sequences(groups: list[Group], version: int, algorithm: str) -> list[TrainSequence]:
-    """Every sequence of every sample, with its sample's advantage on each of its tokens."""
+def sequences(groups: list[Group], version: int, algorithm: str,
+              penalties: list[np.ndarray] | None = None) -> list[TrainSequence]:
+    """Every sequence of every sample, with its sample's advantage on each of its tokens.
+
+    ``penalties[g][i]`` is subtracted from sample i of group g's reward first (KL in the reward).
+    """
     out = []
-    for group in groups:
-        adv = advantages(np.array([s.reward for s in group.samples]), algorithm)
-        for sample, a in zip(group.samples, adv):
+    for g, group in enumerate(groups):
+        rewards = np.array([s.reward for s in group.samples])
+        if penalties is not None:
+            rewards = rewards - penalties[g]
+        adv = advantages(rewards, algorithm)
+        for i, (sample, a) in enumerate(zip(group.samples, adv)):
             oldest = int(sample.generated_versions.min())
             for part in sample.sequences():
                 out.append(TrainSequence(
                     tokens=sample.tokens[part], mask=sample.loss_mask[part], logprobs=sample.logprobs[part],
                     advantages=np.full(part.stop - part.start, a, np.float32), staleness=version - oldest,
-                    reward=float(sample.reward)))
+                    reward=float(sample.reward - (penalties[g][i] if penalties is not None else 0.0))))
     return out
 
 
@@ -89,3 +96,23 @@ def collate(mb: list[TrainSequence]) -> dict[str, torch.Tensor]:
         attention[i, : len(s)] = 1
     return {"input_ids": pad("tokens", torch.long), "attention_mask": attention, "mask": pad("mask", torch.float32),
             "logprobs": pad("logprobs", torch.float32), "advantages": pad("advantages", torch.float32)}
+
+
+@torch.no_grad()
+def kl_penalties(groups: list[Group], reference: torch.nn.Module, coef: float, temperature: float) -> list[np.ndarray]:
+    """``coef * sum_t (log pi_behav - log pi_ref)`` over each sample's generated tokens (k1, from the data's
+    behaviour logprobs, so only the frozen reference runs a forward)."""
+    out = []
+    for group in groups:
+        penalties = []
+        for sample in group.samples:
+            total = 0.0
+            for part in sample.sequences():
+                ids = torch.as_tensor(sample.tokens[part], dtype=torch.long)[None]
+                logits = reference(input_ids=ids).logits[0, :-1].float() / (temperature or 1.0)
+                ref = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].numpy()
+                mask = sample.loss_mask[part][1:].astype(bool)
+                total += float((sample.logprobs[part][1:][mask] - ref[mask]).sum())
+            penalties.append(coef * total)
+        out.append(np.array(penalties))
+    return out

@@ -65,7 +65,7 @@ class PolicyEngine:
         self.temperature = cfg.rollout.sampling.temperature
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.reference = None
-        if cfg.learner.kl_coef > 0:  # a frozen copy of the initial policy
+        if cfg.learner.kl_coef > 0 and not cfg.learner.kl_in_reward:  # a frozen copy of the initial policy
             self.reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval().requires_grad_(False)
 
     @property

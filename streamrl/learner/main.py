@@ -13,6 +13,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -67,6 +68,11 @@ class Learner:
         self.checkpoints = Path(cfg.run.path) / "checkpoints"
         resumed = checkpoint.load(self.policy.engine, self.checkpoints) if cfg.learner.resume == "auto" else None
         self.version = resumed["version"] if resumed else 0
+        self.reference = None
+        if self.rank == 0 and cfg.learner.kl_in_reward and cfg.learner.kl_coef > 0:
+            from transformers import AutoModelForCausalLM
+
+            self.reference = AutoModelForCausalLM.from_pretrained(cfg.model.path).eval().requires_grad_(False)
         if self.rank == 0:
             ns = Namespace.open(redis_url, cfg.run.name)
             self.stream = ReplayStream(ns)
@@ -104,7 +110,12 @@ class Learner:
         payloads, info = None, {}
         if self.rank == 0:
             groups, info = self._collect()
-            seqs = batching.sequences(groups, self.version, self.cfg.learner.algorithm)
+            penalties = None
+            if self.reference is not None:
+                penalties = batching.kl_penalties(groups, self.reference, self.cfg.learner.kl_coef,
+                                                  self.cfg.rollout.sampling.temperature)
+                info["kl_penalty_mean"] = float(np.mean(np.concatenate(penalties)))
+            seqs = batching.sequences(groups, self.version, self.cfg.learner.algorithm, penalties)
             plan = plan_micro_batches([len(s) for s in seqs], self.world, self.cfg.learner.micro_batch_tokens)
             global_tokens = int(sum(s.mask.sum() for s in seqs))
             loads = [sum(len(seqs[i]) for i in mb) for rank in plan.ranks for mb in rank]
