@@ -126,6 +126,7 @@ class LearnerConfig(Section):
     algorithm: Literal["rloo", "grpo", "ppo"] = "rloo"
     groups_per_step: int = Field(8, ge=1)
     lr: float = Field(1e-5, gt=0)
+    optimizer: Literal["adamw", "sgd"] = "adamw"
     warmup_steps: int = Field(0, ge=0)
     max_steps: int = Field(100, ge=1)
     epochs: int = Field(1, ge=1, description="optimizer steps over each batch (PPO epochs)")

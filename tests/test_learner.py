@@ -281,3 +281,20 @@ def test_kl_in_the_reward_is_the_behaviour_minus_reference_logprob_sum(tiny_mode
     assert penalties == pytest.approx([0.0, 0.5 * 3 * -0.1], abs=1e-5)  # coef * sum over 3 generated tokens
     seqs = batching.sequences([group], version=0, algorithm="rloo", penalties=[penalties])
     assert [float(s.advantages[0]) for s in seqs] == pytest.approx([-0.15, 0.15], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_the_deepspeed_step_on_an_uneven_two_rank_split_equals_one_rank_on_the_whole_batch(tiny_model_dir, tmp_path):
+    script = str(__import__("pathlib").Path(__file__).parent / "ddp_equivalence.py")
+    for ranks in (1, 2):
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+                              "--master_port", str(free_port()), script, tiny_model_dir, str(tmp_path / f"{ranks}.pt")],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+    one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
+    from transformers import AutoModelForCausalLM
+
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert max((one[k] - initial[k]).abs().max().item() for k in one) > 1e-4
+    for k in one:
+        assert torch.allclose(one[k], two[k], atol=1e-6), k

@@ -55,7 +55,9 @@ class PolicyEngine:
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
         model.config.use_cache = False
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr)  # no Adam op to compile
+        # torch's optimizers: nothing to compile, the same on CPU and GPU
+        optimizer = (torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr) if cfg.learner.optimizer == "adamw"
+                     else torch.optim.SGD(model.parameters(), lr=cfg.learner.lr))
         warmup = cfg.learner.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
