@@ -134,7 +134,10 @@ class LearnerConfig(Section):
     zero_stage: int = Field(0, ge=0, le=3)
     grad_clip: float = Field(1.0, gt=0)
     clip_eps: float = Field(0.2, gt=0)
-    clip_eps_high: float | None = None
+    clip_eps_high: float | None = Field(None, description="upper clip (DAPO's clip-higher); default clip_eps")
+    dual_clip: float | None = Field(None, gt=1, description="bound the loss of negative advantages at c|A|")
+    loss_agg: Literal["token", "sequence"] = Field("token", description="mean over all tokens, or of sequence means")
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_coef: float = Field(0.0, ge=0, description="weight of KL to the initial policy (0: none)")
     kl_in_reward: bool = Field(False, description="subtract the KL from rewards instead of adding it to the loss")
     gamma: float = Field(1.0, ge=0, le=1, description="PPO: discount over generated tokens")

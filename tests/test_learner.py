@@ -30,9 +30,9 @@ def test_sequences_carry_their_samples_rloo_advantage_and_staleness():
 
 def test_rank_shards_round_trip_without_pickle():
     seqs = batching.sequences([synthetic_group(3, 10, prompt_len=4)], version=1, algorithm="grpo")
-    payload = batching.pack([[seqs[0], seqs[1]], [seqs[2]]], global_tokens=18)
-    shard, n = batching.unpack(payload)
-    assert n == 18 and [len(mb) for mb in shard] == [2, 1]
+    payload = batching.pack([[seqs[0], seqs[1]], [seqs[2]]], global_tokens=18, global_sequences=3)
+    shard, n, n_seqs = batching.unpack(payload)
+    assert (n, n_seqs) == (18, 3) and [len(mb) for mb in shard] == [2, 1]
     assert all(np.array_equal(a.tokens, b.tokens) and np.array_equal(a.advantages, b.advantages)
                for a, b in zip([s for mb in shard for s in mb], seqs))
     batch = batching.collate(shard[0])
@@ -284,11 +284,14 @@ def test_kl_in_the_reward_is_the_behaviour_minus_reference_logprob_sum(tiny_mode
 
 
 @pytest.mark.slow
-def test_the_deepspeed_step_on_an_uneven_two_rank_split_equals_one_rank_on_the_whole_batch(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("agg", ["token", "sequence"])
+def test_the_deepspeed_step_on_an_uneven_two_rank_split_equals_one_rank_on_the_whole_batch(tiny_model_dir, tmp_path,
+                                                                                          agg):
     script = str(__import__("pathlib").Path(__file__).parent / "ddp_equivalence.py")
     for ranks in (1, 2):
         out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-                              "--master_port", str(free_port()), script, tiny_model_dir, str(tmp_path / f"{ranks}.pt")],
+                              "--master_port", str(free_port()), script, tiny_model_dir, str(tmp_path / f"{ranks}.pt"),
+                              agg],
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
     one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")

@@ -66,18 +66,18 @@ def sequences(groups: list[Group], version: int, algorithm: str,
 # ------------------------------------------------------------------ rank shards on the wire (msgpack, no pickle)
 
 
-def pack(shard: list[list[TrainSequence]], global_tokens: int) -> bytes:
-    return msgpack.packb({"global_tokens": global_tokens, "micro_batches": [
+def pack(shard: list[list[TrainSequence]], global_tokens: int, global_sequences: int = 0) -> bytes:
+    return msgpack.packb({"global_tokens": global_tokens, "global_sequences": global_sequences, "micro_batches": [
         [[s.tokens.tobytes(), s.mask.tobytes(), s.logprobs.tobytes(), s.advantages.tobytes(), s.staleness, s.reward]
          for s in mb] for mb in shard]})
 
 
-def unpack(payload: bytes) -> tuple[list[list[TrainSequence]], int]:
+def unpack(payload: bytes) -> tuple[list[list[TrainSequence]], int, int]:
     raw = msgpack.unpackb(payload)
     shard = [[TrainSequence(np.frombuffer(t, np.int32), np.frombuffer(m, np.uint8), np.frombuffer(lp, np.float32),
                             np.frombuffer(a, np.float32), st, r) for t, m, lp, a, st, r in mb]
              for mb in raw["micro_batches"]]
-    return shard, raw["global_tokens"]
+    return shard, raw["global_tokens"], raw["global_sequences"]
 
 
 def collate(mb: list[TrainSequence]) -> dict[str, torch.Tensor]:
@@ -99,9 +99,10 @@ def collate(mb: list[TrainSequence]) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def kl_penalties(groups: list[Group], reference: torch.nn.Module, coef: float, temperature: float) -> list[np.ndarray]:
-    """``coef * sum_t (log pi_behav - log pi_ref)`` over each sample's generated tokens (k1, from the data's
-    behaviour logprobs, so only the frozen reference runs a forward)."""
+def kl_penalties(groups: list[Group], reference: torch.nn.Module, coef: float, temperature: float,
+                 estimator: str = "k1") -> list[np.ndarray]:
+    """``coef * sum_t KL_t(pi_behav || pi_ref)`` over each sample's generated tokens, estimated from the
+    data's behaviour logprobs, so only the frozen reference runs a forward."""
     out = []
     for group in groups:
         penalties = []
@@ -112,7 +113,8 @@ def kl_penalties(groups: list[Group], reference: torch.nn.Module, coef: float, t
                 logits = reference(input_ids=ids).logits[0, :-1].float() / (temperature or 1.0)
                 ref = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].numpy()
                 mask = sample.loss_mask[part][1:].astype(bool)
-                total += float((sample.logprobs[part][1:][mask] - ref[mask]).sum())
+                behav = torch.as_tensor(sample.logprobs[part][1:][mask])
+                total += float(losses.kl(behav, torch.as_tensor(ref[mask]), estimator).sum())
             penalties.append(coef * total)
         out.append(np.array(penalties))
     return out

@@ -63,7 +63,8 @@ class PolicyEngine:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg))
         self.loss = PolicyLoss(correction=cfg.off_policy.correction, clip_low=cfg.learner.clip_eps,
-                               clip_high=cfg.learner.clip_eps_high, tis_cap=cfg.off_policy.tis_cap)
+                               clip_high=cfg.learner.clip_eps_high, dual_clip=cfg.learner.dual_clip,
+                               tis_cap=cfg.off_policy.tis_cap)
         self.temperature = cfg.rollout.sampling.temperature
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.reference = None
@@ -84,7 +85,7 @@ class PolicyEngine:
         return out
 
     def step(self, shard: list[list[TrainSequence]], global_tokens: int, ptx: list[TrainSequence] | None = None,
-             batches: list[dict | None] | None = None) -> dict[str, float]:
+             batches: list[dict | None] | None = None, global_sequences: int | None = None) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches (and its SFT rows); returns statistics.
 
         ``batches``: the micro-batches already collated (PPO's carry per-token advantages).
@@ -97,7 +98,10 @@ class PolicyEngine:
                 if b is not None and "proximal" not in b:
                     b["proximal"] = self.proximal([b])[0]
         prox_iter = iter([b.get("proximal") for b in batches if b is not None])
-        scale = normaliser(global_tokens, self.world_size)
+        by_sequence = self.cfg.learner.loss_agg == "sequence"
+        if by_sequence:
+            global_sequences = global_sequences or self._sum_over_ranks(float(sum(len(mb) for mb in shard)))
+        scale = normaliser(int(global_sequences) if by_sequence else global_tokens, self.world_size)
         stats = {"loss": 0.0, "tokens": 0.0, "padding": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0,
                  "is_weight_max": 0.0, "entropy": 0.0, "kl": 0.0}
         work = [(b, lambda b: self._loss(b, next(prox_iter, None), stats), scale) for b in batches]
@@ -130,6 +134,9 @@ class PolicyEngine:
         n = max(stats["tokens"], 1.0)
         stats["clip_frac"] /= n
         stats["ratio_mean"] /= n
+        for key in ("adv_sum", "is_weight_mean", "is_capped_frac"):
+            if key in stats:
+                stats[key.replace("_sum", "_mean")] = stats.pop(key) / n
         stats["entropy"] /= n
         stats["kl"] /= n
         stats["loss"] /= max(global_tokens, 1)
@@ -149,16 +156,23 @@ class PolicyEngine:
         if self.reference is not None:
             with torch.no_grad():
                 ref_logits = self.reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            k = kl(logp, token_logprobs(ref_logits, batch["input_ids"], self.temperature), "k3")
+            k = kl(logp, token_logprobs(ref_logits, batch["input_ids"], self.temperature), self.cfg.learner.kl_estimator)
             per_token = per_token + self.cfg.learner.kl_coef * k * mask
             stats["kl"] += float((k * mask).sum().detach())
         n = float(mask.sum())
         stats["loss"] += float(per_token.sum().detach())
+        stats["adv_sum"] = stats.get("adv_sum", 0.0) + float((batch["advantages"] * mask).sum())
+        stats["adv_abs_max"] = max(stats.get("adv_abs_max", 0.0), float((batch["advantages"] * mask).abs().max()))
+        stats["is_weight_mean"] = stats.get("is_weight_mean", 0.0) + float(s["is_weight_mean"]) * n
+        if "is_capped_frac" in s:
+            stats["is_capped_frac"] = stats.get("is_capped_frac", 0.0) + float(s["is_capped_frac"]) * n
         stats["tokens"] += n
         stats["padding"] += float((batch["attention_mask"] == 0).sum())
         stats["clip_frac"] += float(s["clip_frac"]) * n
         stats["ratio_mean"] += float(s["ratio_mean"].detach()) * n
         stats["is_weight_max"] = max(stats["is_weight_max"], float(s["is_weight_max"]))
+        if self.cfg.learner.loss_agg == "sequence":  # rows are sequences: each one's mean, summed
+            return (per_token.sum(1) / mask.sum(1).clamp(min=1)).sum()
         return per_token.sum()
 
     def _ptx_loss(self, batch: dict[str, torch.Tensor], stats: dict) -> torch.Tensor:

@@ -113,24 +113,28 @@ class Learner:
             penalties = None
             if self.reference is not None:
                 penalties = batching.kl_penalties(groups, self.reference, self.cfg.learner.kl_coef,
-                                                  self.cfg.rollout.sampling.temperature)
+                                                  self.cfg.rollout.sampling.temperature, self.cfg.learner.kl_estimator)
                 info["kl_penalty_mean"] = float(np.mean(np.concatenate(penalties)))
             seqs = batching.sequences(groups, self.version, self.cfg.learner.algorithm, penalties)
             plan = plan_micro_batches([len(s) for s in seqs], self.world, self.cfg.learner.micro_batch_tokens)
             global_tokens = int(sum(s.mask.sum() for s in seqs))
             loads = [sum(len(seqs[i]) for i in mb) for rank in plan.ranks for mb in rank]
             info["micro_batch_imbalance"] = max(loads) / max(sum(loads) / len(loads), 1e-9)
-            payloads = [batching.pack([[seqs[i] for i in mb] for mb in rank], global_tokens) for rank in plan.ranks]
+            payloads = [batching.pack([[seqs[i] for i in mb] for mb in rank], global_tokens, len(seqs))
+                        for rank in plan.ranks]
             rewards = [s.reward for g in groups for s in g.samples]
-            info.update(reward_mean=sum(rewards) / len(rewards), groups=len(groups), tokens_global=global_tokens,
+            info.update(reward_mean=sum(rewards) / len(rewards), reward_std=float(np.std(rewards)), groups=len(groups),
+                        tokens_global=global_tokens,
+                        staleness_hist={str(k): int(v) for k, v in zip(*np.unique([s.staleness for s in seqs],
+                                                                                   return_counts=True))},
                         group_ids=[g.group_id for g in groups],
                         staleness_max=max(s.staleness for s in seqs), micro_batches_per_rank=plan.per_rank)
-        shard, global_tokens = batching.unpack(_send(payloads))
+        shard, global_tokens, global_sequences = batching.unpack(_send(payloads))
         t0 = time.perf_counter()
         ptx = self.ptx.for_step(self.version, self.rank, self.world, self.cfg.learner.ptx_per_rank) if self.ptx else None
         batches = self.critic.prepare(shard) if self.critic else [batching.collate(mb) if mb else None for mb in shard]
         for _epoch in range(self.cfg.learner.epochs):  # PPO epochs: one optimizer step each, same data
-            stats = self.policy.step(shard, global_tokens, ptx, batches)
+            stats = self.policy.step(shard, global_tokens, ptx, batches, global_sequences)
             if stats["skipped"]:
                 break
             if self.critic:
