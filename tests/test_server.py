@@ -159,12 +159,18 @@ def test_update_weights_from_disk_swaps_weights_and_version(served, tmp_path):
     assert torch.equal(dict(model.named_parameters())[name], dict(original.named_parameters())[name])
 
 
-def test_distributed_weight_endpoints_validate_then_say_what_is_missing(served):
+def test_distributed_weight_endpoints_validate_and_fail_clearly_without_a_learner(served):
+    from streamrl.buffer.redis_server import free_port
+
     client = served[0]
     auth = {"Authorization": f"Bearer {TOKEN}"}
     bad = client.post("/update_weights_from_distributed", json={"names": ["a"], "dtypes": [], "shapes": []},
                       headers=auth)
     assert bad.status_code == 400
-    r = client.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": 29500,
-                                                        "rank_offset": 1, "world_size": 2}, headers=auth)
-    assert r.status_code == 501 and "issue 6" in r.json()["error"]["message"]
+    early = client.post("/update_weights_from_distributed", json={"names": ["a"], "dtypes": ["float32"],
+                                                                  "shapes": [[1]]}, headers=auth)
+    assert early.status_code == 400 and "init_weights_update_group first" in early.json()["error"]["message"]
+    r = client.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": free_port(),
+                                                        "rank_offset": 1, "world_size": 2, "timeout_s": 1},
+                    headers=auth)
+    assert r.status_code == 500 and "could not join" in r.json()["error"]["message"]

@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 
 from streamrl import __version__
 from streamrl.rollout.engines.base import Completion, Engine, SamplingParams
+from streamrl.rollout.weight_receiver import WeightReceiver
 
 
 class SamplingIn(BaseModel):
@@ -76,10 +77,11 @@ class InitWeightsGroupIn(BaseModel):
     model_config = ConfigDict(extra="ignore")
     master_address: str
     master_port: int = Field(ge=1, le=65535)
-    rank_offset: int = Field(ge=0)
+    rank_offset: int = Field(ge=1)  # rank 0 is the learner
     world_size: int = Field(ge=2)
     group_name: str = "weight_update_group"
     backend: str = Field("gloo", pattern="^(gloo|nccl)$")
+    timeout_s: float = Field(60.0, gt=0)
 
 
 class WeightsFromDistributedIn(BaseModel):
@@ -111,6 +113,7 @@ def create_app(engine: Engine, *, model_path: str, tokenizer: Any = None, token:
                engine_name: str = "hf") -> FastAPI:
     app = FastAPI(title="streamrl rollout server", version=__version__)
     metrics = _Metrics(engine)
+    receiver = WeightReceiver(engine)
 
     def authorized(request: Request) -> None:
         if token is None:
@@ -216,17 +219,28 @@ def create_app(engine: Engine, *, model_path: str, tokenizer: Any = None, token:
 
     @app.post("/init_weights_update_group", dependencies=control)
     async def init_weights_update_group(req: InitWeightsGroupIn) -> dict:
-        return _weight_group_call(engine, "init_weight_group", req)
+        try:
+            await receiver.init(req.master_address, req.master_port, req.rank_offset, req.world_size, req.backend,
+                                req.group_name, req.timeout_s)
+        except Exception as e:  # the learner never came, or the backend refused
+            raise HTTPException(500, f"could not join weight update group: {e}") from None
+        return {"success": True, "message": f"joined {req.group_name} as rank {req.rank_offset}"}
 
     @app.post("/update_weights_from_distributed", dependencies=control)
     async def update_weights_from_distributed(req: WeightsFromDistributedIn) -> dict:
         if not len(req.names) == len(req.dtypes) == len(req.shapes):
             raise HTTPException(400, "names, dtypes and shapes must have the same length")
-        return _weight_group_call(engine, "receive_weights", req)
+        version = req.weight_version if req.weight_version is not None else engine.version + 1
+        try:
+            count = await receiver.receive(req.names, req.dtypes, req.shapes, version)
+        except (KeyError, RuntimeError, ValueError) as e:
+            raise HTTPException(400, f"weight update failed: {e}") from None
+        return {"success": True, "message": f"updated {count} tensors", "weight_version": version}
 
     @app.post("/destroy_weights_update_group", dependencies=control)
     async def destroy_weights_update_group() -> dict:
-        return _weight_group_call(engine, "destroy_weight_group", None)
+        receiver.destroy()
+        return {"success": True}
 
     return app
 
@@ -271,12 +285,3 @@ def _response(rid: str, out: Completion, prompt_tokens: int, latency: float, ret
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.logprobs, out.output_ids)]
     return {"text": text, "output_ids": out.output_ids, "meta_info": meta}
-
-
-def _weight_group_call(engine: Engine, method: str, req: BaseModel | None) -> dict:
-    hook = getattr(engine, method, None)
-    if hook is None:
-        raise HTTPException(501, f"{type(engine).__name__} cannot {method.replace('_', ' ')} yet "
-                                 "(weight push over torch.distributed lands with issue 6)")
-    hook(req)
-    return {"success": True}

@@ -1,0 +1,34 @@
+"""A rollout server's end of the weight push: join the learner's group, receive buckets, swap them in."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from streamrl.rollout.engines.base import Engine
+from streamrl.weightsync import TensorMeta, broadcast, make_group, unpack
+
+
+class WeightReceiver:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.group = None
+
+    async def init(self, master_address: str, master_port: int, rank: int, world_size: int, backend: str,
+                   group_name: str, timeout_s: float) -> None:
+        # make_group blocks until the learner has joined too: keep the event loop free meanwhile
+        self.group = await asyncio.to_thread(make_group, master_address, master_port, rank, world_size,
+                                             backend=backend, group_name=group_name, timeout_s=timeout_s)
+
+    async def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int) -> int:
+        if self.group is None:
+            raise RuntimeError("no weight update group: call /init_weights_update_group first")
+        bucket = [TensorMeta(n, d.removeprefix("torch."), tuple(s)) for n, d, s in zip(names, dtypes, shapes)]
+        buffer = torch.empty(sum(m.nbytes for m in bucket), dtype=torch.uint8)
+        await asyncio.to_thread(broadcast, self.group, buffer)
+        await self.engine.update_weights(unpack(buffer, bucket), version)
+        return len(bucket)
+
+    def destroy(self) -> None:
+        self.group = None

@@ -1,0 +1,79 @@
+"""Moving weights from the learner to rollout servers (ARCHITECTURE §5): shared by sender and receiver.
+
+One process group per push target, built directly from a ``TCPStore`` (+ ``PrefixStore``) and
+``ProcessGroupGloo`` on CPU or ``ProcessGroupNCCL`` on GPU — the same code path — beside the
+learner's own data-parallel group. Tensors travel in buckets: each bucket is one flat byte
+buffer broadcast from rank 0, laid out by ``buckets`` identically on both ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    dtype: str   # e.g. "float32"
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+
+def metas(named_tensors: list[tuple[str, torch.Tensor]]) -> list[TensorMeta]:
+    return [TensorMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in named_tensors]
+
+
+def buckets(items: list[TensorMeta], bucket_bytes: int) -> list[list[TensorMeta]]:
+    """Consecutive tensors grouped up to ``bucket_bytes`` (a bigger tensor gets a bucket of its own)."""
+    out: list[list[TensorMeta]] = []
+    size = 0
+    for m in items:
+        if not out or (size + m.nbytes > bucket_bytes and out[-1]):
+            out.append([])
+            size = 0
+        out[-1].append(m)
+        size += m.nbytes
+    return out
+
+
+def pack(tensors: list[torch.Tensor], device: str = "cpu") -> torch.Tensor:
+    """One flat uint8 buffer holding the tensors' bytes back to back."""
+    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8).to(device) for t in tensors])
+
+
+def unpack(buffer: torch.Tensor, bucket: list[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
+    out, offset = [], 0
+    for m in bucket:
+        chunk = buffer[offset: offset + m.nbytes]
+        out.append((m.name, chunk.view(getattr(torch, m.dtype)).reshape(m.shape).clone()))
+        offset += m.nbytes
+    return out
+
+
+def make_group(master_address: str, master_port: int, rank: int, world_size: int, *, backend: str = "gloo",
+               group_name: str = "weight_update_group", timeout_s: float = 60.0) -> dist.ProcessGroup:
+    """A process group of its own, not registered with torch.distributed's default world.
+
+    Rank 0 (the learner) hosts the store; every other member connects to it. Blocks until all joined.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+    store = dist.PrefixStore(group_name, store)
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(store, rank, world_size)
+    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+def broadcast(group: dist.ProcessGroup, buffer: torch.Tensor) -> None:
+    """Rank 0's ``buffer`` into everyone's (a raw group: ``dist.broadcast(..., group=)`` refuses it)."""
+    group.broadcast(buffer, 0).wait()
