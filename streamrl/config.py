@@ -163,7 +163,8 @@ class WeightSyncConfig(Section):
     mode: Literal["pause", "in_flight"] = "in_flight"
     bucket_mb: float = Field(64.0, gt=0)
     backend: Literal["auto", "nccl", "gloo"] = "auto"
-    timeout_s: float = Field(60.0, gt=0)
+    timeout_s: float = Field(60.0, gt=0, description="how long a push waits for a server before dropping it")
+    master_address: str = Field("127.0.0.1", description="learner rank 0's address, as servers reach it")
 
 
 class Config(Section):

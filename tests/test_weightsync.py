@@ -56,3 +56,51 @@ def test_a_push_makes_the_server_generate_with_the_learners_weights(cluster, tin
     for i, (lp, token, _) in enumerate(body["meta_info"]["output_token_logprobs"]):
         assert abs(lp - float(ref[2 + i, token])) <= 1e-5
     assert httpx.post(f"{url}/destroy_weights_update_group", timeout=10).status_code == 200
+
+
+@pytest.mark.slow
+def test_the_learner_pushes_to_every_registered_server_and_survives_a_dead_one(cluster, tiny_model_dir):
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from streamrl.buffer import ReplayStream
+    from streamrl.testing import synthetic_group
+
+    (a, _), (b, b_proc) = cluster.server(), cluster.server()
+    stream, rng = ReplayStream(cluster.ns), np.random.default_rng(0)
+    for _ in range(12):
+        stream.put(synthetic_group(4, int(rng.integers(20, 40)), prompt_len=8, vocab=200, rng=rng))
+
+    def learn(steps: int) -> None:
+        out = subprocess.run([sys.executable, "-m", "streamrl", "launch-learner", *cluster.common,
+                              "learner.groups_per_step=4", "learner.lr=0.01", "off_policy.max_staleness=9",
+                              "learner.export_every=1", "weight_sync.sync_every=1", "weight_sync.timeout_s=5",
+                              "weight_sync.bucket_mb=0.05", "--steps", str(steps)],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+
+    learn(2)
+    records = [json.loads(line) for line in (cluster.run_path / "metrics" / "learner.jsonl").open()]
+    assert [r["push_targets"] for r in records] == [2.0, 2.0]
+    for url in (a, b):
+        assert httpx.get(f"{url}/get_server_info").json()["weight_version"] == 2
+    pushed = AutoModelForCausalLM.from_pretrained(cluster.run_path / "export" / "version-2").eval()
+    body = httpx.post(f"{a}/generate", timeout=60, json={
+        "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 10, "ignore_eos": True},
+        "return_logprob": True}).json()
+    with torch.no_grad():
+        ref = torch.log_softmax(pushed(torch.tensor([[5, 6, 7] + body["output_ids"]])).logits[0].float(), -1)
+    for i, (lp, token, _) in enumerate(body["meta_info"]["output_token_logprobs"]):
+        assert abs(lp - float(ref[2 + i, token])) <= 1e-5
+
+    b_proc.send_signal(signal.SIGKILL)  # dies; its registry entry lives on for a moment
+    b_proc.wait()
+    learn(3)
+    last = json.loads((cluster.run_path / "metrics" / "learner.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 3 and last["push_targets"] >= 1.0
+    assert last["push_s"] < 30  # the dead server cost at most its timeout, not a hang
+    assert httpx.get(f"{a}/get_server_info").json()["weight_version"] == 3

@@ -17,12 +17,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from streamrl.buffer import Admission, Namespace, PolicyVersion, ReplayStream, StreamReader
+from streamrl.buffer import Admission, Namespace, PolicyVersion, ReplayStream, ServerRegistry, StreamReader
 from streamrl.config import Config
 from streamrl.learner import batch as batching
 from streamrl.learner import checkpoint
 from streamrl.learner.engine import PolicyEngine
 from streamrl.learner.metrics import MetricsSink
+from streamrl.learner.push import WeightPusher
 from streamrl.learner.partition import plan_micro_batches
 
 log = logging.getLogger("streamrl.learner")
@@ -76,6 +77,7 @@ class Learner:
         if self.rank == 0:
             ns = Namespace.open(redis_url, cfg.run.name)
             self.stream = ReplayStream(ns)
+            self.pusher = WeightPusher(cfg, ServerRegistry(ns, ttl_s=cfg.server.registry_ttl_s))
             self.reader = StreamReader(ns, cursor=resumed["cursor"] if resumed else "0-0")
             self.versions = PolicyVersion(ns)
             if resumed:
@@ -145,6 +147,8 @@ class Learner:
                 self._write({"step": self.version, "time": time.time(), **info, **stats, "cursor": self.reader.cursor})
             return stats
         self.version += 1  # one policy version per step of the loop, however many epochs it ran
+        if self.version % self.cfg.weight_sync.sync_every == 0:
+            stats.update(self.push())
         if self.version % self.cfg.learner.checkpoint_every == 0:
             self.checkpoint()
         if self.version % self.cfg.learner.export_every == 0:
@@ -158,6 +162,20 @@ class Learner:
             return record
         return stats
 
+
+    def push(self) -> dict:
+        """Send the weights to every live rollout server (collective under ZeRO-3: shards are gathered)."""
+        import contextlib
+
+        import deepspeed
+
+        params = list(self.policy.module.named_parameters())
+        gather = (deepspeed.zero.GatheredParameters([p for _, p in params]) if self.cfg.learner.zero_stage == 3
+                  else contextlib.nullcontext())
+        with gather:
+            if self.rank != 0:
+                return {}
+            return self.pusher.push([(name, p.detach()) for name, p in params], self.version)
 
     def export(self) -> None:
         checkpoint.export_hf(self.policy.engine, self.cfg.model.tokenizer or self.cfg.model.path,

@@ -1,0 +1,87 @@
+"""The learner's end of the weight push: rank 0 broadcasts bucketed weights to every live rollout server.
+
+Each server gets its own process group (set up through its ``/init_weights_update_group``
+the first time it is seen in the registry). A push: optionally pause generation, then per
+bucket POST ``/update_weights_from_distributed`` while broadcasting the bucket, then continue.
+A server that fails or times out is dropped (it rejoins when it reappears); the others go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import torch
+
+from streamrl.buffer import ServerRegistry
+from streamrl.buffer.redis_server import free_port
+from streamrl.config import Config
+from streamrl.weightsync import broadcast, buckets, make_group, metas, pack
+
+log = logging.getLogger("streamrl.push")
+
+
+class WeightPusher:
+    def __init__(self, cfg: Config, registry: ServerRegistry):
+        self.cfg, self.registry = cfg, registry
+        self.sync = cfg.weight_sync
+        self.groups: dict[str, object] = {}
+        self.pool = ThreadPoolExecutor(4)
+        headers = {"Authorization": f"Bearer {cfg.server.token}"} if cfg.server.token else {}
+        self.http = httpx.Client(timeout=self.sync.timeout_s, headers=headers)
+
+    def _join(self, url: str) -> None:
+        port = free_port()
+        backend = "nccl" if self.sync.backend == "nccl" or (self.sync.backend == "auto" and torch.cuda.is_available()) \
+            else "gloo"
+        mine = self.pool.submit(make_group, self.sync.master_address, port, 0, 2, backend=backend,
+                                timeout_s=self.sync.timeout_s)
+        reply = self.http.post(f"{url}/init_weights_update_group", json={
+            "master_address": self.sync.master_address, "master_port": port, "rank_offset": 1, "world_size": 2,
+            "backend": backend, "timeout_s": self.sync.timeout_s})
+        reply.raise_for_status()
+        self.groups[url] = mine.result(self.sync.timeout_s)
+
+    def refresh(self) -> None:
+        """Join servers that appeared; forget those whose heartbeats stopped."""
+        alive = {s.url for s in self.registry.alive()}
+        for url in set(self.groups) - alive:
+            self.groups.pop(url, None)
+        for url in alive - set(self.groups):
+            try:
+                self._join(url)
+            except Exception as e:
+                log.warning("could not set up a weight group with %s: %s", url, e)
+
+    def push(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.refresh()
+        targets = list(self.groups)
+        if self.sync.mode == "pause":
+            self._each(targets, "/pause_generation")
+        tensors = dict(named_tensors)
+        for bucket in buckets(metas(named_tensors), int(self.sync.bucket_mb * 2**20)):
+            buffer = pack([tensors[m.name] for m in bucket])
+            body = {"names": [m.name for m in bucket], "dtypes": [m.dtype for m in bucket],
+                    "shapes": [list(m.shape) for m in bucket], "weight_version": version}
+            for url in list(targets):
+                try:
+                    sent = self.pool.submit(self.http.post, f"{url}/update_weights_from_distributed", json=body)
+                    broadcast(self.groups[url], buffer)
+                    sent.result(self.sync.timeout_s).raise_for_status()
+                except Exception as e:  # a dead or failing server must not stop the others
+                    log.warning("dropping %s from the weight push: %s", url, e)
+                    targets.remove(url)
+                    self.groups.pop(url, None)
+        if self.sync.mode == "pause":
+            self._each(targets, "/continue_generation")
+        return {"push_s": time.perf_counter() - t0, "push_targets": float(len(targets))}
+
+    def _each(self, urls: list[str], path: str) -> None:
+        for url in urls:
+            try:
+                self.http.post(url + path)
+            except httpx.HTTPError as e:
+                log.warning("%s%s failed: %s", url, path, e)
