@@ -158,16 +158,15 @@ def launch_learner(
     """Start a learner rank: `torchrun --nproc_per_node N -m streamrl launch-learner CONFIG` (alone: one rank)."""
     import os
 
-    from streamrl.buffer.redis_server import free_port
     from streamrl.learner.main import launch
 
     cfg = _load(config, overrides)
-    if "RANK" not in os.environ:  # started without a launcher: a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+    solo = "RANK" not in os.environ  # started without a launcher: a world of one
+    if solo:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        launch(cfg, steps)
+        launch(cfg, steps, solo=solo)
     except ValueError as e:
         err.print(f"[red]streamrl launch-learner:[/] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2) from None

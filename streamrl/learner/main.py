@@ -194,7 +194,7 @@ class Learner:
             self.stream.trim(cursor)
 
 
-def launch(cfg: Config, steps: int | None = None) -> None:
+def launch(cfg: Config, steps: int | None = None, solo: bool = False) -> None:
     """Process entry of ``streamrl launch-learner`` (under torchrun)."""
     import deepspeed
 
@@ -203,7 +203,15 @@ def launch(cfg: Config, steps: int | None = None) -> None:
     if not cfg.model.path:
         raise ValueError("model.path is not set: give a local Hugging Face model directory")
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if solo:  # a world of one rendezvouses through a file: no port to race for
+        import tempfile
+
+        rendezvous = Path(tempfile.mkdtemp(prefix="streamrl-rdzv-")) / "init"
+        deepspeed.init_distributed(dist_backend=backend, init_method=f"file://{rendezvous}", rank=0, world_size=1,
+                                   auto_mpi_discovery=False)
+    else:
+        deepspeed.init_distributed(dist_backend=backend)
     learner = Learner(cfg, cfg.redis.url)
     target = steps if steps is not None else cfg.learner.max_steps
     while learner.version < target:
