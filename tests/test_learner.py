@@ -146,12 +146,19 @@ def engine(tiny_model_dir):
     from streamrl.config import load_config
     from streamrl.learner.engine import PolicyEngine
 
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                      DS_ACCELERATOR="cpu")
+    launcher_env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(free_port()))
+    saved = {k: os.environ.get(k) for k in launcher_env}
+    os.environ.update(launcher_env)
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "learner.lr=0.01", "learner.kl_coef=0.1",
                              "learner.entropy_coef=0.01", "off_policy.correction=decoupled", "learner.ptx_coef=1.0"])
-    return PolicyEngine(cfg, tiny_model_dir)
+    yield PolicyEngine(cfg, tiny_model_dir)
+    for key, value in saved.items():  # later tests start launchers of their own: leave no RANK behind
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def _shard(advantage=1.0):

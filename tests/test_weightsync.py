@@ -76,11 +76,15 @@ def test_the_learner_pushes_to_every_registered_server_and_survives_a_dead_one(c
         stream.put(synthetic_group(4, int(rng.integers(20, 40)), prompt_len=8, vocab=200, rng=rng))
 
     def learn(steps: int) -> None:
+        import os
+
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                                  "MASTER_PORT")}
         out = subprocess.run([sys.executable, "-m", "streamrl", "launch-learner", *cluster.common,
                               "learner.groups_per_step=4", "learner.lr=0.01", "off_policy.max_staleness=9",
                               "learner.export_every=1", "weight_sync.sync_every=1", "weight_sync.timeout_s=5",
                               "weight_sync.bucket_mb=0.05", "--steps", str(steps)],
-                             capture_output=True, text=True, timeout=300)
+                             capture_output=True, text=True, timeout=300, env=env)
         assert out.returncode == 0, out.stderr[-3000:]
 
     learn(2)
