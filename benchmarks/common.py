@@ -61,13 +61,15 @@ def new_figure(ncols: int, title: str):
     return fig, axes[0]
 
 
-def save_figure(fig, out: Path, name: str) -> Path:
+def save_figure(fig, out: Path, name: str, json_path: Path | None = None) -> Path:
+    """Write the plot (and say where it and the study's JSON went)."""
     import matplotlib.pyplot as plt
 
     path = out / f"{name}.png"
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    console.print(f"wrote {json_path} and {path}" if json_path else f"wrote {path}")
     return path
 
 

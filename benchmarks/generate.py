@@ -186,8 +186,7 @@ def report(data: dict, out: Path) -> None:
     ax2.bar(["direct", "router, 1", "router, 2"], [rt["direct_1"], rt["router_1"], rt["router_2"]])
     ax2.set_ylabel("generated tokens/s")
     ax2.set_title(f"routing at concurrency {rt['concurrency']}")
-    png_path = save_figure(fig, out, "generate")
-    console.print(f"wrote {json_path} and {png_path}")
+    save_figure(fig, out, "generate", json_path)
 
 
 def main(quick: bool = False, out: Path = Path("benchmarks/results"), model: str | None = None) -> dict:

@@ -101,8 +101,7 @@ def report(data: dict, out: Path) -> None:
     ax.boxplot([data["tokens_per_s"]["plain"], data["tokens_per_s"]["streamrl"]])
     ax.set_xticks([1, 2], ["plain PyTorch", "streamrl"])
     ax.set_ylabel("tokens/s")
-    png_path = save_figure(fig, out, "learner")
-    console.print(f"wrote {json_path} and {png_path}")
+    save_figure(fig, out, "learner", json_path)
 
 
 def main(quick: bool = False, out: Path = Path("benchmarks/results")) -> dict:

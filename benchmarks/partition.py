@@ -96,8 +96,7 @@ def report(data: dict, out: Path) -> None:
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_ylabel("median imbalance")
     ax.legend()
-    png_path = save_figure(fig, out, "partition")
-    console.print(f"wrote {json_path} and {png_path}")
+    save_figure(fig, out, "partition", json_path)
 
 
 def main(quick: bool = False, out: Path = Path("benchmarks/results")) -> dict:

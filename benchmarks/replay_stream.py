@@ -119,8 +119,7 @@ def report(data: dict, out: Path) -> None:
         ax.set_ylabel("MB/s")
         ax.set_title(op)
         ax.legend()
-    png_path = save_figure(fig, out, "queue")
-    console.print(f"wrote {json_path} and {png_path}")
+    save_figure(fig, out, "queue", json_path)
 
 
 def main(quick: bool = False, out: Path = Path("benchmarks/results")) -> dict:
