@@ -89,7 +89,8 @@ def test_the_learner_pushes_to_every_registered_server_and_survives_a_dead_one(c
 
     learn(2)
     records = [json.loads(line) for line in (cluster.run_path / "metrics" / "learner.jsonl").open()]
-    assert [r["push_targets"] for r in records] == [2.0, 2.0]
+    pushes = [r for r in records if "push_version" in r]  # each push reported once it is done
+    assert [(r["push_version"], r["push_targets"]) for r in pushes] == [(1, 2.0), (2, 2.0)]
     for url in (a, b):
         assert httpx.get(f"{url}/get_server_info").json()["weight_version"] == 2
     pushed = AutoModelForCausalLM.from_pretrained(cluster.run_path / "export" / "version-2").eval()
@@ -101,6 +102,12 @@ def test_the_learner_pushes_to_every_registered_server_and_survives_a_dead_one(c
     for i, (lp, token, _) in enumerate(body["meta_info"]["output_token_logprobs"]):
         assert abs(lp - float(ref[2 + i, token])) <= 1e-5
 
+    late, _ = cluster.server()  # joins after training began: starts from the newest export, says so
+    assert httpx.get(f"{late}/get_server_info").json()["weight_version"] == 2
+    greedy = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 10, "ignore_eos": True, "temperature": 0}}
+    outputs = [httpx.post(f"{u}/generate", timeout=60, json=greedy).json()["output_ids"] for u in (a, late)]
+    assert outputs[0] == outputs[1]  # the same weights, the same greedy tokens
+
     b_proc.send_signal(signal.SIGKILL)  # dies; its registry entry lives on for a moment
     b_proc.wait()
     learn(3)
@@ -108,3 +115,50 @@ def test_the_learner_pushes_to_every_registered_server_and_survives_a_dead_one(c
     assert last["step"] == 3 and last["push_targets"] >= 1.0
     assert last["push_s"] < 30  # the dead server cost at most its timeout, not a hang
     assert httpx.get(f"{a}/get_server_info").json()["weight_version"] == 3
+
+
+@pytest.mark.slow
+def test_a_generation_running_across_an_in_flight_push_switches_version_at_the_swapped_token(cluster, tiny_model_dir):
+    import time
+
+    from streamrl.buffer import ServerRegistry
+    from streamrl.config import load_config
+    from streamrl.learner.push import WeightPusher
+
+    url, _ = cluster.server()
+    registry = ServerRegistry(cluster.ns, ttl_s=1.5)
+    while not registry.alive():
+        time.sleep(0.1)
+    old = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    new = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    pusher = WeightPusher(load_config(None, [*cluster.common, "weight_sync.mode=in_flight"]), registry)
+    prompt, length = [5, 6, 7], 900
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(httpx.post, f"{url}/generate", timeout=300, json={
+            "input_ids": prompt, "sampling_params": {"max_new_tokens": length, "ignore_eos": True},
+            "return_logprob": True})
+        while httpx.get(f"{url}/get_load").json()[0]["num_tokens"] < len(prompt) + 40:
+            time.sleep(0.01)
+        stats = pusher.push(list(new.state_dict().items()), version=1)
+        body = running.result().json()
+    assert stats["push_targets"] == 1.0
+    meta = body["meta_info"]
+    assert meta["completion_tokens"] == length and meta["finish_reason"]["type"] == "length"
+    spans = meta["weight_versions"]
+    assert [s["version"] for s in spans] == [0, 1], spans
+    k = spans[1]["start"]  # the first token sampled from the new weights
+    assert 40 <= k < length and spans[1]["end"] == length
+    ids, got = prompt + body["output_ids"], [lp for lp, _, _ in meta["output_token_logprobs"]]
+    with torch.no_grad():  # before the swap: the old weights alone
+        before = torch.log_softmax(old(torch.tensor([ids])).logits[0].float(), -1)
+        # from the swap on: the new weights, over the KV cache the old ones wrote up to the swap
+        head = old(torch.tensor([ids[: len(prompt) + k - 1]]), use_cache=True)
+        tail = new(torch.tensor([ids[len(prompt) + k - 1:]]), past_key_values=head.past_key_values)
+        after = torch.log_softmax(tail.logits[0].float(), -1)
+    for i, token in enumerate(body["output_ids"]):
+        want = before[len(prompt) - 1 + i, token] if i < k else after[i - k, token]
+        assert abs(got[i] - float(want)) <= 1e-5, (i, k)

@@ -132,6 +132,8 @@ class Learner:
                         group_ids=[g.group_id for g in groups],
                         staleness_max=max(s.staleness for s in seqs), micro_batches_per_rank=plan.per_rank)
         shard, global_tokens, global_sequences = batching.unpack(_send(payloads))
+        if self.rank == 0:  # the previous push overlapped the data wait; it must end before the weights move
+            info.update(self.pusher.wait())
         t0 = time.perf_counter()
         ptx = self.ptx.for_step(self.version, self.rank, self.world, self.cfg.learner.ptx_per_rank) if self.ptx else None
         batches = self.critic.prepare(shard) if self.critic else [batching.collate(mb) if mb else None for mb in shard]
@@ -148,7 +150,7 @@ class Learner:
             return stats
         self.version += 1  # one policy version per step of the loop, however many epochs it ran
         if self.version % self.cfg.weight_sync.sync_every == 0:
-            stats.update(self.push())
+            stats.update(self.push() or {})
         if self.version % self.cfg.learner.checkpoint_every == 0:
             self.checkpoint()
         if self.version % self.cfg.learner.export_every == 0:
@@ -163,19 +165,23 @@ class Learner:
         return stats
 
 
-    def push(self) -> dict:
-        """Send the weights to every live rollout server (collective under ZeRO-3: shards are gathered)."""
-        import contextlib
+    def push(self) -> dict | None:
+        """Send the weights to every live rollout server.
 
+        Plain DP: rank 0 pushes in the background (figures land in the next step's record).
+        ZeRO-3: the shards are gathered, a collective, so the push runs to the end here.
+        """
+        params = list(self.policy.module.named_parameters())
+        if self.cfg.learner.zero_stage != 3:
+            if self.rank == 0:
+                self.pusher.start([(name, p.detach()) for name, p in params], self.version)
+            return None
         import deepspeed
 
-        params = list(self.policy.module.named_parameters())
-        gather = (deepspeed.zero.GatheredParameters([p for _, p in params]) if self.cfg.learner.zero_stage == 3
-                  else contextlib.nullcontext())
-        with gather:
-            if self.rank != 0:
-                return {}
-            return self.pusher.push([(name, p.detach()) for name, p in params], self.version)
+        with deepspeed.zero.GatheredParameters([p for _, p in params]):
+            if self.rank == 0:
+                return self.pusher.push([(name, p.detach()) for name, p in params], self.version)
+        return None
 
     def export(self) -> None:
         checkpoint.export_hf(self.policy.engine, self.cfg.model.tokenizer or self.cfg.model.path,
@@ -221,5 +227,8 @@ def launch(cfg: Config, steps: int | None = None, solo: bool = False) -> None:
     if learner.version % cfg.learner.export_every:  # the final weights, for serving and evaluation
         learner.export()
     if learner.rank == 0:
+        last_push = learner.pusher.wait()
+        if last_push:
+            learner.metrics.write({"step": learner.version, "time": time.time(), **last_push})
         learner.metrics.close()
     dist.barrier()

@@ -4,13 +4,16 @@ Each server gets its own process group (set up through its ``/init_weights_updat
 the first time it is seen in the registry). A push: optionally pause generation, then per
 bucket POST ``/update_weights_from_distributed`` while broadcasting the bucket, then continue.
 A server that fails or times out is dropped (it rejoins when it reappears); the others go on.
+Every server gets each bucket at the same time (one broadcast per group, run side by side).
+``start`` runs a push in the background so that it overlaps the learner's wait for data;
+the learner calls ``wait`` before its optimizer touches the weights again.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import httpx
 import torch
@@ -21,6 +24,7 @@ from streamrl.config import Config
 from streamrl.weightsync import broadcast, buckets, make_group, metas, pack
 
 log = logging.getLogger("streamrl.push")
+GROUP = "streamrl-weights"  # the group's name in SGLang's API, and its store prefix on both ends
 
 
 class WeightPusher:
@@ -28,7 +32,8 @@ class WeightPusher:
         self.cfg, self.registry = cfg, registry
         self.sync = cfg.weight_sync
         self.groups: dict[str, object] = {}
-        self.pool = ThreadPoolExecutor(4)
+        self.pool = ThreadPoolExecutor(32, thread_name_prefix="push")
+        self.pending: Future | None = None
         headers = {"Authorization": f"Bearer {cfg.server.token}"} if cfg.server.token else {}
         self.http = httpx.Client(timeout=self.sync.timeout_s, headers=headers)
 
@@ -37,10 +42,10 @@ class WeightPusher:
         backend = "nccl" if self.sync.backend == "nccl" or (self.sync.backend == "auto" and torch.cuda.is_available()) \
             else "gloo"
         mine = self.pool.submit(make_group, self.sync.master_address, port, 0, 2, backend=backend,
-                                timeout_s=self.sync.timeout_s)
+                                group_name=GROUP, timeout_s=self.sync.timeout_s)
         reply = self.http.post(f"{url}/init_weights_update_group", json={
             "master_address": self.sync.master_address, "master_port": port, "rank_offset": 1, "world_size": 2,
-            "backend": backend, "timeout_s": self.sync.timeout_s})
+            "backend": backend, "group_name": GROUP, "timeout_s": self.sync.timeout_s})
         reply.raise_for_status()
         self.groups[url] = mine.result(self.sync.timeout_s)
 
@@ -55,6 +60,16 @@ class WeightPusher:
             except Exception as e:
                 log.warning("could not set up a weight group with %s: %s", url, e)
 
+    def start(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """Push in the background; the tensors must not change until ``wait`` returns."""
+        self.wait()
+        self.pending = self.pool.submit(self.push, named_tensors, version)
+
+    def wait(self) -> dict[str, float]:
+        """Finish the background push, if any, and return its figures."""
+        pending, self.pending = self.pending, None
+        return pending.result() if pending else {}
+
     def push(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
         t0 = time.perf_counter()
         self.refresh()
@@ -65,19 +80,23 @@ class WeightPusher:
         for bucket in buckets(metas(named_tensors), int(self.sync.bucket_mb * 2**20)):
             buffer = pack([tensors[m.name] for m in bucket])
             body = {"names": [m.name for m in bucket], "dtypes": [m.dtype for m in bucket],
-                    "shapes": [list(m.shape) for m in bucket], "weight_version": version}
+                    "shapes": [list(m.shape) for m in bucket], "weight_version": version,
+                    "group_name": GROUP, "flush_cache": True}  # SGLang drops its prefix cache
+            sends = {url: self.pool.submit(self.http.post, f"{url}/update_weights_from_distributed", json=body)
+                     for url in targets}
+            casts = {url: self.pool.submit(broadcast, self.groups[url], buffer) for url in targets}
+            wait([*sends.values(), *casts.values()], timeout=self.sync.timeout_s)
             for url in list(targets):
                 try:
-                    sent = self.pool.submit(self.http.post, f"{url}/update_weights_from_distributed", json=body)
-                    broadcast(self.groups[url], buffer)
-                    sent.result(self.sync.timeout_s).raise_for_status()
+                    casts[url].result(0)
+                    sends[url].result(0).raise_for_status()
                 except Exception as e:  # a dead or failing server must not stop the others
-                    log.warning("dropping %s from the weight push: %s", url, e)
+                    log.warning("dropping %s from the weight push: %s", url, e or type(e).__name__)
                     targets.remove(url)
                     self.groups.pop(url, None)
         if self.sync.mode == "pause":
             self._each(targets, "/continue_generation")
-        return {"push_s": time.perf_counter() - t0, "push_targets": float(len(targets))}
+        return {"push_s": time.perf_counter() - t0, "push_targets": float(len(targets)), "push_version": version}
 
     def _each(self, urls: list[str], path: str) -> None:
         for url in urls:

@@ -26,9 +26,13 @@ def serve(cfg: Config, *, host: str | None = None, port: int | None = None) -> N
         raise ValueError("model.path is not set: give a local Hugging Face model directory")
     host, port = host or cfg.server.host, port or cfg.server.base_port
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
-    engine = load_engine(cfg.server.engine, cfg.model.path, dtype=cfg.model.dtype,
+    model_path, version = newest_weights(cfg)
+    engine = load_engine(cfg.server.engine, model_path, dtype=cfg.model.dtype,
                          max_batch_size=cfg.server.max_batch_size, tokenizer=tokenizer)
-    app = create_app(engine, model_path=cfg.model.path, tokenizer=tokenizer, token=cfg.server.token,
+    engine.version = version
+    if version:
+        log.info("late joiner: serving the learner's export %s (weight version %d)", model_path, version)
+    app = create_app(engine, model_path=model_path, tokenizer=tokenizer, token=cfg.server.token,
                      engine_name=cfg.server.engine)
     url = f"http://{host}:{port}"
     stop = threading.Event()
@@ -45,6 +49,19 @@ def serve(cfg: Config, *, host: str | None = None, port: int | None = None) -> N
         if cfg.redis.url:
             registry.remove(url)
         engine.shutdown()
+
+
+def newest_weights(cfg: Config) -> tuple[str, int]:
+    """The weights a server should start from: the learner's newest export if training has begun.
+
+    A server that joins a running job must not serve the initial weights as if they were current;
+    it starts from ``RUN/export/latest`` (and its version), then follows the pushes.
+    """
+    pointer = cfg.run.path / "export" / "latest"
+    if not pointer.is_file():
+        return cfg.model.path, 0
+    name = pointer.read_text().strip()
+    return str(pointer.parent / name), int(name.removeprefix("version-"))
 
 
 def _heartbeat(registry: ServerRegistry, url: str, engine, cfg: Config, stop: threading.Event) -> None:
