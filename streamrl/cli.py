@@ -216,7 +216,7 @@ def show_config(config: ConfigArg = None, overrides: OverridesArg = None) -> Non
 
 @app.command()
 def bench(
-    suite: Annotated[str, typer.Argument(help="Study to run: queue, generate, partition, learner.")],
+    suite: Annotated[str, typer.Argument(help="Study to run: queue, generate, partition, learner, weight-push.")],
     quick: Annotated[bool, typer.Option("--quick", help="A short run that still measures both sides.")] = False,
     out: Annotated[Path, typer.Option(help="Where JSON and PNG results go.")] = Path("benchmarks/results"),
     model: Annotated[Optional[Path], typer.Option(help="HF model directory, for studies that run a model.")] = None,

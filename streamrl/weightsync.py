@@ -8,6 +8,7 @@ buffer broadcast from rank 0, laid out by ``buckets`` identically on both ends.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -46,18 +47,43 @@ def buckets(items: list[TensorMeta], bucket_bytes: int) -> list[list[TensorMeta]
     return out
 
 
-def pack(tensors: list[torch.Tensor], device: str = "cpu") -> torch.Tensor:
-    """One flat uint8 buffer holding the tensors' bytes back to back."""
-    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8).to(device) for t in tensors])
+def pack(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """One flat uint8 buffer holding the tensors' bytes back to back (written into ``out`` when given)."""
+    flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    if out is None:
+        return torch.cat(flat)
+    return torch.cat(flat, out=out[: sum(f.numel() for f in flat)])
 
 
 def unpack(buffer: torch.Tensor, bucket: list[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
+    """Views into ``buffer`` (no copy): consume them before the buffer is reused."""
     out, offset = [], 0
     for m in bucket:
         chunk = buffer[offset: offset + m.nbytes]
-        out.append((m.name, chunk.view(getattr(torch, m.dtype)).reshape(m.shape).clone()))
+        out.append((m.name, chunk.view(getattr(torch, m.dtype)).reshape(m.shape)))
         offset += m.nbytes
     return out
+
+
+class Staging:
+    """Reusable byte buffers (no allocation and page faults per bucket), ``depth`` per key, used in turn.
+
+    A receiving engine may adopt the received tensors as its weights without copying them; with
+    ``depth=2`` per bucket layout, the buffer it adopted is only written again after the next push
+    has moved the weights onto the other one.
+    """
+
+    def __init__(self, device: str = "cpu", depth: int = 1):
+        self.device, self.depth = device, depth
+        self.buffers: dict[Hashable, list[torch.Tensor]] = {}
+
+    def take(self, key: Hashable, nbytes: int) -> torch.Tensor:
+        ring = self.buffers.get(key)
+        if ring is None or ring[0].numel() < nbytes:
+            ring = self.buffers[key] = [torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                                        for _ in range(self.depth)]
+        ring.append(ring.pop(0))
+        return ring[-1][:nbytes]
 
 
 def make_group(master_address: str, master_port: int, rank: int, world_size: int, *, backend: str = "gloo",

@@ -21,7 +21,7 @@ import torch
 from streamrl.buffer import ServerRegistry
 from streamrl.buffer.redis_server import free_port
 from streamrl.config import Config
-from streamrl.weightsync import broadcast, buckets, make_group, metas, pack
+from streamrl.weightsync import Staging, broadcast, buckets, make_group, metas, pack
 
 log = logging.getLogger("streamrl.push")
 GROUP = "streamrl-weights"  # the group's name in SGLang's API, and its store prefix on both ends
@@ -34,6 +34,7 @@ class WeightPusher:
         self.groups: dict[str, object] = {}
         self.pool = ThreadPoolExecutor(32, thread_name_prefix="push")
         self.pending: Future | None = None
+        self.staging: Staging | None = None
         headers = {"Authorization": f"Bearer {cfg.server.token}"} if cfg.server.token else {}
         self.http = httpx.Client(timeout=self.sync.timeout_s, headers=headers)
 
@@ -76,9 +77,19 @@ class WeightPusher:
         targets = list(self.groups)
         if self.sync.mode == "pause":
             self._each(targets, "/pause_generation")
-        tensors = dict(named_tensors)
-        for bucket in buckets(metas(named_tensors), int(self.sync.bucket_mb * 2**20)):
-            buffer = pack([tensors[m.name] for m in bucket])
+        tensors, layout = dict(named_tensors), buckets(metas(named_tensors), int(self.sync.bucket_mb * 2**20))
+        if self.staging is None:
+            self.staging = Staging(str(named_tensors[0][1].device))
+
+        def packed(i: int) -> torch.Tensor:  # two buffers in turn: bucket i+1 packs while bucket i is sent
+            bucket = layout[i]
+            return pack([tensors[m.name] for m in bucket], out=self.staging.take(i % 2, sum(m.nbytes for m in bucket)))
+
+        next_buffer = self.pool.submit(packed, 0)
+        for i, bucket in enumerate(layout):
+            buffer = next_buffer.result()
+            if i + 1 < len(layout):
+                next_buffer = self.pool.submit(packed, i + 1)
             body = {"names": [m.name for m in bucket], "dtypes": [m.dtype for m in bucket],
                     "shapes": [list(m.shape) for m in bucket], "weight_version": version,
                     "group_name": GROUP, "flush_cache": True}  # SGLang drops its prefix cache

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import asyncio
 
-import torch
-
 from streamrl.rollout.engines.base import Engine
-from streamrl.weightsync import TensorMeta, broadcast, make_group, unpack
+from streamrl.weightsync import Staging, TensorMeta, broadcast, make_group, unpack
 
 
 class WeightReceiver:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.group = None
+        self.staging = Staging(depth=2)  # the engine may adopt a received bucket as its weights (no copy)
 
     async def init(self, master_address: str, master_port: int, rank: int, world_size: int, backend: str,
                    group_name: str, timeout_s: float) -> None:
         # make_group blocks until the learner has joined too: keep the event loop free meanwhile
+        self.staging = Staging("cuda" if backend == "nccl" else "cpu", depth=2)
         self.group = await asyncio.to_thread(make_group, master_address, master_port, rank, world_size,
                                              backend=backend, group_name=group_name, timeout_s=timeout_s)
 
@@ -25,7 +25,7 @@ class WeightReceiver:
         if self.group is None:
             raise RuntimeError("no weight update group: call /init_weights_update_group first")
         bucket = [TensorMeta(n, d.removeprefix("torch."), tuple(s)) for n, d, s in zip(names, dtypes, shapes)]
-        buffer = torch.empty(sum(m.nbytes for m in bucket), dtype=torch.uint8)
+        buffer = self.staging.take(tuple(names), sum(m.nbytes for m in bucket))
         await asyncio.to_thread(broadcast, self.group, buffer)
         await self.engine.update_weights(unpack(buffer, bucket), version)
         return len(bucket)

@@ -66,7 +66,9 @@ class Engine(Protocol):
 
     def resume(self) -> None: ...
 
-    async def update_weights(self, named_tensors: list, version: int) -> None: ...
+    async def update_weights(self, named_tensors: list, version: int) -> None:
+        """Swap in ``(name, tensor)`` pairs; later tokens carry ``version``. The tensors are the
+        engine's to keep (it may adopt them as its weights): the caller does not write them again."""
 
     def load(self) -> dict: ...
 

@@ -101,11 +101,16 @@ class HFEngine:
         """Copy new tensors in between decode steps; tokens sampled afterwards carry ``version``."""
         def apply() -> None:
             params = dict(self.model.named_parameters())
+            missing = [name for name, _ in named_tensors if name not in params]
+            if missing:
+                raise KeyError(f"model has no parameter {missing[0]!r}")
             with torch.no_grad():
                 for name, tensor in named_tensors:
-                    if name not in params:
-                        raise KeyError(f"model has no parameter {name!r}")
-                    params[name].copy_(tensor)
+                    param = params[name]
+                    if (tensor.dtype, tensor.device, tensor.shape) == (param.dtype, param.device, param.shape):
+                        param.data = tensor  # adopt the received tensor: no copy
+                    else:
+                        param.copy_(tensor)  # converts dtype; a wrong shape raises
             self.version = version
 
         return self._run_between_steps(apply)

@@ -1,0 +1,177 @@
+"""Weight push: seconds per push against model size and bucket size, beside the transport bound.
+
+streamrl's push (``WeightPusher``: per bucket, POST ``/update_weights_from_distributed`` to
+every server while broadcasting the bucket; the servers swap the tensors into their engines)
+runs against real ``streamrl serve`` processes. The bound is one raw gloo broadcast of a
+single flat buffer of the same bytes from this process to the same number of peer
+processes, timed in the same repeats. Ratio = bound seconds / push seconds (1.0 = the push
+costs no more than moving the bytes).
+
+    python -m benchmarks.weight_push [--quick]      (or: streamrl bench weight-push)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import cli, console, median, new_figure, print_table, save_figure, write_json
+from streamrl.buffer import EmbeddedRedis, Namespace, ServerRegistry
+from streamrl.buffer.redis_server import free_port
+from streamrl.config import load_config
+from streamrl.learner.push import WeightPusher
+from streamrl.rollout.client import wait_healthy
+from streamrl.testing import make_tiny_model
+from streamrl.weightsync import broadcast, make_group
+
+# (hidden, layers): ~0.1M, ~8M, ~34M, ~135M parameters (the last is SmolLM2-135M's size)
+SIZES = {"quick": [(64, 2), (256, 8)], "full": [(64, 2), (256, 8), (512, 9), (768, 25)]}
+BUCKETS_MB = {"quick": [1.0, 64.0], "full": [4.0, 64.0, 512.0]}
+
+
+def peer(port: int, rank: int, world: int, nbytes: int, repeats: int) -> None:
+    """A raw receiver for the bound: joins the group and takes ``repeats`` flat broadcasts."""
+    group = make_group("127.0.0.1", port, rank, world, group_name="bound", timeout_s=600)
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    for _ in range(repeats):
+        broadcast(group, buffer)
+
+
+@contextmanager
+def peers(count: int, nbytes: int, repeats: int):
+    """``count`` peer processes in one gloo group with this process as rank 0."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.weight_push", "--peer", str(port), str(rank),
+                               str(count + 1), str(nbytes), str(repeats)], env={**os.environ, "OMP_NUM_THREADS": "1"})
+             for rank in range(1, count + 1)]
+    try:
+        yield make_group("127.0.0.1", port, 0, count + 1, group_name="bound", timeout_s=600)
+    finally:
+        for proc in procs:
+            proc.wait(120)
+
+
+@contextmanager
+def servers(common: list[str], count: int):
+    procs, urls = [], []
+    try:
+        for _ in range(count):
+            port = free_port()
+            procs.append(subprocess.Popen([sys.executable, "-m", "streamrl", "serve", *common, "--port", str(port)],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          env={**os.environ, "OMP_NUM_THREADS": "1"}))
+            urls.append(f"http://127.0.0.1:{port}")
+        for url, proc in zip(urls, procs):
+            wait_healthy(url, proc, timeout_s=300)
+        yield urls
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            proc.wait(60)
+
+
+def measure(model_dir: str, redis_url: str, run_dir: Path, n_servers: int, buckets_mb: list[float],
+            repeats: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    named = [(k, v.contiguous()) for k, v in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items()]
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    run = f"push-{time.monotonic_ns()}"
+    common = [f"model.path={model_dir}", f"redis.url={redis_url}", f"run.name={run}", f"run.dir={run_dir}",
+              "server.heartbeat_s=0.3"]
+    cfg = load_config(None, [*common, "weight_sync.mode=in_flight", "weight_sync.timeout_s=300"])
+    registry = ServerRegistry(Namespace.open(redis_url, run), ttl_s=cfg.server.registry_ttl_s)
+    samples: dict[str, list[float]] = {"bound": [], **{f"push_{b:g}MB": [] for b in buckets_mb}}
+    with ExitStack() as stack:
+        stack.enter_context(servers(common, n_servers))
+        while len(registry.alive()) < n_servers:
+            time.sleep(0.1)
+        pusher = WeightPusher(cfg, registry)
+        t0 = time.perf_counter()
+        pusher.push(named, version=1)  # warm-up: sets up the groups, first touch of every buffer
+        join_s = time.perf_counter() - t0
+        group = stack.enter_context(peers(n_servers, nbytes, repeats + 1))
+        flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in named])
+        broadcast(group, flat)  # warm-up of the bound's group
+        version = 1
+        for _ in range(repeats):  # sides interleaved within each repeat: the machine's drift hits both
+            t0 = time.perf_counter()
+            broadcast(group, flat)
+            samples["bound"].append(time.perf_counter() - t0)
+            for b in buckets_mb:
+                pusher.sync.bucket_mb = b
+                version += 1
+                stats = pusher.push(named, version=version)
+                if stats["push_targets"] != n_servers:
+                    raise RuntimeError(f"push reached {stats['push_targets']:.0f} of {n_servers} servers")
+                samples[f"push_{b:g}MB"].append(stats["push_s"])
+    params = sum(t.numel() for _, t in named)
+    medians = {k: median(v) for k, v in samples.items()}
+    return {"params": params, "bytes": nbytes, "servers": n_servers, "join_s": join_s, "samples": samples,
+            "median_s": medians, "ratio": {k: medians["bound"] / v for k, v in medians.items() if k != "bound"}}
+
+
+def run(quick: bool) -> dict:
+    mode = "quick" if quick else "full"
+    repeats = 2 if quick else 3
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as redis:
+        for hidden, layers in SIZES[mode]:
+            model_dir = make_tiny_model(Path(tmp) / f"model-{hidden}x{layers}", hidden=hidden, layers=layers)
+            for n in (1, 2):
+                row = measure(model_dir, redis.url, Path(tmp) / "runs", n, BUCKETS_MB[mode], repeats)
+                rows.append(row)
+                console.log(f"{row['params'] / 1e6:.1f}M params, {n} server(s): bound {row['median_s']['bound']:.3f}s, "
+                            + ", ".join(f"{k} {v:.3f}s" for k, v in row["median_s"].items() if k != "bound"))
+    return {"study": "weight-push", "repeats": repeats, "buckets_mb": BUCKETS_MB[mode], "transport": "gloo (CPU)",
+            "rows": rows}
+
+
+def report(data: dict, out: Path) -> None:
+    keys = [f"push_{b:g}MB" for b in data["buckets_mb"]]
+    print_table(f"Seconds per weight push (gloo, loopback), medians of {data['repeats']}; "
+                "ratio = raw flat broadcast / push",
+                ["params", "servers", "raw broadcast s", *(f"{k[5:]} bucket s" for k in keys), "best ratio"],
+                [[f"{r['params'] / 1e6:.1f}M", r["servers"], r["median_s"]["bound"], *(r["median_s"][k] for k in keys),
+                  max(r["ratio"].values())] for r in data["rows"]])
+    json_path = write_json(out, "weight_push", data)
+    fig, (ax1, ax2) = new_figure(2, "Weight push vs one raw broadcast of the same bytes")
+    for n, style in ((1, "-"), (2, "--")):
+        rows = [r for r in data["rows"] if r["servers"] == n]
+        params = [r["params"] for r in rows]
+        ax1.plot(params, [r["median_s"]["bound"] for r in rows], "k" + style, label=f"raw flat broadcast, {n} srv")
+        for k in keys:
+            ax1.plot(params, [r["median_s"][k] for r in rows], "o" + style, label=f"push {k[5:]}, {n} srv")
+            ax2.plot(params, [r["ratio"][k] for r in rows], "o" + style, label=f"{k[5:]}, {n} srv")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log")
+        ax.set_xlabel("parameters")
+    ax1.set_yscale("log")
+    ax1.set_ylabel("seconds per push")
+    ax1.legend(fontsize=7)
+    ax2.axhline(0.7, color="grey", lw=0.8, ls=":")
+    ax2.set_ylabel("raw broadcast s / push s")
+    ax2.legend(fontsize=7)
+    save_figure(fig, out, "weight_push", json_path)
+
+
+def main(quick: bool = False, out: Path = Path("benchmarks/results")) -> dict:
+    data = run(quick)
+    report(data, out)
+    return data
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--peer"]:
+        peer(*(int(a) for a in sys.argv[2:]))
+    else:
+        cli(main, __doc__)
