@@ -46,17 +46,40 @@ def _load(config: Path | None, overrides: list[str] | None) -> Config:
         raise typer.Exit(2) from None
 
 
-def _not_built(command: str, part: str, issue: int) -> None:
-    err.print(f"streamrl {command}: {part} is not built yet (issue {issue}); nothing was started.",
-              soft_wrap=True)
-    raise typer.Exit(2)
+@app.command()
+def up(
+    config: ConfigArg = None,
+    overrides: OverridesArg = None,
+    fresh: Annotated[bool, typer.Option("--fresh", help="Delete the run directory first (else: resume it).")] = False,
+) -> None:
+    """Run everything on this machine: Redis, router, servers, rollout workers, evaluator, learner."""
+    from streamrl.launch.local import up as run_up
+
+    _load(config, overrides)  # a bad config fails here, before anything starts
+    if config is not None and "=" in str(config) and not config.exists():
+        config, overrides = None, [str(config), *(overrides or [])]
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        code = run_up(str(config) if config else None, list(overrides or []), fresh=fresh)
+    except (ConfigError, ValueError, OSError) as e:
+        err.print(f"[red]streamrl up:[/] {escape(str(e))}", soft_wrap=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(code)
 
 
 @app.command()
-def up(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
-    """Run everything on this machine: Redis, router, servers, rollout workers, learner."""
-    _load(config, overrides)
-    _not_built("up", "the single-machine launcher", 7)
+def evaluate(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
+    """Evaluate the policy on held-out prompts (greedy, through the router) as the learner's version moves."""
+    from streamrl.rollout.dataset import DatasetError
+    from streamrl.rollout.evaluate import launch
+
+    cfg = _load(config, overrides)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        launch(cfg)
+    except (ValueError, DatasetError, OSError) as e:
+        err.print(f"[red]streamrl evaluate:[/] {escape(str(e))}", soft_wrap=True)
+        raise typer.Exit(2) from None
 
 
 @app.command()

@@ -167,6 +167,31 @@ class WeightSyncConfig(Section):
     master_address: str = Field("127.0.0.1", description="learner rank 0's address, as servers reach it")
 
 
+class PrepareConfig(Section):
+    fn: str | None = Field(None, description="module:function that `streamrl up` runs first; returns overrides")
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class EvalConfig(Section):
+    dataset: str | None = Field(None, description="held-out rows for rollout.env; empty: no evaluation")
+    every: int = Field(10, ge=1, description="learner steps between evaluations (and one at the start and end)")
+    size: int = Field(64, ge=1, description="prompts per evaluation (greedy decoding)")
+    log_samples: int = Field(4, ge=0, description="trajectories written to rollouts/step_N.jsonl per evaluation")
+
+
+class SuperviseConfig(Section):
+    """How `streamrl up` looks after its parts."""
+
+    restart: list[Literal["router", "server", "rollout", "learner", "evaluator"]] = Field(
+        default_factory=lambda: ["router", "server", "rollout", "evaluator"],
+        description="parts restarted when they die; any other part's death stops the run")
+    max_restarts: int = Field(3, ge=0, description="restarts per part before the run is stopped")
+    ready_timeout_s: float = Field(180.0, gt=0, description="how long a part may take to become ready")
+    display: Literal["auto", "live", "plain"] = Field("auto", description="auto: live on a terminal, else plain")
+    refresh_s: float = Field(1.0, gt=0)
+    threads: int | None = Field(None, ge=1, description="torch threads per server/worker (default: cores / parts)")
+
+
 class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig)
     mode: Literal["async", "sync"] = "async"
@@ -179,6 +204,9 @@ class Config(Section):
     off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    prepare: PrepareConfig = Field(default_factory=PrepareConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    supervise: SuperviseConfig = Field(default_factory=SuperviseConfig)
 
 
 # --------------------------------------------------------------------------- loading

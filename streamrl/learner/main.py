@@ -151,6 +151,8 @@ class Learner:
         self.version += 1  # one policy version per step of the loop, however many epochs it ran
         if self.version % self.cfg.weight_sync.sync_every == 0:
             stats.update(self.push() or {})
+            if self.cfg.mode == "sync" and self.rank == 0:  # no group may start before the servers have the weights
+                stats.update(self.pusher.wait())
         if self.version % self.cfg.learner.checkpoint_every == 0:
             self.checkpoint()
         if self.version % self.cfg.learner.export_every == 0:

@@ -1,0 +1,155 @@
+"""What `streamrl up` shows: a live rich panel on a terminal, plain log lines otherwise, then a summary.
+
+Everything shown is read from where the parts already report it: the learner's and the
+evaluator's metrics files, the rollout workers' metrics files, Redis (version, admission
+counters, stream length) and the supervisor (per-part health).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from streamrl.config import Config
+from streamrl.rollout.evaluate import read_records
+
+
+def _fmt(value: Any, spec: str = ".3f") -> str:
+    return "–" if value is None else format(value, spec)
+
+
+class Dashboard:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.console = Console(stderr=False)
+        live = cfg.supervise.display == "live" or (cfg.supervise.display == "auto" and sys.stdout.isatty())
+        self.live = Live(console=self.console, refresh_per_second=2, transient=False) if live else None
+        self.started = time.time()
+        self.last_plain = 0.0
+        self.redis = self.supervisor = None
+
+    def connect(self, redis_url: str, supervisor) -> None:
+        from streamrl.buffer import Admission, Namespace, PolicyVersion
+
+        ns = Namespace.open(redis_url, self.cfg.run.name)
+        self.ns, self.version = ns, PolicyVersion(ns)
+        self.admission = Admission(ns, max_staleness=self.cfg.off_policy.max_staleness,
+                                   groups_per_step=self.cfg.learner.groups_per_step)
+        self.supervisor = supervisor
+        if self.live is not None:
+            self.live.start()
+
+    def say(self, message: str) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        (self.live.console if self.live is not None else self.console).print(f"[dim]{stamp}[/] {message}",
+                                                                             highlight=False, soft_wrap=True)
+
+    # ------------------------------------------------------------------ figures
+
+    def stats(self) -> dict[str, Any]:
+        run = Path(self.cfg.run.path)
+        learner = [r for r in read_records(run / "metrics" / "learner.jsonl") if "loss" in r]
+        pushes = [r for r in read_records(run / "metrics" / "learner.jsonl") if "push_s" in r]
+        evals = read_records(run / "metrics" / "eval.jsonl")
+        workers = [rs[-1] for rs in (read_records(p) for p in sorted((run / "metrics").glob("rollout-*.jsonl")))
+                   if rs]
+        out: dict[str, Any] = {"elapsed": time.time() - self.started}
+        try:
+            out["version"] = self.version.get()
+            counters = self.admission.counters()
+            out["running"] = self.admission.running()
+            out["queue"] = max(0, counters.get("accepted", 0) - sum(r.get("groups", 0) + r.get("dropped_stale", 0)
+                                                                  for r in learner))
+            out["accepted"] = counters.get("accepted", 0)
+            out["dropped_stale"] = counters.get("dropped_stale", 0)
+        except Exception:  # Redis restarting: show what the files say
+            pass
+        if learner:
+            last = learner[-1]
+            out.update(step=last["step"], reward=last.get("reward_mean"), loss=last.get("loss"),
+                       staleness_max=max(r.get("staleness_max", 0) for r in learner),
+                       train_tok_s=last.get("tokens_per_s"), first_reward=learner[0].get("reward_mean"))
+        if pushes:
+            out["push_s"] = pushes[-1]["push_s"]
+        if evals:
+            out["eval_first"], out["eval_last"] = evals[0], evals[-1]
+        if workers:
+            out["gen_tok_s"] = sum(w.get("tokens_per_s", 0.0) for w in workers)
+            out["worker_reward"] = workers[-1].get("reward_mean")
+        return out
+
+    def _health(self) -> Table:
+        table = Table(title="parts", expand=False)
+        for col in ("part", "pid", "state", "restarts", "up"):
+            table.add_column(col)
+        for part in self.supervisor.parts if self.supervisor else []:
+            state = ("done" if part.finished else "running" if part.alive()
+                     else f"exited {part.proc.returncode}" if part.proc else "waiting")
+            colour = {"running": "green", "done": "blue"}.get(state, "red")
+            table.add_row(part.name, str(part.pid or "–"), f"[{colour}]{state}[/]", str(part.restarts),
+                          f"{time.time() - part.started_at:.0f}s" if part.started_at else "–")
+        return table
+
+    def _progress(self, s: dict[str, Any]) -> Table:
+        table = Table(title=f"streamrl · {self.cfg.run.name} · {self.cfg.mode} · {s['elapsed']:.0f}s", expand=False)
+        table.add_column("figure")
+        table.add_column("value", justify="right")
+        first, last = s.get("eval_first"), s.get("eval_last")
+        rows = [
+            ("step / max", f"{s.get('step', 0)} / {self.cfg.learner.max_steps}"),
+            ("policy version", str(s.get("version", "–"))),
+            ("train reward (last step)", _fmt(s.get("reward"))),
+            ("eval accuracy (first → last)", f"{_fmt(first and first['eval/accuracy'])} → "
+                                             f"{_fmt(last and last['eval/accuracy'])}"
+                                             + (f" @ step {last['step']}" if last else "")),
+            ("staleness max (bound)", f"{s.get('staleness_max', '–')} ({self.cfg.off_policy.max_staleness})"),
+            ("queue (groups waiting)", str(s.get("queue", "–"))),
+            ("in flight / dropped stale", f"{s.get('running', '–')} / {s.get('dropped_stale', '–')}"),
+            ("generation tokens/s", _fmt(s.get("gen_tok_s"), ".0f")),
+            ("training tokens/s", _fmt(s.get("train_tok_s"), ".0f")),
+            ("weight push s", _fmt(s.get("push_s"))),
+        ]
+        for name, value in rows:
+            table.add_row(name, value)
+        return table
+
+    def refresh(self) -> None:
+        s = self.stats()
+        if self.live is not None:
+            self.live.update(Group(self._progress(s), self._health()))
+        elif time.time() - self.last_plain >= 10:
+            self.last_plain = time.time()
+            last = s.get("eval_last")
+            self.say(f"step {s.get('step', 0)}/{self.cfg.learner.max_steps}  version {s.get('version', '–')}  "
+                     f"reward {_fmt(s.get('reward'))}  eval {_fmt(last and last['eval/accuracy'])}  "
+                     f"staleness≤{s.get('staleness_max', '–')}  queue {s.get('queue', '–')}  "
+                     f"gen {_fmt(s.get('gen_tok_s'), '.0f')} tok/s  train {_fmt(s.get('train_tok_s'), '.0f')} tok/s  "
+                     f"push {_fmt(s.get('push_s'))}s")
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.refresh()
+            self.live.stop()
+
+    def summary(self, seconds: float, code: int) -> None:
+        s = self.stats() if self.supervisor else {}
+        table = Table(title=f"run {self.cfg.run.name}: {'finished' if code == 0 else f'stopped (exit {code})'} "
+                            f"in {seconds:.0f}s")
+        table.add_column("figure")
+        table.add_column("value", justify="right")
+        first, last = s.get("eval_first"), s.get("eval_last")
+        if first and last:
+            table.add_row(f"eval accuracy before RL (step {first['step']})", _fmt(first["eval/accuracy"]))
+            table.add_row(f"eval accuracy after (step {last['step']})", _fmt(last["eval/accuracy"]))
+        table.add_row("steps", str(s.get("step", 0)))
+        table.add_row("train reward first → last", f"{_fmt(s.get('first_reward'))} → {_fmt(s.get('reward'))}")
+        table.add_row("max staleness seen (bound)", f"{s.get('staleness_max', '–')} ({self.cfg.off_policy.max_staleness})")
+        table.add_row("groups dropped as stale", str(s.get("dropped_stale", "–")))
+        table.add_row("run directory", str(self.cfg.run.path))
+        self.console.print(table)

@@ -1,0 +1,140 @@
+"""``streamrl up``: every part of a run on this machine, one process each, in dependency order.
+
+    prepare (recipe) → Redis → router → servers → rollout workers → evaluator (eval at version 0)
+    → learner (torchrun when learner.nproc > 1) → watch until the learner and evaluator finish
+
+Every part reads the same resolved config, written to ``RUN/config.yaml`` (with the embedded
+Redis URL filled in). Ctrl-C, completion or a fatal failure tears everything down.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from streamrl.buffer import EmbeddedRedis
+from streamrl.buffer.redis_server import free_port
+from streamrl.config import Config, ConfigError, load_config
+from streamrl.launch.display import Dashboard
+from streamrl.launch.supervisor import Part, PartFailed, Supervisor
+from streamrl.rollout.evaluate import read_records
+
+
+def prepare(cfg: Config, path: str | None, overrides: list[str]) -> Config:
+    """Run the config's recipe (if any) and fold the overrides it returns into the config."""
+    if not cfg.prepare.fn:
+        return cfg
+    module, _, name = cfg.prepare.fn.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"prepare.fn: cannot load {cfg.prepare.fn!r} ({e})") from None
+    made: dict[str, Any] = fn(cfg, **cfg.prepare.args)
+    return load_config(path, [*overrides, *(f"{k}={v}" for k, v in made.items())])
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _has_eval(cfg: Config, step: int) -> bool:
+    return any(r.get("step") == step for r in read_records(cfg.run.path / "metrics" / "eval.jsonl"))
+
+
+def _threads(cfg: Config) -> dict[str, str]:
+    """Torch threads per server/worker: the cores shared among the parts that compute."""
+    n = cfg.supervise.threads or max(1, (os.cpu_count() or 1) // (cfg.server.count + cfg.learner.nproc))
+    return {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)}
+
+
+def parts(cfg: Config, config_file: Path) -> list[Part]:
+    """What to start, in order, for this config."""
+    me = [sys.executable, "-m", "streamrl"]
+    logs, cfg_arg = cfg.run.path / "logs", str(config_file)
+    router_url = f"http://{cfg.router.host}:{cfg.router.port}"
+    out = [Part("router", "router", [*me, "launch-router", cfg_arg], logs / "router.log",
+                ready=lambda: _healthy(router_url))]
+    for i in range(cfg.server.count):
+        url = f"http://{cfg.server.host}:{cfg.server.base_port + i}"
+        out.append(Part(f"server-{i}", "server", [*me, "serve", cfg_arg, "--port", str(cfg.server.base_port + i)],
+                        logs / f"server-{i}.log", env=_threads(cfg), ready=lambda url=url: _healthy(url)))
+    for i in range(cfg.rollout.workers):
+        out.append(Part(f"rollout-{i}", "rollout", [*me, "launch-rollout", cfg_arg, "--name", f"worker-{i}"],
+                        logs / f"rollout-{i}.log", env={"OMP_NUM_THREADS": "1"}))
+    if cfg.eval.dataset:
+        out.append(Part("evaluator", "evaluator", [*me, "evaluate", cfg_arg], logs / "evaluator.log",
+                        env={"OMP_NUM_THREADS": "1"}, ready=lambda: _has_eval(cfg, 0)))
+    if cfg.learner.nproc == 1:
+        learner = [*me, "launch-learner", cfg_arg]
+    else:
+        learner = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(cfg.learner.nproc),
+                   "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "streamrl",
+                   "launch-learner", cfg_arg]
+    threads = max(1, (os.cpu_count() or 1) // cfg.learner.nproc)
+    out.append(Part("learner", "learner", learner, logs / "learner.log", env={"OMP_NUM_THREADS": str(threads)}))
+    return out
+
+
+def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
+    """Run everything; return the exit status (0: the learner reached max_steps)."""
+    cfg = load_config(path, overrides)
+    if fresh and cfg.run.path.exists():
+        shutil.rmtree(cfg.run.path)
+    cfg.run.path.mkdir(parents=True, exist_ok=True)
+    dashboard = Dashboard(cfg)
+    say = dashboard.say
+    t0 = time.time()
+    say(f"run {cfg.run.name} in {cfg.run.path} (logs in {cfg.run.path / 'logs'})")
+    if cfg.prepare.fn:
+        say(f"preparing: {cfg.prepare.fn}")
+    cfg = prepare(cfg, path, overrides)
+    if not cfg.model.path:
+        raise ConfigError("model.path is not set (and no prepare.fn sets it)")
+    supervisor = Supervisor(cfg.supervise.restart, cfg.supervise.max_restarts, cfg.supervise.ready_timeout_s, say)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    redis = None
+    try:
+        if not cfg.redis.url:
+            redis = EmbeddedRedis(cfg.run.path / "redis", host=cfg.redis.host, port=cfg.redis.port,
+                                  password=cfg.redis.password, appendfsync=cfg.redis.appendfsync)
+            cfg.redis.url = redis.start()
+        config_file = cfg.run.path / "config.yaml"
+        config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        dashboard.connect(cfg.redis.url, supervisor)
+        for part in parts(cfg, config_file):
+            say(f"starting {part.name}")
+            supervisor.start(part)
+        say("all parts ready")
+        while not stopping:
+            supervisor.check()
+            dashboard.refresh()
+            if all(p.finished for p in supervisor.parts if p.kind in ("learner", "evaluator")):
+                break
+            time.sleep(cfg.supervise.refresh_s)
+        code = 0 if not stopping else 130
+    except KeyboardInterrupt:
+        say("interrupted: stopping every part")
+        code = 130
+    except PartFailed as e:
+        say(f"stopping the run: {e}")
+        code = 1
+    finally:
+        dashboard.close()
+        supervisor.stop()
+        if redis is not None:
+            redis.stop()
+    dashboard.summary(time.time() - t0, code)
+    return code

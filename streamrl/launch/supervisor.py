@@ -1,0 +1,130 @@
+"""Parts as child processes: start with a readiness check, watch, restart per policy, tear down.
+
+Each part runs in its own session (Ctrl-C reaches only the supervisor, which then stops the
+parts in reverse order) and logs to ``RUN/logs/NAME.log``. Teardown kills every descendant
+(torchrun's ranks included), so nothing outlives the run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+
+class PartFailed(RuntimeError):
+    """A part died (or never became ready) and the policy says the run stops."""
+
+
+@dataclass
+class Part:
+    name: str
+    kind: str                      # router | server | rollout | learner | evaluator
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    ready: Callable[[], bool] | None = None  # None: ready once started
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+    finished: bool = False         # exited 0 on its own: done, not dead
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+class Supervisor:
+    def __init__(self, restart: list[str], max_restarts: int, ready_timeout_s: float,
+                 say: Callable[[str], None] = print):
+        self.parts: list[Part] = []
+        self.restart_kinds, self.max_restarts, self.ready_timeout_s = set(restart), max_restarts, ready_timeout_s
+        self.say = say
+
+    def start(self, part: Part) -> Part:
+        if part not in self.parts:
+            self.parts.append(part)
+        part.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with part.log_path.open("ab") as log:
+            part.proc = subprocess.Popen(part.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, **part.env}, start_new_session=True)
+        part.started_at, part.finished = time.time(), False
+        self._wait_ready(part)
+        return part
+
+    def _wait_ready(self, part: Part) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        while part.ready is not None and not part.ready():
+            if not part.alive():
+                raise PartFailed(f"{part.name} exited with {part.proc.returncode} before it was ready; "
+                                 f"the end of {part.log_path}:\n{part.log_tail()}")
+            if time.monotonic() > deadline:
+                raise PartFailed(f"{part.name} was not ready after {self.ready_timeout_s:.0f}s; "
+                                 f"the end of {part.log_path}:\n{part.log_tail()}")
+            time.sleep(0.2)
+
+    def check(self) -> None:
+        """Notice parts that exited: done (status 0 and not meant to run forever), restarted, or fatal."""
+        for part in self.parts:
+            if part.finished or part.alive():
+                continue
+            code = part.proc.returncode
+            if code == 0 and part.kind in ("learner", "evaluator"):
+                part.finished = True
+                continue
+            if part.kind in self.restart_kinds and part.restarts < self.max_restarts:
+                part.restarts += 1
+                self.say(f"{part.name} (pid {part.pid}) exited with {code}; restarting "
+                         f"({part.restarts}/{self.max_restarts}). The end of its log:\n{part.log_tail(8)}")
+                self.start(part)
+                continue
+            raise PartFailed(f"{part.name} (pid {part.pid}) exited with {code}; the end of {part.log_path}:\n"
+                             f"{part.log_tail()}")
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """Stop every part, newest first: SIGTERM, then SIGKILL for whatever is left of each tree."""
+        for part in reversed(self.parts):
+            if part.proc is None:
+                continue
+            tree = _tree(part.proc.pid)
+            for proc in tree:
+                _signal(proc, signal.SIGTERM)
+            _, alive = psutil.wait_procs(tree, timeout=timeout_s)
+            for proc in alive:
+                _signal(proc, signal.SIGKILL)
+            psutil.wait_procs(alive, timeout=5)
+            part.proc.poll()
+
+    def pids(self) -> list[int]:
+        """Every live process of every part (for tests that check nothing is left behind)."""
+        return [p.pid for part in self.parts if part.alive() for p in _tree(part.proc.pid)]
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _signal(proc: psutil.Process, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except psutil.NoSuchProcess:
+        pass

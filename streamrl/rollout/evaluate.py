@@ -1,0 +1,132 @@
+"""``streamrl evaluate``: held-out prompts, greedy, through the same router, as the policy moves.
+
+Evaluates at version 0 (before any RL step), whenever the learner's version reaches the next
+multiple of ``eval.every``, and at ``learner.max_steps``; then exits. Each evaluation appends
+``eval/...`` figures to ``metrics/eval.jsonl`` and writes a few decoded trajectories with their
+rewards and weight versions to ``rollouts/step_N.jsonl``, so a user can read what the model says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from streamrl.buffer import Namespace, PolicyVersion
+from streamrl.config import Config
+from streamrl.envs import env_factory
+from streamrl.protocol import Sample
+from streamrl.rollout.client import GenerateClient
+from streamrl.rollout.dataset import load_rows
+from streamrl.rollout.engines.base import SamplingParams
+from streamrl.rollout.episode import ChatRenderer, run_episode
+
+log = logging.getLogger("streamrl.evaluate")
+
+
+class Evaluator:
+    def __init__(self, cfg: Config, redis_url: str):
+        from transformers import AutoTokenizer
+
+        if not cfg.eval.dataset:
+            raise ValueError("eval.dataset is not set: give held-out rows for rollout.env")
+        self.cfg = cfg
+        self.rows = load_rows(cfg.eval.dataset)[: cfg.eval.size]
+        self.make_env = env_factory(cfg.rollout.env, cfg.rollout.env_args)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+        self.renderer = ChatRenderer(self.tokenizer)
+        self.params = SamplingParams(max_new_tokens=cfg.rollout.sampling.max_new_tokens, temperature=0.0)
+        self.version = PolicyVersion(Namespace.open(redis_url, cfg.run.name))
+        self.router_url = cfg.rollout.router_url or f"http://{cfg.router.host}:{cfg.router.port}"
+        self.metrics = cfg.run.path / "metrics" / "eval.jsonl"
+        self.rollouts = cfg.run.path / "rollouts"
+        self.metrics.parent.mkdir(parents=True, exist_ok=True)
+        self.rollouts.mkdir(parents=True, exist_ok=True)
+
+    def done_steps(self) -> set[int]:
+        if not self.metrics.is_file():
+            return set()
+        return {json.loads(line)["step"] for line in self.metrics.read_text().splitlines() if line.strip()}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Evaluate at 0, every ``eval.every`` steps and at the last step (a restart skips what is done)."""
+        last, every = self.cfg.learner.max_steps, self.cfg.eval.every
+        pending = sorted({0, last, *range(every, last, every)} - self.done_steps())
+        async with GenerateClient(self.router_url, retries=5) as self.client:
+            while pending and not stop.is_set():
+                step = await asyncio.to_thread(self.version.get)
+                due = [s for s in pending if s <= step]
+                if not due:
+                    await asyncio.sleep(0.5)
+                    continue
+                pending = [s for s in pending if s > step]
+                self.write(await self.evaluate(due[-1] if step < last else last))
+
+    async def evaluate(self, step: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        samples = await asyncio.gather(*(self._episode(row) for row in self.rows))
+        correct = [bool(s.env_info.get("correct", s.reward >= 1.0)) for s in samples]
+        versions = [int(v) for s in samples for v in s.versions if v >= 0]
+        record = {"step": step, "time": time.time(), "eval/accuracy": sum(correct) / len(correct),
+                  "eval/reward_mean": sum(s.reward for s in samples) / len(samples), "eval/prompts": len(samples),
+                  "eval/version_min": min(versions, default=-1), "eval/version_max": max(versions, default=-1),
+                  "eval/seconds": time.perf_counter() - t0}
+        self._log_samples(step, samples[: self.cfg.eval.log_samples])
+        return record
+
+    async def _episode(self, row: dict[str, Any]) -> Sample:
+        env = self.make_env()
+        try:
+            return await run_episode(env, row, generate=self.client.generate, renderer=self.renderer,
+                                     params=self.params, max_context=self.cfg.rollout.max_context)
+        finally:
+            await env.close()
+
+    def write(self, record: dict[str, Any]) -> None:
+        with self.metrics.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        log.info("step %d: eval accuracy %.3f (reward %.3f)", record["step"], record["eval/accuracy"],
+                 record["eval/reward_mean"])
+
+    def _log_samples(self, step: int, samples: list[Sample]) -> None:
+        lines = []
+        for s in samples:
+            text = self.tokenizer.decode(s.tokens.tolist())
+            generated = [int(v) for v in s.versions if v >= 0]
+            lines.append(json.dumps({"step": step, "reward": s.reward, "text": text, "env_info": s.env_info,
+                                     "versions": sorted(set(generated))}))
+        (self.rollouts / f"step_{step}.jsonl").write_text("".join(line + "\n" for line in lines))
+
+
+def launch(cfg: Config) -> None:
+    """Process entry of ``streamrl evaluate``: run until the last evaluation or SIGTERM."""
+    import signal
+
+    if not cfg.redis.url:
+        raise ValueError("redis.url is not set: the evaluator follows the learner's version in Redis")
+    evaluator = Evaluator(cfg, cfg.redis.url)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await evaluator.run(stop)
+
+    asyncio.run(main())
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """Whole JSON lines of a metrics file (a line being written is skipped)."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
