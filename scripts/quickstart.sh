@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Installs streamrl into .venv and runs the quickstart.
-# Until `streamrl up` lands (issue 7), it runs the real paths that exist, each against a
-# baseline in the same run: the replay stream (an embedded redis-server, groups through the
-# wire codec) and generation (rollout servers with continuous batching behind sglang-router).
+# Installs streamrl into .venv and runs the quickstart: a whole asynchronous RL run on this machine
+# (embedded Redis, sglang-router, a rollout server, a rollout worker, an evaluator and a DeepSpeed
+# learner), from a model the recipe makes and warm-starts itself. Extra arguments are config
+# overrides, e.g. `make quickstart ARGS="run.seed=1"`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/streamrl bench queue --quick "$@"
-.venv/bin/streamrl bench generate --quick "$@"
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/streamrl/torch_extensions}"
+exec .venv/bin/streamrl up configs/quickstart.yaml --fresh "$@"

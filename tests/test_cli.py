@@ -8,7 +8,7 @@ import pytest
 import redis
 
 STREAMRL = [sys.executable, "-m", "streamrl"]
-SUBCOMMANDS = ["up", "serve", "launch-router", "launch-rollout", "launch-learner", "bench", "redis", "config"]
+SUBCOMMANDS = ["up", "evaluate", "serve", "launch-router", "launch-rollout", "launch-learner", "bench", "redis", "config"]
 
 
 def _run(*args: str, **kw) -> subprocess.CompletedProcess:
@@ -28,11 +28,10 @@ def test_each_subcommand_has_help(name):
     assert out.returncode == 0 and "Usage" in out.stdout
 
 
-@pytest.mark.parametrize("name, issue", [("up", 7)])
-def test_parts_not_built_yet_say_so_and_fail(name, issue):
-    out = _run(name, "configs/quickstart.yaml")
-    assert out.returncode == 2
-    assert f"not built yet (issue {issue})" in out.stderr
+def test_up_with_a_bad_config_fails_before_starting_anything(tmp_path):
+    out = _run("up", "configs/quickstart.yaml", "learner.max_step=3", f"run.dir={tmp_path}")
+    assert out.returncode == 2 and "did you mean 'learner.max_steps'" in out.stderr
+    assert not any(tmp_path.iterdir())
 
 
 def test_config_prints_the_resolved_tree_with_overrides():

@@ -32,7 +32,8 @@ class Dashboard:
         self.live = Live(console=self.console, refresh_per_second=2, transient=False) if live else None
         self.started = time.time()
         self.last_plain = 0.0
-        self.redis = self.supervisor = None
+        self.supervisor = None
+        self.final: dict[str, Any] = {}
 
     def connect(self, redis_url: str, supervisor) -> None:
         from streamrl.buffer import Admission, Namespace, PolicyVersion
@@ -133,12 +134,15 @@ class Dashboard:
                      f"push {_fmt(s.get('push_s'))}s")
 
     def close(self) -> None:
+        """Freeze the figures while Redis is still up (the summary comes after teardown)."""
+        if self.supervisor is not None:
+            self.final = self.stats()
         if self.live is not None:
             self.refresh()
             self.live.stop()
 
     def summary(self, seconds: float, code: int) -> None:
-        s = self.stats() if self.supervisor else {}
+        s = self.final
         table = Table(title=f"run {self.cfg.run.name}: {'finished' if code == 0 else f'stopped (exit {code})'} "
                             f"in {seconds:.0f}s")
         table.add_column("figure")

@@ -102,7 +102,8 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
     cfg = prepare(cfg, path, overrides)
     if not cfg.model.path:
         raise ConfigError("model.path is not set (and no prepare.fn sets it)")
-    supervisor = Supervisor(cfg.supervise.restart, cfg.supervise.max_restarts, cfg.supervise.ready_timeout_s, say)
+    supervisor = Supervisor(cfg.supervise.restart, cfg.supervise.max_restarts, cfg.supervise.ready_timeout_s, say,
+                            state_path=cfg.run.path / "parts.json")
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     redis = None

@@ -7,6 +7,7 @@ parts in reverse order) and logs to ``RUN/logs/NAME.log``. Teardown kills every 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -51,10 +52,10 @@ class Part:
 
 class Supervisor:
     def __init__(self, restart: list[str], max_restarts: int, ready_timeout_s: float,
-                 say: Callable[[str], None] = print):
+                 say: Callable[[str], None] = print, state_path: Path | None = None):
         self.parts: list[Part] = []
         self.restart_kinds, self.max_restarts, self.ready_timeout_s = set(restart), max_restarts, ready_timeout_s
-        self.say = say
+        self.say, self.state_path = say, state_path
 
     def start(self, part: Part) -> Part:
         if part not in self.parts:
@@ -64,8 +65,19 @@ class Supervisor:
             part.proc = subprocess.Popen(part.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env={**os.environ, **part.env}, start_new_session=True)
         part.started_at, part.finished = time.time(), False
+        self._save()
         self._wait_ready(part)
         return part
+
+    def _save(self) -> None:
+        """``RUN/parts.json``: every part's pid, restarts and log, for people and tools looking in."""
+        if self.state_path is None:
+            return
+        state = {p.name: {"kind": p.kind, "pid": p.pid, "restarts": p.restarts, "log": str(p.log_path)}
+                 for p in self.parts}
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        os.replace(tmp, self.state_path)
 
     def _wait_ready(self, part: Part) -> None:
         deadline = time.monotonic() + self.ready_timeout_s

@@ -27,8 +27,8 @@ def task(w: str) -> dict[str, str]:
     return {"prompt": f"Reverse: {w}", "answer": w[::-1]}
 
 
-def prepare(cfg, *, hidden: int = 128, layers: int = 2, sft_steps: int = 300, sft_batch: int = 64,
-            sft_lr: float = 3e-3, reverse_rate: float = 0.3, train_size: int = 4000, eval_size: int = 128) -> dict:
+def prepare(cfg, *, hidden: int = 128, layers: int = 2, sft_steps: int = 1000, sft_batch: int = 64,
+            sft_lr: float = 1e-3, reverse_rate: float = 0.3, train_size: int = 4000, eval_size: int = 128) -> dict:
     """Make (once) the data, the model and its warm start under ``RUN/prepared``; return the overrides."""
     root = Path(cfg.run.path) / "prepared"
     overrides = {"model.path": str(root / "model"), "rollout.dataset": str(root / "train.jsonl"),
