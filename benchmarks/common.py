@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 console = Console()
+_printed: list[dict[str, Any]] = []  # tables shown since the last write_json; saved with the results
 
 
 def machine_info() -> dict[str, Any]:
@@ -35,18 +36,21 @@ def median(xs: list[float]) -> float:
 
 
 def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
+    cells = [[f"{v:,.2f}" if isinstance(v, float) else str(v) for v in row] for row in rows]
     table = Table(title=title)
     for col in columns:
         table.add_column(col, justify="right" if col != columns[0] else "left")
-    for row in rows:
-        table.add_row(*(f"{v:,.2f}" if isinstance(v, float) else str(v) for v in row))
+    for row in cells:
+        table.add_row(*row)
     console.print(table)
+    _printed.append({"title": title, "columns": columns, "rows": cells})
 
 
 def write_json(out: Path, name: str, data: dict[str, Any]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
-    path.write_text(json.dumps({"machine": machine_info(), **data}, indent=2))
+    path.write_text(json.dumps({"machine": machine_info(), **data, "tables": list(_printed)}, indent=2))
+    _printed.clear()
     return path
 
 

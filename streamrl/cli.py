@@ -51,6 +51,8 @@ def up(
     config: ConfigArg = None,
     overrides: OverridesArg = None,
     fresh: Annotated[bool, typer.Option("--fresh", help="Delete the run directory first (else: resume it).")] = False,
+    ray: Annotated[Optional[str], typer.Option(help="Place the parts on Ray: a cluster address ('auto', "
+                                                    "ray://...) or 'local' for a local cluster.")] = None,
 ) -> None:
     """Run everything on this machine: Redis, router, servers, rollout workers, evaluator, learner."""
     from streamrl.launch.local import up as run_up
@@ -58,6 +60,8 @@ def up(
     _load(config, overrides)  # a bad config fails here, before anything starts
     if config is not None and "=" in str(config) and not config.exists():
         config, overrides = None, [str(config), *(overrides or [])]
+    if ray:
+        overrides = [*(overrides or []), "launcher=ray", f"ray.address={'null' if ray == 'local' else ray}"]
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         code = run_up(str(config) if config else None, list(overrides or []), fresh=fresh)
@@ -239,7 +243,8 @@ def show_config(config: ConfigArg = None, overrides: OverridesArg = None) -> Non
 
 @app.command()
 def bench(
-    suite: Annotated[str, typer.Argument(help="Study to run: queue, generate, partition, learner, weight-push.")],
+    suite: Annotated[str, typer.Argument(help="Study to run: queue, partition, generate, learner, weight-push, e2e, trl, simulate; "
+                                                "or 'report' to gather results into docs/benchmarks.md.")],
     quick: Annotated[bool, typer.Option("--quick", help="A short run that still measures both sides.")] = False,
     out: Annotated[Path, typer.Option(help="Where JSON and PNG results go.")] = Path("benchmarks/results"),
     model: Annotated[Optional[Path], typer.Option(help="HF model directory, for studies that run a model.")] = None,
@@ -247,6 +252,11 @@ def bench(
     """Throughput studies; each prints a table and writes JSON and a PNG plot."""
     from benchmarks import MODULES, run_suite
 
+    if suite == "report":
+        from benchmarks.report import build
+
+        build(out, Path("docs/benchmarks.md"))
+        return
     if suite not in MODULES:
         err.print(f"unknown benchmark {suite!r}; available: {', '.join(MODULES)}")
         raise typer.Exit(2)

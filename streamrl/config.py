@@ -192,9 +192,22 @@ class SuperviseConfig(Section):
     threads: int | None = Field(None, ge=1, description="torch threads per server/worker (default: cores / parts)")
 
 
+class RayConfig(Section):
+    """Resources for `launcher: ray`: each part gets a bundle in one placement group."""
+
+    address: str | None = Field(None, description="cluster to join ('auto', ray://...); empty starts a local one")
+    cpus_per_server: float = Field(1.0, ge=0)
+    gpus_per_server: float = Field(0.0, ge=0)
+    cpus_per_learner_rank: float = Field(1.0, ge=0)
+    gpus_per_learner_rank: float = Field(0.0, ge=0)
+    cpus_per_part: float = Field(0.1, gt=0, description="router, each rollout worker, the evaluator")
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+
+
 class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig)
     mode: Literal["async", "sync"] = "async"
+    launcher: Literal["local", "ray"] = Field("local", description="where `streamrl up` runs its parts")
     redis: RedisConfig = Field(default_factory=RedisConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
@@ -207,6 +220,7 @@ class Config(Section):
     prepare: PrepareConfig = Field(default_factory=PrepareConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     supervise: SuperviseConfig = Field(default_factory=SuperviseConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
 
 
 # --------------------------------------------------------------------------- loading

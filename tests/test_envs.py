@@ -135,3 +135,33 @@ def test_single_turn_with_builtin_and_user_reward_functions():
         env_factory("single_turn", {"reward": "nope"})
     with pytest.raises(ValueError, match="needs 'prompt' or 'messages'"):
         asyncio.run(env.reset({"question": "?"}))
+
+
+def test_retry_gives_a_wrong_reply_feedback_and_another_try_after_the_checker_s_latency():
+    import asyncio
+    import time
+
+    from streamrl.envs.base import Action
+    from streamrl.envs.retry import RetryWithFeedback
+
+    async def play(replies):
+        env = RetryWithFeedback(env="single_turn", env_args={"reward": "exact_match"}, turns=2, latency_s=0.05,
+                                jitter=0.0)
+        first = await env.reset({"prompt": "Reverse: abc", "answer": "cba"})
+        assert first.messages[-1]["content"] == "Reverse: abc"
+        results = []
+        for text in replies:
+            results.append(await env.step(Action(text=text, token_ids=[1])))
+            if results[-1].done:
+                break
+        return results
+
+    t0 = time.perf_counter()
+    right = asyncio.run(play(["cba"]))
+    assert time.perf_counter() - t0 >= 0.05  # the checker took its time
+    assert [(r.reward, r.done) for r in right] == [(1.0, True)]
+    retried = asyncio.run(play(["abc", "cba"]))
+    assert [(r.reward, r.done) for r in retried] == [(0.0, False), (1.0, True)]
+    assert retried[0].observation.messages == [{"role": "user", "content": "That is not right. Reverse: abc"}]
+    wrong = asyncio.run(play(["abc", "abc", "cba"]))
+    assert [(r.reward, r.done) for r in wrong] == [(0.0, False), (0.0, True)]  # two tries, then it ends

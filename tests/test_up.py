@@ -82,3 +82,25 @@ def test_up_runs_every_part_survives_a_killed_worker_and_leaves_no_process(tmp_p
     time.sleep(0.5)
     left = [pid for pid in seen if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     assert not left, f"processes left behind: {left}"
+
+
+@pytest.mark.slow
+def test_up_places_the_parts_on_a_local_ray_cluster(tmp_path):
+    run_path = tmp_path / "onray"
+    argv = [sys.executable, "-m", "streamrl", "up", "configs/quickstart.yaml", "--ray", "local",
+            f"run.dir={tmp_path}", "run.name=onray", "prepare.args.sft_steps=20", "prepare.args.train_size=200",
+            "prepare.args.eval_size=8", f"router.port={free_port()}", f"router.prometheus_port={free_port()}",
+            f"server.base_port={free_port()}", "learner.groups_per_step=4", "learner.max_steps=3", "eval.every=3",
+            "eval.size=8", "rollout.concurrency=16", "supervise.display=plain", "ray.cpus_per_server=0.5",
+            "ray.cpus_per_learner_rank=0.5", "ray.cpus_per_part=0.2"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "placing 5 parts on Ray" in out.stdout
+    learner = [r for r in read_records(run_path / "metrics" / "learner.jsonl") if "loss" in r]
+    assert [r["step"] for r in learner] == [1, 2, 3]
+    assert [e["step"] for e in read_records(run_path / "metrics" / "eval.jsonl")] == [0, 3]
+    parts = json.loads((run_path / "parts.json").read_text())
+    assert set(parts) == {"router", "server-0", "rollout-0", "evaluator", "learner"}
+    time.sleep(0.5)
+    assert not [p["pid"] for p in parts.values() if psutil.pid_exists(p["pid"])
+                and psutil.Process(p["pid"]).status() != psutil.STATUS_ZOMBIE]

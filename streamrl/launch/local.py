@@ -102,9 +102,8 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
     cfg = prepare(cfg, path, overrides)
     if not cfg.model.path:
         raise ConfigError("model.path is not set (and no prepare.fn sets it)")
-    supervisor = Supervisor(cfg.supervise.restart, cfg.supervise.max_restarts, cfg.supervise.ready_timeout_s, say,
-                            state_path=cfg.run.path / "parts.json")
-    stopping = []
+    launcher = None
+    stopping, supervisor = [], None
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     redis = None
     try:
@@ -114,8 +113,16 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
             cfg.redis.url = redis.start()
         config_file = cfg.run.path / "config.yaml"
         config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        todo = parts(cfg, config_file)
+        if cfg.launcher == "ray":
+            from streamrl.launch.ray import RayActors
+
+            say(f"placing {len(todo)} parts on Ray ({cfg.ray.address or 'a local cluster'})")
+            launcher = RayActors(cfg, todo)
+        supervisor = Supervisor(cfg.supervise.restart, cfg.supervise.max_restarts, cfg.supervise.ready_timeout_s,
+                                say, state_path=cfg.run.path / "parts.json", launcher=launcher)
         dashboard.connect(cfg.redis.url, supervisor)
-        for part in parts(cfg, config_file):
+        for part in todo:
             say(f"starting {part.name}")
             supervisor.start(part)
         say("all parts ready")
@@ -134,7 +141,10 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
         code = 1
     finally:
         dashboard.close()
-        supervisor.stop()
+        if supervisor is not None:
+            supervisor.stop()
+        if launcher is not None:
+            launcher.close()
         if redis is not None:
             redis.stop()
     dashboard.summary(time.time() - t0, code)

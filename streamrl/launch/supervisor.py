@@ -1,8 +1,9 @@
-"""Parts as child processes: start with a readiness check, watch, restart per policy, tear down.
+"""Parts as processes: start with a readiness check, watch, restart per policy, tear down.
 
-Each part runs in its own session (Ctrl-C reaches only the supervisor, which then stops the
-parts in reverse order) and logs to ``RUN/logs/NAME.log``. Teardown kills every descendant
-(torchrun's ranks included), so nothing outlives the run.
+Where a part's process runs is the launcher's business: ``LocalProcesses`` (children of this
+process, each in its own session so Ctrl-C reaches only the supervisor) or Ray actors
+(``streamrl.launch.ray``). Each part logs to ``RUN/logs/NAME.log``. Teardown kills every
+descendant (torchrun's ranks included), so nothing outlives the run.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import psutil
 
@@ -31,7 +33,7 @@ class Part:
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
     ready: Callable[[], bool] | None = None  # None: ready once started
-    proc: subprocess.Popen | None = None
+    proc: Any = None               # a Popen, or anything with pid, poll() and returncode
     restarts: int = 0
     started_at: float = 0.0
     finished: bool = False         # exited 0 on its own: done, not dead
@@ -50,9 +52,40 @@ class Part:
             return "(no log)"
 
 
+class Launcher(Protocol):
+    def spawn(self, part: Part) -> Any: ...
+    def stop(self, part: Part, timeout_s: float) -> None: ...
+
+
+class LocalProcesses:
+    """Parts as children of this process."""
+
+    def spawn(self, part: Part) -> subprocess.Popen:
+        with part.log_path.open("ab") as log:
+            return subprocess.Popen(part.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env={**os.environ, **part.env}, start_new_session=True)
+
+    def stop(self, part: Part, timeout_s: float) -> None:
+        kill_tree(part.proc.pid, timeout_s)
+        part.proc.poll()
+
+
+def kill_tree(pid: int, timeout_s: float) -> None:
+    """SIGTERM a process and all its descendants; SIGKILL what is left after ``timeout_s``."""
+    tree = _tree(pid)
+    for proc in tree:
+        _signal(proc, signal.SIGTERM)
+    _, alive = psutil.wait_procs(tree, timeout=timeout_s)
+    for proc in alive:
+        _signal(proc, signal.SIGKILL)
+    psutil.wait_procs(alive, timeout=5)
+
+
 class Supervisor:
     def __init__(self, restart: list[str], max_restarts: int, ready_timeout_s: float,
-                 say: Callable[[str], None] = print, state_path: Path | None = None):
+                 say: Callable[[str], None] = print, state_path: Path | None = None,
+                 launcher: Launcher | None = None):
+        self.launcher = launcher or LocalProcesses()
         self.parts: list[Part] = []
         self.restart_kinds, self.max_restarts, self.ready_timeout_s = set(restart), max_restarts, ready_timeout_s
         self.say, self.state_path = say, state_path
@@ -61,9 +94,7 @@ class Supervisor:
         if part not in self.parts:
             self.parts.append(part)
         part.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with part.log_path.open("ab") as log:
-            part.proc = subprocess.Popen(part.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, **part.env}, start_new_session=True)
+        part.proc = self.launcher.spawn(part)
         part.started_at, part.finished = time.time(), False
         self._save()
         self._wait_ready(part)
@@ -111,20 +142,8 @@ class Supervisor:
     def stop(self, timeout_s: float = 15.0) -> None:
         """Stop every part, newest first: SIGTERM, then SIGKILL for whatever is left of each tree."""
         for part in reversed(self.parts):
-            if part.proc is None:
-                continue
-            tree = _tree(part.proc.pid)
-            for proc in tree:
-                _signal(proc, signal.SIGTERM)
-            _, alive = psutil.wait_procs(tree, timeout=timeout_s)
-            for proc in alive:
-                _signal(proc, signal.SIGKILL)
-            psutil.wait_procs(alive, timeout=5)
-            part.proc.poll()
-
-    def pids(self) -> list[int]:
-        """Every live process of every part (for tests that check nothing is left behind)."""
-        return [p.pid for part in self.parts if part.alive() for p in _tree(part.proc.pid)]
+            if part.proc is not None:
+                self.launcher.stop(part, timeout_s)
 
 
 def _tree(pid: int) -> list[psutil.Process]:

@@ -1,0 +1,136 @@
+"""End to end: the whole system, asynchronous vs ``mode: sync``, same config and number of samples.
+
+Each run is a real ``streamrl up`` of the quickstart (every part its own process) on two workloads:
+
+- ``single-turn`` — reverse a word; compute-bound (generation and training share the CPU);
+- ``env-latency`` — the same task as an agentic loop: every reply goes to a checker that takes
+  ~1 s of wall time, and a wrong reply gets feedback and a second try (``RetryWithFeedback``).
+
+Both modes train the same number of samples (``max_steps × groups_per_step × n``) from the same
+warm-started model. Reported per run: training wall time (from the learner's start to its last
+step), samples/s, time to a target eval accuracy, the staleness of every trained sample, and the
+final eval accuracy. The ratio is async samples/s over sync samples/s; sides alternate per repeat.
+
+    python -m benchmarks.e2e [--quick]      (or: streamrl bench e2e)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from benchmarks.common import cli, console, median, new_figure, print_table, save_figure, write_json
+from streamrl.buffer.redis_server import free_port
+from streamrl.config import load_config
+from streamrl.recipes.reverse import prepare
+from streamrl.rollout.evaluate import read_records
+
+TARGET = 0.8  # eval accuracy whose first crossing is timed
+WORKLOADS = {
+    "single-turn": [],
+    "env-latency": ["rollout.env=streamrl.envs.retry:RetryWithFeedback",
+                    "rollout.env_args={env: single_turn, env_args: {reward: exact_match}, turns: 2, latency_s: 1.0}",
+                    "rollout.concurrency=256", "rollout.env_concurrency=256"],
+}
+
+
+def one_run(run_dir: Path, prepared: Path, workload: str, mode: str, steps: int, staleness: int) -> dict:
+    name = f"{workload}-{mode}"
+    shutil.rmtree(run_dir / name, ignore_errors=True)
+    shutil.copytree(prepared, run_dir / name / "prepared")
+    argv = [sys.executable, "-m", "streamrl", "up", "configs/quickstart.yaml", f"run.dir={run_dir}", f"run.name={name}",
+            f"mode={mode}", f"learner.max_steps={steps}", f"eval.every={max(1, steps // 6)}",
+            f"off_policy.max_staleness={staleness}", f"router.port={free_port()}",
+            f"router.prometheus_port={free_port()}", f"server.base_port={free_port()}", "supervise.display=plain",
+            *WORKLOADS[workload]]
+    out = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
+    if out.returncode != 0:
+        raise RuntimeError(f"{name} failed ({out.returncode}):\n{out.stdout[-3000:]}")
+    return summarise(run_dir / name, load_config("configs/quickstart.yaml", [f"learner.max_steps={steps}"]))
+
+
+def summarise(run_path: Path, cfg) -> dict:
+    steps = [r for r in read_records(run_path / "metrics" / "learner.jsonl") if "loss" in r]
+    evals = read_records(run_path / "metrics" / "eval.jsonl")
+    start = evals[0]["time"]  # the learner starts right after the version-0 evaluation
+    wall = steps[-1]["time"] - start
+    samples = sum(r["groups"] for r in steps) * cfg.rollout.sampling.n
+    staleness = Counter()
+    for r in steps:
+        staleness.update({int(k): v for k, v in r["staleness_hist"].items()})
+    reached = [e for e in evals if e["eval/accuracy"] >= TARGET]
+    return {"wall_s": wall, "samples": samples, "samples_per_s": samples / wall,
+            "time_to_target_s": reached[0]["time"] - start if reached else None,
+            "eval_first": evals[0]["eval/accuracy"], "eval_final": evals[-1]["eval/accuracy"],
+            "staleness": {str(k): staleness[k] for k in sorted(staleness)},
+            "train_reward_last5": sum(r["reward_mean"] for r in steps[-5:]) / len(steps[-5:])}
+
+
+def run(quick: bool) -> dict:
+    repeats, steps, staleness = (1, 12, 4) if quick else (3, 30, 4)
+    results: dict[str, dict[str, list[dict]]] = {w: {"async": [], "sync": []} for w in WORKLOADS}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        cfg = load_config("configs/quickstart.yaml", [f"run.dir={tmp}", "run.name=prep"])
+        console.log("warm start (once, shared by every run)")
+        prepare(cfg, **cfg.prepare.args)
+        prepared = tmp / "prep" / "prepared"
+        for r in range(repeats):
+            for workload in WORKLOADS:
+                for mode in (("async", "sync") if r % 2 == 0 else ("sync", "async")):
+                    row = one_run(tmp / "runs", prepared, workload, mode, steps, staleness)
+                    results[workload][mode].append(row)
+                    console.log(f"{workload} {mode}: {row['samples_per_s']:.1f} samples/s, wall {row['wall_s']:.0f}s, "
+                                f"eval {row['eval_first']:.2f} → {row['eval_final']:.2f}")
+    summary = {}
+    for workload, modes in results.items():
+        med = {m: {k: median([x[k] for x in rows if x[k] is not None])
+                   for k in ("samples_per_s", "wall_s", "time_to_target_s", "eval_final")} for m, rows in modes.items()}
+        summary[workload] = {**med, "ratio": med["async"]["samples_per_s"] / med["sync"]["samples_per_s"]}
+    return {"study": "e2e", "repeats": repeats, "max_steps": steps, "max_staleness": staleness, "target": TARGET,
+            "config": "configs/quickstart.yaml", "workloads": {w: WORKLOADS[w] for w in WORKLOADS},
+            "runs": results, "summary": summary}
+
+
+def report(data: dict, out: Path) -> None:
+    rows = []
+    for workload, s in data["summary"].items():
+        for mode in ("async", "sync"):
+            m = s[mode]
+            rows.append([f"{workload} / {mode}", m["samples_per_s"], m["wall_s"], m["time_to_target_s"], m["eval_final"]])
+        rows.append([f"{workload}: async / sync", s["ratio"], "", "", ""])
+    print_table(f"End to end, {data['max_steps']} steps, medians of {data['repeats']} (max staleness "
+                f"{data['max_staleness']} for async)", ["run", "samples/s", "wall s", f"s to eval ≥ {data['target']}",
+                                                         "final eval"], rows)
+    json_path = write_json(out, "e2e", data)
+    fig, (ax1, ax2) = new_figure(2, "Async vs sync, same samples (quickstart task)")
+    names = list(data["summary"])
+    for i, mode in enumerate(("async", "sync")):
+        ax1.bar([j + 0.4 * i for j in range(len(names))], [data["summary"][w][mode]["samples_per_s"] for w in names],
+                width=0.4, label=mode)
+    ax1.set_xticks([j + 0.2 for j in range(len(names))], names)
+    ax1.set_ylabel("samples/s")
+    ax1.legend()
+    stale = Counter()
+    for workload in names:
+        for row in data["runs"][workload]["async"]:
+            stale.update({int(k): v for k, v in row["staleness"].items()})
+    ax2.bar([str(k) for k in sorted(stale)], [stale[k] for k in sorted(stale)])
+    ax2.set_xlabel("staleness of trained samples (async runs)")
+    ax2.set_ylabel("sequences")
+    save_figure(fig, out, "e2e", json_path)
+
+
+def main(quick: bool = False, out: Path = Path("benchmarks/results")) -> dict:
+    data = run(quick)
+    report(data, out)
+    return data
+
+
+if __name__ == "__main__":
+    cli(main, __doc__)

@@ -1,0 +1,52 @@
+"""``streamrl bench report``: every study's results as one Markdown page with its plots.
+
+Reads ``benchmarks/results/NAME.json`` (the tables each study printed are saved in it) and
+``NAME.png``, copies the plots next to the page, and writes ``docs/benchmarks.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from benchmarks.common import console
+
+TITLES = {"queue": "Replay stream", "partition": "Micro-batch partitioning", "generate": "Generation",
+          "learner": "Learner", "weight_push": "Weight push", "e2e": "End to end: async vs sync",
+          "trl": "Against TRL", "simulate": "Simulated fleets"}
+
+
+def markdown_table(table: dict) -> str:
+    head = "| " + " | ".join(table["columns"]) + " |\n|" + "---|" * len(table["columns"]) + "\n"
+    return f"*{table['title']}*\n\n" + head + "".join("| " + " | ".join(row) + " |\n" for row in table["rows"])
+
+
+def build(results: Path, page: Path) -> Path:
+    found = [(name, results / f"{name}.json") for name in TITLES if (results / f"{name}.json").is_file()]
+    if not found:
+        raise FileNotFoundError(f"no study results in {results}: run `streamrl bench NAME` first")
+    plots = page.parent / "benchmarks"
+    plots.mkdir(parents=True, exist_ok=True)
+    machine = json.loads(found[0][1].read_text())["machine"]
+    parts = ["# Benchmarks\n",
+             f"Measured on {machine['platform']}, {machine['cpu_count']} CPU cores, torch {machine['torch']} "
+             f"({'CUDA' if machine['cuda'] else 'no GPU'}). Every figure stands beside a baseline measured in the "
+             "same run on the same machine; figures are medians of the repeats each table names. "
+             "Regenerate with `streamrl bench NAME` for each study, then `streamrl bench report`.\n"]
+    for name, path in found:
+        data = json.loads(path.read_text())
+        parts.append(f"## {TITLES[name]} (`streamrl bench {name.replace('_', '-')}`)\n")
+        parts.append(f"Run {data['machine']['time']}" + (" (quick setting)" if data.get("quick") else "") + ".\n")
+        parts.extend(markdown_table(t) for t in data.get("tables", []))
+        png = results / f"{name}.png"
+        if png.is_file():
+            shutil.copy(png, plots / png.name)
+            parts.append(f"![{TITLES[name]}](benchmarks/{png.name})\n")
+    page.write_text("\n".join(parts))
+    console.print(f"wrote {page} ({len(found)} studies)")
+    return page
+
+
+def main(quick: bool = False, out: Path = Path("benchmarks/results")) -> Path:
+    return build(out, Path("docs/benchmarks.md"))

@@ -1,0 +1,161 @@
+"""A discrete-event model of the pipeline, for fleets this machine cannot hold.
+
+Model (every assumption is a parameter):
+- Rollout: ``engines`` engines, each running up to ``slots`` groups at once. A group of ``n``
+  samples takes ``max(sample lengths) / seq_rate + env_s`` (lengths log-normal, cut at ``max_len``: reasoning tails),
+  where ``seq_rate`` is one sequence's decode rate in a full engine
+  (``engine_tokens_per_s / (slots × n)``; decoding is memory-bound, so a half-empty engine does
+  not decode each sequence much faster — it just produces less).
+- A step is ``groups_per_step`` groups, by default one full batch of every engine's slots: the
+  size a synchronous system would choose.
+- Admission: a group may start while ``accepted + running < (k + V + 1) × G`` (AReaL's rule);
+  ``k = 0`` with the learner waiting for its push is the synchronous baseline.
+- Learner: a step trains ``G`` groups at ``ranks × rank_tokens_per_s × dp_efficiency`` tokens/s,
+  then pushes for ``push_s`` (in flight: the engines keep going; the learner is busy).
+- Staleness of a trained group: the learner's version minus the version it was started at.
+
+Calibration: ``--from-results`` takes this machine's measured rates (e2e and weight-push studies) as
+the per-engine and per-rank figures. For GPU fleets the defaults below are stated assumptions
+(a 7B-class policy on H100s: 2,500 generated tokens/s per engine GPU at full batch, 12,000 trained
+tokens/s per learner GPU, 90% data-parallel efficiency, a 1.5 s NCCL push), not measurements.
+
+    python -m benchmarks.simulate [--quick]      (or: streamrl bench simulate)
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.common import cli, new_figure, print_table, save_figure, write_json
+
+
+@dataclass
+class Fleet:
+    engines: int
+    ranks: int
+    engine_tokens_per_s: float = 2500.0
+    rank_tokens_per_s: float = 12000.0
+    dp_efficiency: float = 0.9
+    push_s: float = 1.5
+    slots: int = 16              # groups per engine at once (128 sequences: a full decode batch)
+    n: int = 8                   # samples per group
+    groups_per_step: int = 0     # 0: one full batch of every engine's slots, as synchronous systems size it
+    mean_len: float = 1500.0     # generated tokens per sample (log-normal, sigma below)
+    sigma: float = 0.8
+    max_len: float = 8192.0      # max_new_tokens: the tail is cut here
+    env_s: float = 0.0           # environment wall time per group (tools, sandboxes)
+
+
+def simulate(f: Fleet, max_staleness: int, steps: int, seed: int = 0) -> dict:
+    """Run ``steps`` learner steps; return throughput, staleness and where the time went."""
+    rng = random.Random(seed)
+    if not f.groups_per_step:
+        f = Fleet(**{**f.__dict__, "groups_per_step": f.engines * f.slots})
+    mu = math.log(f.mean_len) - f.sigma**2 / 2
+    seq_rate = f.engine_tokens_per_s / (f.slots * f.n)
+    learner_rate = f.ranks * f.rank_tokens_per_s * f.dp_efficiency
+    bound = lambda v: (max_staleness + v + 1) * f.groups_per_step  # noqa: E731
+    events: list[tuple[float, int, str, tuple]] = []
+    free_slots, running, accepted, version, now, seq = f.engines * f.slots, 0, 0, 0, 0.0, 0
+    ready: list[tuple[int, float]] = []  # (version at start, tokens) of finished groups
+    learner_busy, learner_time, stale, done_steps = False, 0.0, [], 0
+
+    def push(t: float, kind: str, data: tuple = ()) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(events, (t, seq, kind, data))
+
+    def start_groups() -> None:
+        nonlocal free_slots, running
+        while free_slots and accepted + running < bound(version):
+            lengths = [min(rng.lognormvariate(mu, f.sigma), f.max_len) for _ in range(f.n)]
+            free_slots, running = free_slots - 1, running + 1
+            push(now + max(lengths) / seq_rate + f.env_s, "group", (version, sum(lengths)))
+
+    def try_step() -> None:
+        nonlocal learner_busy, learner_time
+        if learner_busy or len(ready) < f.groups_per_step:
+            return
+        batch = [ready.pop(0) for _ in range(f.groups_per_step)]
+        stale.extend(version - v for v, _ in batch)
+        train = sum(tok for _, tok in batch) / learner_rate
+        learner_busy, learner_time = True, learner_time + train + f.push_s
+        push(now + train + f.push_s, "step")
+
+    start_groups()
+    while done_steps < steps:
+        now, _, kind, data = heapq.heappop(events)
+        if kind == "group":
+            free_slots, running, accepted = free_slots + 1, running - 1, accepted + 1
+            ready.append(data)
+            try_step()
+        else:
+            learner_busy, version, done_steps = False, version + 1, done_steps + 1
+            try_step()
+        start_groups()
+    samples = steps * f.groups_per_step * f.n
+    return {"samples_per_s": samples / now, "seconds": now, "learner_busy": learner_time / now,
+            "staleness_mean": sum(stale) / len(stale), "staleness_max": max(stale),
+            "bottleneck": "learner" if learner_time / now > 0.9 else "rollout"}
+
+
+def run(quick: bool) -> dict:
+    sizes = [8, 64, 256] if quick else [8, 32, 64, 128, 256, 512, 1024]
+    steps = 20 if quick else 60
+    rows = []
+    for gpus in sizes:
+        for env_s in (0.0, 30.0):  # compute-bound, and agentic with 30 s of tool time per group
+            fleet = Fleet(engines=gpus // 2, ranks=gpus // 2, env_s=env_s)
+            a = simulate(fleet, max_staleness=2, steps=steps)
+            s = simulate(fleet, max_staleness=0, steps=steps)
+            rows.append({"gpus": gpus, "env_s": env_s, "async": a, "sync": s,
+                         "ratio": a["samples_per_s"] / s["samples_per_s"]})
+    split = []  # where does the learner become the bottleneck? 256 GPUs, more and more of them generating
+    for frac in (0.5, 0.75, 0.875, 0.9375):
+        engines = int(256 * frac)
+        fleet = Fleet(engines=engines, ranks=256 - engines)
+        a, s = simulate(fleet, 2, steps), simulate(fleet, 0, steps)
+        split.append({"rollout_gpus": engines, "train_gpus": 256 - engines, "async": a, "sync": s,
+                      "ratio": a["samples_per_s"] / s["samples_per_s"]})
+    return {"study": "simulate", "steps": steps, "split": "half the GPUs generate, half train",
+            "assumptions": Fleet(engines=0, ranks=0).__dict__, "rows": rows, "splits": split}
+
+
+def report(data: dict, out: Path) -> None:
+    print_table(f"Simulated samples/s, {data['steps']} steps, {data['split']} (assumptions in the JSON)",
+                ["GPUs", "env s/group", "async samples/s", "sync samples/s", "async/sync", "async staleness mean",
+                 "async bottleneck"],
+                [[r["gpus"], r["env_s"], r["async"]["samples_per_s"], r["sync"]["samples_per_s"], r["ratio"],
+                  r["async"]["staleness_mean"], r["async"]["bottleneck"]] for r in data["rows"]])
+    print_table("256 GPUs split between rollout and training (env 0 s)",
+                ["rollout GPUs", "train GPUs", "async samples/s", "sync samples/s", "async/sync", "learner busy",
+                 "async bottleneck"],
+                [[r["rollout_gpus"], r["train_gpus"], r["async"]["samples_per_s"], r["sync"]["samples_per_s"],
+                  r["ratio"], r["async"]["learner_busy"], r["async"]["bottleneck"]] for r in data["splits"]])
+    json_path = write_json(out, "simulate", data)
+    fig, (ax,) = new_figure(1, "Simulated throughput (max staleness 2 vs synchronous)")
+    for env_s, style in ((0.0, "-"), (30.0, "--")):
+        rows = [r for r in data["rows"] if r["env_s"] == env_s]
+        for mode in ("async", "sync"):
+            ax.plot([r["gpus"] for r in rows], [r[mode]["samples_per_s"] for r in rows], "o" + style,
+                    label=f"{mode}, env {env_s:.0f}s")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("samples/s")
+    ax.legend()
+    save_figure(fig, out, "simulate", json_path)
+
+
+def main(quick: bool = False, out: Path = Path("benchmarks/results")) -> dict:
+    data = run(quick)
+    report(data, out)
+    return data
+
+
+if __name__ == "__main__":
+    cli(main, __doc__)

@@ -1,0 +1,75 @@
+"""The supervisor with real child processes: restarts, fatal exits, readiness, whole-tree teardown."""
+
+import os
+import signal
+import sys
+import time
+
+import psutil
+import pytest
+
+from streamrl.launch.supervisor import Part, PartFailed, Supervisor
+
+SLEEPER = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(120)"]
+
+
+def _supervisor(tmp_path, **kw) -> Supervisor:
+    return Supervisor(kw.pop("restart", ["rollout"]), kw.pop("max_restarts", 1), kw.pop("ready_timeout_s", 20),
+                      say=lambda m: None, state_path=tmp_path / "parts.json", **kw)
+
+
+def test_a_dead_restartable_part_comes_back_until_its_budget_is_spent(tmp_path):
+    sup = _supervisor(tmp_path)
+    part = sup.start(Part("rollout-0", "rollout", SLEEPER, tmp_path / "logs" / "rollout-0.log"))
+    try:
+        first = part.pid
+        os.kill(first, signal.SIGKILL)
+        part.proc.wait()
+        sup.check()
+        assert part.alive() and part.pid != first and part.restarts == 1
+        assert '"restarts": 1' in (tmp_path / "parts.json").read_text()
+        os.kill(part.pid, signal.SIGKILL)
+        part.proc.wait()
+        with pytest.raises(PartFailed, match="rollout-0 .* exited with -9"):
+            sup.check()
+    finally:
+        sup.stop()
+
+
+def test_a_learner_that_ends_well_is_done_and_one_that_fails_stops_the_run_with_its_log(tmp_path):
+    sup = _supervisor(tmp_path)
+    done = sup.start(Part("learner", "learner", [sys.executable, "-c", "print('trained')"], tmp_path / "a.log"))
+    done.proc.wait()
+    sup.check()
+    assert done.finished
+    bad = sup.start(Part("learner-b", "learner", [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"],
+                         tmp_path / "b.log"))
+    bad.proc.wait()
+    with pytest.raises(PartFailed, match=r"(?s)exited with 3.*boom"):
+        sup.check()
+
+
+def test_a_part_that_dies_before_it_is_ready_fails_with_its_log(tmp_path):
+    sup = _supervisor(tmp_path)
+    part = Part("server-0", "server", [sys.executable, "-c", "raise SystemExit('no model here')"],
+                tmp_path / "s.log", ready=lambda: False)
+    with pytest.raises(PartFailed, match=r"(?s)before it was ready.*no model here"):
+        sup.start(part)
+
+
+def test_stop_kills_the_whole_tree_even_children_in_their_own_session(tmp_path):
+    # like torchrun's ranks: a grandchild that ignores SIGTERM, in a session of its own
+    code = ("import subprocess, sys, time; "
+            "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)'], start_new_session=True); "
+            "time.sleep(120)")
+    sup = _supervisor(tmp_path)
+    part = sup.start(Part("learner", "learner", [sys.executable, "-c", code], tmp_path / "l.log"))
+    deadline = time.monotonic() + 10
+    while len(psutil.Process(part.pid).children(recursive=True)) < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    tree = [part.pid, *(c.pid for c in psutil.Process(part.pid).children(recursive=True))]
+    sup.stop(timeout_s=1)
+    time.sleep(0.2)
+    assert not [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
