@@ -10,12 +10,10 @@ in its distribution but not its habit; RL with an exact-match reward has to make
 from __future__ import annotations
 
 import json
-import logging
 import random
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("streamrl.recipes")
 LETTERS = "abcdefghij"
 
 
@@ -35,6 +33,9 @@ def prepare(cfg, *, hidden: int = 128, layers: int = 2, sft_steps: int = 1000, s
                  "eval.dataset": str(root / "eval.jsonl")}
     if (root / "done").is_file():
         return overrides
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the run's display is the progress report
     root.mkdir(parents=True, exist_ok=True)
     rng = random.Random(cfg.run.seed)
     held_out = set()
@@ -62,7 +63,8 @@ def make_model(path: Path, *, hidden: int, layers: int, seed: int) -> str:
     return make_tiny_model(path, vocab_size=259, hidden=hidden, layers=layers, seed=seed)  # 256 bytes + 3 specials
 
 
-def warm_start(model_dir: str, rows_path: Path, *, steps: int, batch: int, lr: float, seed: int) -> None:
+def warm_start(model_dir: str, rows_path: Path, *, steps: int, batch: int, lr: float, seed: int,
+               say=print) -> None:
     """Supervised steps on prompt→completion rows (loss on the completion), tokenised as the learner's ptx term."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -91,8 +93,8 @@ def warm_start(model_dir: str, rows_path: Path, *, steps: int, batch: int, lr: f
         loss.backward()
         opt.step()
         sched.step()
-        if step % 100 == 0 or step == steps - 1:
-            log.info("warm start step %d/%d: loss %.3f", step + 1, steps, loss.item())
+        if (step + 1) % 250 == 0 or step == steps - 1:
+            say(f"warm start: step {step + 1}/{steps}, loss {loss.item():.3f}")
     model.save_pretrained(model_dir)
 
 

@@ -1,0 +1,140 @@
+"""streamrl against TRL's GRPOTrainer: same model, task, samples and machine.
+
+Both start from the quickstart's warm-started model and train on the same prompts (reverse a
+word, exact-match reward) for the same number of samples (steps × groups × n) with the same
+learning rate, no KL term and temperature 1.0. TRL (``pip install trl``; CPU, its own
+``model.generate``) generates a batch, then trains on it; streamrl runs ``streamrl up`` (async,
+max staleness 2). Advantages: TRL's GRPO with ``scale_rewards="none"`` is ``r - mean``, RLOO is
+the same times n/(n-1). Time to the target eval accuracy counts only training: TRL's evaluation
+pauses its clock; streamrl's evaluator runs beside training (so it is charged to streamrl).
+
+    python -m benchmarks.against_trl [--quick]      (or: streamrl bench trl)
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import cli, console, median, new_figure, print_table, save_figure, write_json
+from benchmarks.e2e import TARGET, one_run
+from streamrl.config import load_config
+from streamrl.recipes.reverse import prepare
+
+
+def greedy_accuracy(model, tokenizer, rows: list[dict]) -> float:
+    import torch
+
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
+                                             add_generation_prompt=True) for r in rows]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id)
+    texts = tokenizer.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
+    return sum(t.strip() == r["answer"] for t, r in zip(texts, rows)) / len(rows)
+
+
+def trl_run(prepared: Path, out: Path, *, steps: int, groups: int, n: int, lr: float, eval_every: int,
+            seed: int) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(prepared / "model", padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(prepared / "model")
+    train = [json.loads(x) for x in (prepared / "train.jsonl").read_text().splitlines()]
+    held_out = [json.loads(x) for x in (prepared / "eval.jsonl").read_text().splitlines()]
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+                              for r in train])
+
+    def exact_match(completions, answer, **_):
+        return [float(c[0]["content"].strip() == a) for c, a in zip(completions, answer)]
+
+    evals, paused = [], [0.0]
+    start = [0.0]
+
+    class Evaluate(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            start[0] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step % eval_every == 0 or state.global_step == steps:
+                t0 = time.perf_counter()
+                acc = greedy_accuracy(kw["model"], tokenizer, held_out)
+                paused[0] += time.perf_counter() - t0
+                evals.append({"step": state.global_step, "accuracy": acc,
+                              "train_s": t0 - start[0] - (paused[0] - (time.perf_counter() - t0))})
+
+    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=groups * n, num_generations=n,
+                      max_completion_length=12, learning_rate=lr, lr_scheduler_type="constant", max_steps=steps,
+                      beta=0.0, temperature=1.0, scale_rewards="none", loss_type="dapo", use_cpu=True,
+                      report_to=[], logging_steps=1, save_strategy="no", seed=seed, disable_tqdm=True)
+    trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=args, train_dataset=data,
+                          processing_class=tokenizer, callbacks=[Evaluate()])
+    before = greedy_accuracy(model, tokenizer, held_out)
+    trainer.train()
+    wall = time.perf_counter() - start[0] - paused[0]
+    reached = [e for e in evals if e["accuracy"] >= TARGET]
+    samples = steps * groups * n
+    settings = {k: getattr(args, k) for k in ("per_device_train_batch_size", "num_generations",
+                                              "max_completion_length", "learning_rate", "max_steps", "beta",
+                                              "temperature", "scale_rewards", "loss_type", "num_iterations")}
+    return {"wall_s": wall, "samples": samples, "samples_per_s": samples / wall, "eval_first": before,
+            "eval_final": evals[-1]["accuracy"], "time_to_target_s": reached[0]["train_s"] if reached else None,
+            "evals": evals, "settings": settings}
+
+
+def run(quick: bool) -> dict:
+    repeats, steps = (1, 12) if quick else (3, 30)
+    results = {"streamrl": [], "trl": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        cfg = load_config("configs/quickstart.yaml", [f"run.dir={tmp}", "run.name=prep"])
+        console.log("warm start (once, shared by both systems)")
+        prepare(cfg, **cfg.prepare.args)
+        prepared = tmp / "prep" / "prepared"
+        groups, n, lr = cfg.learner.groups_per_step, cfg.rollout.sampling.n, cfg.learner.lr
+        for r in range(repeats):
+            for side in (("streamrl", "trl") if r % 2 == 0 else ("trl", "streamrl")):
+                if side == "trl":
+                    row = trl_run(prepared, tmp / f"trl-{r}", steps=steps, groups=groups, n=n, lr=lr,
+                                  eval_every=max(1, steps // 6), seed=r)
+                else:
+                    row = one_run(tmp / "runs", prepared, "single-turn", "async", steps, 2)
+                results[side].append(row)
+                console.log(f"{side}: {row['samples_per_s']:.1f} samples/s, eval {row['eval_first']:.2f} → "
+                            f"{row['eval_final']:.2f}")
+    med = {side: {k: median([x[k] for x in rows if x[k] is not None])
+                  for k in ("samples_per_s", "wall_s", "time_to_target_s", "eval_final")}
+           for side, rows in results.items()}
+    return {"study": "trl", "repeats": repeats, "max_steps": steps, "target": TARGET,
+            "streamrl_settings": {"config": "configs/quickstart.yaml", "mode": "async", "max_staleness": 2,
+                                  "groups_per_step": groups, "n": n, "lr": lr},
+            "runs": results, "median": med, "ratio": med["streamrl"]["samples_per_s"] / med["trl"]["samples_per_s"]}
+
+
+def report(data: dict, out: Path) -> None:
+    m = data["median"]
+    print_table(f"streamrl vs TRL GRPOTrainer, {data['max_steps']} steps, same samples, medians of {data['repeats']}",
+                ["system", "samples/s", "train wall s", f"s to eval ≥ {data['target']}", "final eval"],
+                [[side, m[side]["samples_per_s"], m[side]["wall_s"], m[side]["time_to_target_s"],
+                  m[side]["eval_final"]] for side in ("streamrl", "trl")]
+                + [["streamrl / TRL", data["ratio"], "", "", ""]])
+    json_path = write_json(out, "trl", data)
+    fig, (ax,) = new_figure(1, "Samples/s on the quickstart task (same model, samples, machine)")
+    ax.bar(["streamrl (async)", "TRL GRPOTrainer"], [m["streamrl"]["samples_per_s"], m["trl"]["samples_per_s"]])
+    ax.set_ylabel("samples/s")
+    save_figure(fig, out, "trl", json_path)
+
+
+def main(quick: bool = False, out: Path = Path("benchmarks/results")) -> dict:
+    data = run(quick)
+    report(data, out)
+    return data
+
+
+if __name__ == "__main__":
+    cli(main, __doc__)
