@@ -27,12 +27,15 @@ from streamrl.recipes.reverse import prepare
 def greedy_accuracy(model, tokenizer, rows: list[dict]) -> float:
     import torch
 
+    was_training = model.training
+    model.eval()
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
                                              add_generation_prompt=True) for r in rows]
     batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.no_grad():
         out = model.generate(**batch, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id,
                              eos_token_id=tokenizer.eos_token_id)
+    model.train(was_training)
     texts = tokenizer.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
     return sum(t.strip() == r["answer"] for t, r in zip(texts, rows)) / len(rows)
 
@@ -46,7 +49,7 @@ def trl_run(prepared: Path, out: Path, *, steps: int, groups: int, n: int, lr: f
     tokenizer = AutoTokenizer.from_pretrained(prepared / "model", padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(prepared / "model")
     train = [json.loads(x) for x in (prepared / "train.jsonl").read_text().splitlines()]
-    held_out = [json.loads(x) for x in (prepared / "eval.jsonl").read_text().splitlines()]
+    held_out = [json.loads(x) for x in (prepared / "eval.jsonl").read_text().splitlines()][:64]  # as streamrl's eval.size
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
                               for r in train])
 
@@ -88,7 +91,7 @@ def trl_run(prepared: Path, out: Path, *, steps: int, groups: int, n: int, lr: f
 
 
 def run(quick: bool) -> dict:
-    repeats, steps = (1, 12) if quick else (3, 30)
+    repeats, steps = (1, 12) if quick else (3, 20)
     results = {"streamrl": [], "trl": []}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -101,7 +104,7 @@ def run(quick: bool) -> dict:
             for side in (("streamrl", "trl") if r % 2 == 0 else ("trl", "streamrl")):
                 if side == "trl":
                     row = trl_run(prepared, tmp / f"trl-{r}", steps=steps, groups=groups, n=n, lr=lr,
-                                  eval_every=max(1, steps // 6), seed=r)
+                                  eval_every=max(1, steps // 4), seed=r)
                 else:
                     row = one_run(tmp / "runs", prepared, "single-turn", "async", steps, 2)
                 results[side].append(row)

@@ -44,7 +44,7 @@ def one_run(run_dir: Path, prepared: Path, workload: str, mode: str, steps: int,
     shutil.rmtree(run_dir / name, ignore_errors=True)
     shutil.copytree(prepared, run_dir / name / "prepared")
     argv = [sys.executable, "-m", "streamrl", "up", "configs/quickstart.yaml", f"run.dir={run_dir}", f"run.name={name}",
-            f"mode={mode}", f"learner.max_steps={steps}", f"eval.every={max(1, steps // 6)}",
+            f"mode={mode}", f"learner.max_steps={steps}", f"eval.every={max(1, steps // 4)}", "eval.size=64",
             f"off_policy.max_staleness={staleness}", f"router.port={free_port()}",
             f"router.prometheus_port={free_port()}", f"server.base_port={free_port()}", "supervise.display=plain",
             *WORKLOADS[workload]]
@@ -72,7 +72,7 @@ def summarise(run_path: Path, cfg) -> dict:
 
 
 def run(quick: bool) -> dict:
-    repeats, steps, staleness = (1, 12, 4) if quick else (3, 30, 4)
+    repeats, steps, staleness = (1, 12, 4) if quick else (3, 20, 4)
     results: dict[str, dict[str, list[dict]]] = {w: {"async": [], "sync": []} for w in WORKLOADS}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
