@@ -12,4 +12,7 @@ MODULES = {"queue": "benchmarks.replay_stream", "generate": "benchmarks.generate
 
 
 def run_suite(name: str, *, quick: bool, out: Path, **options) -> dict:
+    from benchmarks.common import settings
+
+    settings["quick"] = quick
     return importlib.import_module(MODULES[name]).main(quick=quick, out=out, **options)

@@ -6,7 +6,9 @@ learning rate, no KL term and temperature 1.0. TRL (``pip install trl``; CPU, it
 ``model.generate``) generates a batch, then trains on it; streamrl runs ``streamrl up`` (async,
 max staleness 2). Advantages: TRL's GRPO with ``scale_rewards="none"`` is ``r - mean``, RLOO is
 the same times n/(n-1). Time to the target eval accuracy counts only training: TRL's evaluation
-pauses its clock; streamrl's evaluator runs beside training (so it is charged to streamrl).
+pauses its clock; streamrl's evaluator runs beside training (so it is charged to streamrl). TRL's
+clock starts when its training loop starts; streamrl's when its rollout worker starts (its learner
+starts some seconds later, after the first evaluation).
 
     python -m benchmarks.against_trl [--quick]      (or: streamrl bench trl)
 """
@@ -18,8 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import cli, console, median, new_figure, print_table, save_figure, write_json
-from benchmarks.e2e import TARGET, one_run
+from benchmarks.common import cli, console, new_figure, print_table, save_figure, write_json
+from benchmarks.e2e import TARGET, medians, one_run
 from streamrl.config import load_config
 from streamrl.recipes.reverse import prepare
 
@@ -85,7 +87,8 @@ def trl_run(prepared: Path, out: Path, *, steps: int, groups: int, n: int, lr: f
     settings = {k: getattr(args, k) for k in ("per_device_train_batch_size", "num_generations",
                                               "max_completion_length", "learning_rate", "max_steps", "beta",
                                               "temperature", "scale_rewards", "loss_type", "num_iterations")}
-    return {"wall_s": wall, "samples": samples, "samples_per_s": samples / wall, "eval_first": before,
+    return {"wall_s": wall, "samples": samples, "samples_per_s": samples / wall, "steady_samples_per_s": samples / wall,
+            "eval_first": before,
             "eval_final": evals[-1]["accuracy"], "time_to_target_s": reached[0]["train_s"] if reached else None,
             "evals": evals, "settings": settings}
 
@@ -106,13 +109,11 @@ def run(quick: bool) -> dict:
                     row = trl_run(prepared, tmp / f"trl-{r}", steps=steps, groups=groups, n=n, lr=lr,
                                   eval_every=max(1, steps // 4), seed=r)
                 else:
-                    row = one_run(tmp / "runs", prepared, "single-turn", "async", steps, 2)
+                    row = one_run(tmp / "runs", prepared, "single-turn", "async", steps, 2, seed=r)
                 results[side].append(row)
                 console.log(f"{side}: {row['samples_per_s']:.1f} samples/s, eval {row['eval_first']:.2f} → "
                             f"{row['eval_final']:.2f}")
-    med = {side: {k: median([x[k] for x in rows if x[k] is not None])
-                  for k in ("samples_per_s", "wall_s", "time_to_target_s", "eval_final")}
-           for side, rows in results.items()}
+    med = {side: medians(rows) for side, rows in results.items()}
     return {"study": "trl", "repeats": repeats, "max_steps": steps, "target": TARGET,
             "streamrl_settings": {"config": "configs/quickstart.yaml", "mode": "async", "max_staleness": 2,
                                   "groups_per_step": groups, "n": n, "lr": lr},
@@ -123,8 +124,9 @@ def report(data: dict, out: Path) -> None:
     m = data["median"]
     print_table(f"streamrl vs TRL GRPOTrainer, {data['max_steps']} steps, same samples, medians of {data['repeats']}",
                 ["system", "samples/s", "train wall s", f"s to eval ≥ {data['target']}", "final eval"],
-                [[side, m[side]["samples_per_s"], m[side]["wall_s"], m[side]["time_to_target_s"],
-                  m[side]["eval_final"]] for side in ("streamrl", "trl")]
+                [[side, m[side]["samples_per_s"], m[side]["wall_s"],
+                  f"{m[side]['time_to_target_s']:.0f} ({m[side]['reached_target']})", m[side]["eval_final"]]
+                 for side in ("streamrl", "trl")]
                 + [["streamrl / TRL", data["ratio"], "", "", ""]])
     json_path = write_json(out, "trl", data)
     fig, (ax,) = new_figure(1, "Samples/s on the quickstart task (same model, samples, machine)")

@@ -15,6 +15,7 @@ from rich.table import Table
 
 console = Console()
 _printed: list[dict[str, Any]] = []  # tables shown since the last write_json; saved with the results
+settings: dict[str, Any] = {"quick": False}  # how the study was run, saved with the results
 
 
 def machine_info() -> dict[str, Any]:
@@ -49,7 +50,7 @@ def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
 def write_json(out: Path, name: str, data: dict[str, Any]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
-    path.write_text(json.dumps({"machine": machine_info(), **data, "tables": list(_printed)}, indent=2))
+    path.write_text(json.dumps({"machine": machine_info(), **settings, **data, "tables": list(_printed)}, indent=2))
     _printed.clear()
     return path
 
@@ -87,4 +88,6 @@ def cli(main, doc: str) -> None:
     extra = {"--model": "HF model directory"} if "model" in main.__code__.co_varnames else {}
     for flag, help_text in extra.items():
         parser.add_argument(flag, help=help_text)
-    main(**vars(parser.parse_args()))
+    args = vars(parser.parse_args())
+    settings["quick"] = args["quick"]
+    main(**args)

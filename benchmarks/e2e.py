@@ -7,15 +7,19 @@ Each run is a real ``streamrl up`` of the quickstart (every part its own process
   ~1 s of wall time, and a wrong reply gets feedback and a second try (``RetryWithFeedback``).
 
 Both modes train the same number of samples (``max_steps × groups_per_step × n``) from the same
-warm-started model. Reported per run: training wall time (from the learner's start to its last
-step), samples/s, time to a target eval accuracy, the staleness of every trained sample, and the
-final eval accuracy. The ratio is async samples/s over sync samples/s; sides alternate per repeat.
+warm-started model. The clock starts when the rollout workers start (both modes may generate from
+then on; the learner starts after the version-0 evaluation) and stops at the learner's last step.
+Reported per run: that wall time, samples/s over it, steady-state samples/s (between the ends of
+step 2 and the last step, where the queue is as full at both ends), time to a target eval accuracy
+(with how many runs reached it), the staleness of every trained sample, and the final eval accuracy.
+The ratio is async samples/s over sync samples/s; sides alternate per repeat.
 
     python -m benchmarks.e2e [--quick]      (or: streamrl bench e2e)
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -39,7 +43,8 @@ WORKLOADS = {
 }
 
 
-def one_run(run_dir: Path, prepared: Path, workload: str, mode: str, steps: int, staleness: int) -> dict:
+def one_run(run_dir: Path, prepared: Path, workload: str, mode: str, steps: int, staleness: int,
+            seed: int = 0) -> dict:
     name = f"{workload}-{mode}"
     shutil.rmtree(run_dir / name, ignore_errors=True)
     shutil.copytree(prepared, run_dir / name / "prepared")
@@ -47,6 +52,7 @@ def one_run(run_dir: Path, prepared: Path, workload: str, mode: str, steps: int,
             f"mode={mode}", f"learner.max_steps={steps}", f"eval.every={max(1, steps // 4)}", "eval.size=64",
             f"off_policy.max_staleness={staleness}", f"router.port={free_port()}",
             f"router.prometheus_port={free_port()}", f"server.base_port={free_port()}", "supervise.display=plain",
+            f"run.seed={seed}",
             *WORKLOADS[workload]]
     out = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
     if out.returncode != 0:
@@ -57,18 +63,28 @@ def one_run(run_dir: Path, prepared: Path, workload: str, mode: str, steps: int,
 def summarise(run_path: Path, cfg) -> dict:
     steps = [r for r in read_records(run_path / "metrics" / "learner.jsonl") if "loss" in r]
     evals = read_records(run_path / "metrics" / "eval.jsonl")
-    start = evals[0]["time"]  # the learner starts right after the version-0 evaluation
+    start = json.loads((run_path / "parts.json").read_text())["rollout-0"]["started_at"]
+    n = cfg.rollout.sampling.n
     wall = steps[-1]["time"] - start
-    samples = sum(r["groups"] for r in steps) * cfg.rollout.sampling.n
+    samples = sum(r["groups"] for r in steps) * n
+    steady = sum(r["groups"] for r in steps[2:]) * n / (steps[-1]["time"] - steps[1]["time"])
     staleness = Counter()
     for r in steps:
         staleness.update({int(k): v for k, v in r["staleness_hist"].items()})
     reached = [e for e in evals if e["eval/accuracy"] >= TARGET]
-    return {"wall_s": wall, "samples": samples, "samples_per_s": samples / wall,
+    return {"wall_s": wall, "samples": samples, "samples_per_s": samples / wall, "steady_samples_per_s": steady,
             "time_to_target_s": reached[0]["time"] - start if reached else None,
             "eval_first": evals[0]["eval/accuracy"], "eval_final": evals[-1]["eval/accuracy"],
             "staleness": {str(k): staleness[k] for k in sorted(staleness)},
             "train_reward_last5": sum(r["reward_mean"] for r in steps[-5:]) / len(steps[-5:])}
+
+
+def medians(rows: list[dict]) -> dict:
+    """Medians over repeats; time to target over the runs that reached it, with their count."""
+    out = {k: median([x[k] for x in rows]) for k in ("samples_per_s", "steady_samples_per_s", "wall_s", "eval_final")}
+    reached = [x["time_to_target_s"] for x in rows if x["time_to_target_s"] is not None]
+    out.update(time_to_target_s=median(reached), reached_target=f"{len(reached)}/{len(rows)}")
+    return out
 
 
 def run(quick: bool) -> dict:
@@ -83,15 +99,15 @@ def run(quick: bool) -> dict:
         for r in range(repeats):
             for workload in WORKLOADS:
                 for mode in (("async", "sync") if r % 2 == 0 else ("sync", "async")):
-                    row = one_run(tmp / "runs", prepared, workload, mode, steps, staleness)
+                    row = one_run(tmp / "runs", prepared, workload, mode, steps, staleness, seed=r)
                     results[workload][mode].append(row)
                     console.log(f"{workload} {mode}: {row['samples_per_s']:.1f} samples/s, wall {row['wall_s']:.0f}s, "
                                 f"eval {row['eval_first']:.2f} → {row['eval_final']:.2f}")
     summary = {}
     for workload, modes in results.items():
-        med = {m: {k: median([x[k] for x in rows if x[k] is not None])
-                   for k in ("samples_per_s", "wall_s", "time_to_target_s", "eval_final")} for m, rows in modes.items()}
-        summary[workload] = {**med, "ratio": med["async"]["samples_per_s"] / med["sync"]["samples_per_s"]}
+        med = {m: medians(rows) for m, rows in modes.items()}
+        summary[workload] = {**med, "ratio": med["async"]["samples_per_s"] / med["sync"]["samples_per_s"],
+                             "steady_ratio": med["async"]["steady_samples_per_s"] / med["sync"]["steady_samples_per_s"]}
     return {"study": "e2e", "repeats": repeats, "max_steps": steps, "max_staleness": staleness, "target": TARGET,
             "config": "configs/quickstart.yaml", "workloads": {w: WORKLOADS[w] for w in WORKLOADS},
             "runs": results, "summary": summary}
@@ -102,11 +118,12 @@ def report(data: dict, out: Path) -> None:
     for workload, s in data["summary"].items():
         for mode in ("async", "sync"):
             m = s[mode]
-            rows.append([f"{workload} / {mode}", m["samples_per_s"], m["wall_s"], m["time_to_target_s"], m["eval_final"]])
-        rows.append([f"{workload}: async / sync", s["ratio"], "", "", ""])
+            rows.append([f"{workload} / {mode}", m["samples_per_s"], m["steady_samples_per_s"], m["wall_s"],
+                         f"{m['time_to_target_s']:.0f} ({m['reached_target']})", m["eval_final"]])
+        rows.append([f"{workload}: async / sync", s["ratio"], s["steady_ratio"], "", "", ""])
     print_table(f"End to end, {data['max_steps']} steps, medians of {data['repeats']} (max staleness "
-                f"{data['max_staleness']} for async)", ["run", "samples/s", "wall s", f"s to eval ≥ {data['target']}",
-                                                         "final eval"], rows)
+                f"{data['max_staleness']} for async)", ["run", "samples/s", "steady samples/s", "wall s",
+                                                         f"s to eval ≥ {data['target']} (runs)", "final eval"], rows)
     json_path = write_json(out, "e2e", data)
     fig, (ax1, ax2) = new_figure(2, "Async vs sync, same samples (quickstart task)")
     names = list(data["summary"])

@@ -37,7 +37,9 @@ def build(results: Path, page: Path) -> Path:
     for name, path in found:
         data = json.loads(path.read_text())
         parts.append(f"## {TITLES[name]} (`streamrl bench {name.replace('_', '-')}`)\n")
-        parts.append(f"Run {data['machine']['time']}" + (" (quick setting)" if data.get("quick") else "") + ".\n")
+        m = data["machine"]
+        parts.append(f"Run {m['time']} on {m['cpu_count']} CPU cores"
+                     + (" (quick setting: fewer repeats and sizes)" if data.get("quick") else "") + ".\n")
         parts.extend(markdown_table(t) for t in data.get("tables", []))
         png = results / f"{name}.png"
         if png.is_file():

@@ -14,10 +14,11 @@ Model (every assumption is a parameter):
   then pushes for ``push_s`` (in flight: the engines keep going; the learner is busy).
 - Staleness of a trained group: the learner's version minus the version it was started at.
 
-Calibration: ``--from-results`` takes this machine's measured rates (e2e and weight-push studies) as
-the per-engine and per-rank figures. For GPU fleets the defaults below are stated assumptions
-(a 7B-class policy on H100s: 2,500 generated tokens/s per engine GPU at full batch, 12,000 trained
-tokens/s per learner GPU, 90% data-parallel efficiency, a 1.5 s NCCL push), not measurements.
+The defaults are stated assumptions for GPU fleets, not measurements (a 7B-class policy on H100s:
+2,500 generated tokens/s per engine GPU at full batch, 12,000 trained tokens/s per learner GPU, 90%
+data-parallel efficiency, a 1.5 s NCCL push); this machine has no GPU to calibrate them against.
+Change ``Fleet``'s fields to model another stack. It ignores network contention, KV-cache limits
+and the cost of in-flight weight swaps.
 
     python -m benchmarks.simulate [--quick]      (or: streamrl bench simulate)
 """

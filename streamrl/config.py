@@ -222,6 +222,29 @@ class Config(Section):
     supervise: SuperviseConfig = Field(default_factory=SuperviseConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
 
+    @model_validator(mode="after")
+    def _pushes_keep_up_with_staleness(self) -> "Config":
+        # tokens carry the version of the last *pushed* weights; if pushes are rarer than the staleness
+        # bound allows, every group is too old on arrival, is dropped, and the run stalls
+        every, bound = self.weight_sync.sync_every, self.off_policy.max_staleness
+        if self.mode == "sync" and every != 1:
+            raise ValueError(f"weight_sync.sync_every: mode=sync needs 1 (a push after every step), got {every}")
+        if self.off_policy.stale == "drop" and every > bound + 1:
+            raise ValueError(f"weight_sync.sync_every: {every} > off_policy.max_staleness + 1 = {bound + 1}; data "
+                             "would be too stale to train on; push more often or allow more staleness")
+        return self
+
+    def redacted(self) -> dict[str, Any]:
+        """The config as plain data without secrets (for trackers and logs)."""
+        data = self.model_dump(mode="json")
+        if data["redis"]["url"] and "@" in data["redis"]["url"]:
+            scheme, rest = data["redis"]["url"].split("://", 1)
+            data["redis"]["url"] = f"{scheme}://***@{rest.split('@', 1)[1]}"
+        for section, key in (("redis", "password"), ("server", "token")):
+            if data[section][key]:
+                data[section][key] = "***"
+        return data
+
 
 # --------------------------------------------------------------------------- loading
 

@@ -54,7 +54,7 @@ def _has_eval(cfg: Config, step: int) -> bool:
 
 
 def _threads(cfg: Config) -> dict[str, str]:
-    """Torch threads per server/worker: the cores shared among the parts that compute."""
+    """Torch threads per server and learner rank: the cores shared among the parts that compute."""
     n = cfg.supervise.threads or max(1, (os.cpu_count() or 1) // (cfg.server.count + cfg.learner.nproc))
     return {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)}
 
@@ -82,8 +82,7 @@ def parts(cfg: Config, config_file: Path) -> list[Part]:
         learner = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(cfg.learner.nproc),
                    "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "streamrl",
                    "launch-learner", cfg_arg]
-    threads = max(1, (os.cpu_count() or 1) // cfg.learner.nproc)
-    out.append(Part("learner", "learner", learner, logs / "learner.log", env={"OMP_NUM_THREADS": str(threads)}))
+    out.append(Part("learner", "learner", learner, logs / "learner.log", env=_threads(cfg)))
     return out
 
 
@@ -99,20 +98,24 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
     say(f"run {cfg.run.name} in {cfg.run.path} (logs in {cfg.run.path / 'logs'})")
     if cfg.prepare.fn:
         say(f"preparing: {cfg.prepare.fn}")
-    cfg = prepare(cfg, path, overrides)
+    try:
+        cfg = prepare(cfg, path, overrides)
+    except KeyboardInterrupt:
+        say("interrupted while preparing; nothing was started")
+        return 130
     if not cfg.model.path:
         raise ConfigError("model.path is not set (and no prepare.fn sets it)")
-    launcher = None
-    stopping, supervisor = [], None
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
-    redis = None
+    launcher = supervisor = redis = None
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the run like Ctrl-C, even while parts start
     try:
         if not cfg.redis.url:
             redis = EmbeddedRedis(cfg.run.path / "redis", host=cfg.redis.host, port=cfg.redis.port,
                                   password=cfg.redis.password, appendfsync=cfg.redis.appendfsync)
             cfg.redis.url = redis.start()
         config_file = cfg.run.path / "config.yaml"
-        config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        config_file.unlink(missing_ok=True)
+        with os.fdopen(os.open(config_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:  # holds the Redis password
+            yaml.safe_dump(cfg.model_dump(mode="json"), f, sort_keys=False)
         todo = parts(cfg, config_file)
         if cfg.launcher == "ray":
             from streamrl.launch.ray import RayActors
@@ -126,26 +129,30 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
             say(f"starting {part.name}")
             supervisor.start(part)
         say("all parts ready")
-        while not stopping:
+        while not all(p.finished for p in supervisor.parts if p.kind in ("learner", "evaluator")):
             supervisor.check()
             dashboard.refresh()
-            if all(p.finished for p in supervisor.parts if p.kind in ("learner", "evaluator")):
-                break
             time.sleep(cfg.supervise.refresh_s)
-        code = 0 if not stopping else 130
+        code = 0
     except KeyboardInterrupt:
         say("interrupted: stopping every part")
         code = 130
-    except PartFailed as e:
+    except (PartFailed, RuntimeError) as e:  # RuntimeError: e.g. Ray could not place the parts
         say(f"stopping the run: {e}")
         code = 1
     finally:
-        dashboard.close()
-        if supervisor is not None:
-            supervisor.stop()
-        if launcher is not None:
-            launcher.close()
-        if redis is not None:
-            redis.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the teardown short
+            signal.signal(sig, signal.SIG_IGN)
+        for step in (dashboard.close, supervisor and supervisor.stop, launcher and launcher.close,
+                     redis and redis.stop):
+            try:
+                if step:
+                    step()
+            except Exception as e:  # one failed step must not leave the others undone
+                say(f"teardown: {e}")
     dashboard.summary(time.time() - t0, code)
     return code
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt

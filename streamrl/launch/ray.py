@@ -44,15 +44,17 @@ class PartProcess:
 class RayProcess:
     """A Popen look-alike over a ``PartProcess`` actor."""
 
-    def __init__(self, actor: Any):
+    def __init__(self, actor: Any, timeout_s: float):
         self.actor = actor
-        self.pid: int = ray.get(actor.pid.remote())
+        self.pid: int = ray.get(actor.pid.remote(), timeout=timeout_s)
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
             try:
                 self.returncode = ray.get(self.actor.poll.remote(), timeout=30)
+            except ray.exceptions.GetTimeoutError:  # slow to answer is not dead: ask again next time
+                return None
             except ray.exceptions.RayError:  # the actor (or its node) is gone: so is the part
                 self.returncode = -9
         return self.returncode
@@ -86,22 +88,27 @@ class RayActors:
             raise RuntimeError(f"Ray could not reserve {self.bundles} "
                                f"(cluster: {ray.cluster_resources()}); lower the ray.* resource settings")
         self.cwd = os.getcwd()
+        self.timeout_s = cfg.supervise.ready_timeout_s
 
     def spawn(self, part: Part) -> RayProcess:
+        if isinstance(part.proc, RayProcess):  # a restart: the old actor must give its bundle back first
+            self.stop_all([part], timeout_s=10)
         i = self.index[part.name]
         strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=i)
         # the actor holds its bundle's CPUs and GPUs; Ray sets CUDA_VISIBLE_DEVICES, the part inherits it
         actor = PartProcess.options(scheduling_strategy=strategy, num_cpus=self.bundles[i].get("CPU", 0),
                                     num_gpus=self.bundles[i].get("GPU", 0)).remote(
             part.argv, part.env, str(part.log_path.resolve()), self.cwd)
-        return RayProcess(actor)
+        return RayProcess(actor, self.timeout_s)
 
-    def stop(self, part: Part, timeout_s: float) -> None:
-        try:
-            part.proc.returncode = ray.get(part.proc.actor.stop.remote(timeout_s), timeout=timeout_s + 30)
-        except ray.exceptions.RayError:
-            pass
-        ray.kill(part.proc.actor)
+    def stop_all(self, parts: list[Part], timeout_s: float) -> None:
+        stops = [part.proc.actor.stop.remote(timeout_s) for part in parts]
+        for part, stop in zip(parts, stops):
+            try:
+                part.proc.returncode = ray.get(stop, timeout=timeout_s + 30)
+            except ray.exceptions.RayError:
+                pass
+            ray.kill(part.proc.actor)
 
     def close(self) -> None:
         remove_placement_group(self.group)

@@ -20,6 +20,8 @@ from typing import Any, Protocol
 
 import psutil
 
+from streamrl.buffer.redis_server import _die_with_parent
+
 
 class PartFailed(RuntimeError):
     """A part died (or never became ready) and the policy says the run stops."""
@@ -54,20 +56,47 @@ class Part:
 
 class Launcher(Protocol):
     def spawn(self, part: Part) -> Any: ...
-    def stop(self, part: Part, timeout_s: float) -> None: ...
+    def stop_all(self, parts: list[Part], timeout_s: float) -> None: ...
 
 
 class LocalProcesses:
-    """Parts as children of this process."""
+    """Parts as children of this process, each leading its own session (process group).
+
+    A part gets SIGTERM if this process dies without tearing down (SIGKILL, OOM), so even
+    then none outlives the run by more than its own shutdown.
+    """
 
     def spawn(self, part: Part) -> subprocess.Popen:
         with part.log_path.open("ab") as log:
             return subprocess.Popen(part.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env={**os.environ, **part.env}, start_new_session=True)
+                                    env={**os.environ, **part.env}, start_new_session=True,
+                                    preexec_fn=_die_with_parent)
 
-    def stop(self, part: Part, timeout_s: float) -> None:
-        kill_tree(part.proc.pid, timeout_s)
-        part.proc.poll()
+    def stop_all(self, parts: list[Part], timeout_s: float) -> None:
+        """SIGTERM every part's tree at once, wait for them together, SIGKILL what is left."""
+        trees = [_part_tree(part) for part in parts]
+        for part, tree in zip(parts, trees):
+            _signal_part(part, tree, signal.SIGTERM)
+        _, alive = psutil.wait_procs([p for tree in trees for p in tree], timeout=timeout_s)
+        for part, tree in zip(parts, trees):
+            _signal_part(part, [p for p in tree if p in alive], signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=5)
+        for part in parts:
+            part.proc.poll()
+
+
+def _part_tree(part: Part) -> list[psutil.Process]:
+    """A live part's process and descendants; nothing for one already reaped (its pid may be reused)."""
+    return _tree(part.proc.pid) if part.proc.poll() is None else []
+
+
+def _signal_part(part: Part, tree: list[psutil.Process], sig: int) -> None:
+    for proc in tree:
+        _signal(proc, sig)
+    try:  # members of the part's process group whose parent is gone (no longer in the tree)
+        os.killpg(part.proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def kill_tree(pid: int, timeout_s: float) -> None:
@@ -104,8 +133,8 @@ class Supervisor:
         """``RUN/parts.json``: every part's pid, restarts and log, for people and tools looking in."""
         if self.state_path is None:
             return
-        state = {p.name: {"kind": p.kind, "pid": p.pid, "restarts": p.restarts, "log": str(p.log_path)}
-                 for p in self.parts}
+        state = {p.name: {"kind": p.kind, "pid": p.pid, "restarts": p.restarts, "started_at": p.started_at,
+                          "log": str(p.log_path)} for p in self.parts}
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=1))
         os.replace(tmp, self.state_path)
@@ -140,10 +169,8 @@ class Supervisor:
                              f"{part.log_tail()}")
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """Stop every part, newest first: SIGTERM, then SIGKILL for whatever is left of each tree."""
-        for part in reversed(self.parts):
-            if part.proc is not None:
-                self.launcher.stop(part, timeout_s)
+        """Stop every part together: SIGTERM, then SIGKILL for whatever is left of each tree."""
+        self.launcher.stop_all([p for p in reversed(self.parts) if p.proc is not None], timeout_s)
 
 
 def _tree(pid: int) -> list[psutil.Process]:

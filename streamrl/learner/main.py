@@ -87,7 +87,7 @@ class Learner:
             self.versions.set(self.version)
             self.metrics = MetricsSink(Path(cfg.run.path), tensorboard=cfg.learner.tensorboard,
                                        wandb_project=cfg.learner.wandb_project, run_name=cfg.run.name,
-                                       config=cfg.model_dump(mode="json"))
+                                       config=cfg.redacted())
 
     def _collect(self) -> tuple[list, dict]:
         """``groups_per_step`` fresh groups from the stream; stale ones dropped (and counted) or kept."""
@@ -226,6 +226,8 @@ def launch(cfg: Config, steps: int | None = None, solo: bool = False) -> None:
         record = learner.step()
         if learner.rank == 0:
             log.info("step %(step)s  reward %(reward_mean).3f  loss %(loss).4f  tokens %(tokens_global)d", record)
+    if learner.version % cfg.weight_sync.sync_every:  # the servers get the final weights too
+        learner.push()
     if learner.version % cfg.learner.export_every:  # the final weights, for serving and evaluation
         learner.export()
     if learner.rank == 0:

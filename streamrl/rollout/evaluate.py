@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from streamrl.buffer import Namespace, PolicyVersion
+from streamrl.buffer import Namespace, PolicyVersion, ServerRegistry
 from streamrl.config import Config
 from streamrl.envs import env_factory
 from streamrl.protocol import Sample
@@ -39,7 +39,8 @@ class Evaluator:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
         self.renderer = ChatRenderer(self.tokenizer)
         self.params = SamplingParams(max_new_tokens=cfg.rollout.sampling.max_new_tokens, temperature=0.0)
-        self.version = PolicyVersion(Namespace.open(redis_url, cfg.run.name))
+        ns = Namespace.open(redis_url, cfg.run.name)
+        self.version, self.registry = PolicyVersion(ns), ServerRegistry(ns, ttl_s=cfg.server.registry_ttl_s)
         self.router_url = cfg.rollout.router_url or f"http://{cfg.router.host}:{cfg.router.port}"
         self.metrics = cfg.run.path / "metrics" / "eval.jsonl"
         self.rollouts = cfg.run.path / "rollouts"
@@ -63,7 +64,23 @@ class Evaluator:
                     await asyncio.sleep(0.5)
                     continue
                 pending = [s for s in pending if s > step]
-                self.write(await self.evaluate(due[-1] if step < last else last))
+                target = due[-1] if step < last else last
+                await self._servers_reach(target)
+                self.write(await self.evaluate(target))
+
+    async def _servers_reach(self, version: int, timeout_s: float = 60.0) -> None:
+        """Wait (bounded) until every live server reports weights of ``version`` or newer.
+
+        The learner bumps its version as a push starts; evaluating at once could score the previous
+        weights under the new step. The versions that answered are recorded either way.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            servers = await asyncio.to_thread(self.registry.alive)
+            if servers and min(s.weight_version for s in servers) >= version:
+                return
+            await asyncio.sleep(0.2)
+        log.warning("servers did not report weight version %d within %.0fs; evaluating anyway", version, timeout_s)
 
     async def evaluate(self, step: int) -> dict[str, Any]:
         t0 = time.perf_counter()
