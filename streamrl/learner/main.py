@@ -232,7 +232,7 @@ def launch(cfg: Config, steps: int | None = None, solo: bool = False) -> None:
         learner.export()
     if learner.rank == 0:
         last_push = learner.pusher.wait()
-        if last_push:
+        if last_push.get("push_targets"):  # the last push ends after the last step's line: a line of its own
             learner.metrics.write({"step": learner.version, "time": time.time(), **last_push})
         learner.metrics.close()
     dist.barrier()
