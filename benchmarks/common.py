@@ -5,8 +5,12 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import statistics
+import subprocess
+import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +80,30 @@ def save_figure(fig, out: Path, name: str, json_path: Path | None = None) -> Pat
     plt.close(fig)
     console.print(f"wrote {json_path} and {path}" if json_path else f"wrote {path}")
     return path
+
+
+@contextmanager
+def serve_processes(config_args: list[str], count: int, env: dict | None = None, timeout_s: float = 120.0):
+    """``count`` real ``streamrl serve`` processes on free loopback ports; yields their URLs."""
+    from streamrl.buffer.redis_server import free_port
+    from streamrl.rollout.client import wait_healthy
+
+    procs, urls = [], []
+    try:
+        for _ in range(count):
+            port = free_port()
+            procs.append(subprocess.Popen([sys.executable, "-m", "streamrl", "serve", *config_args, "--port", str(port)],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          env={**os.environ, **(env or {})}))
+            urls.append(f"http://127.0.0.1:{port}")
+        for url, proc in zip(urls, procs):
+            wait_healthy(url, proc, timeout_s=timeout_s)
+        yield urls
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            proc.wait(60)
 
 
 def cli(main, doc: str) -> None:

@@ -12,10 +12,6 @@ overhead) and to two servers.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -23,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import cli, console, median, new_figure, print_table, save_figure, write_json
+from benchmarks.common import cli, console, median, new_figure, print_table, save_figure, serve_processes, write_json
 from streamrl.buffer.redis_server import free_port
-from streamrl.rollout.client import GenerateClient, wait_healthy
+from streamrl.rollout.client import GenerateClient
 from streamrl.rollout.engines.base import SamplingParams
 from streamrl.rollout.router import Router
 from streamrl.testing import make_tiny_model
@@ -71,25 +67,8 @@ def static_batches(model, requests, batch: int) -> tuple[float, int]:
     return time.perf_counter() - t0, useful
 
 
-@contextmanager
 def servers(model_dir: str, count: int, env: dict | None = None):
-    procs, urls = [], []
-    try:
-        for _ in range(count):
-            port = free_port()
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "streamrl", "serve", f"model.path={model_dir}", "server.max_batch_size=64",
-                 "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                env={**os.environ, **(env or {})}))
-            urls.append(f"http://127.0.0.1:{port}")
-        for url, proc in zip(urls, procs):
-            wait_healthy(url, proc, timeout_s=120)
-        yield urls
-    finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            proc.wait(30)
+    return serve_processes([f"model.path={model_dir}", "server.max_batch_size=64"], count, env)
 
 
 @contextmanager

@@ -13,7 +13,6 @@ costs no more than moving the bytes).
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -23,12 +22,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import cli, console, median, new_figure, print_table, save_figure, write_json
+from benchmarks.common import cli, console, median, new_figure, print_table, save_figure, serve_processes, write_json
 from streamrl.buffer import EmbeddedRedis, Namespace, ServerRegistry
 from streamrl.buffer.redis_server import free_port
 from streamrl.config import load_config
 from streamrl.learner.push import WeightPusher
-from streamrl.rollout.client import wait_healthy
 from streamrl.testing import make_tiny_model
 from streamrl.weightsync import broadcast, make_group
 
@@ -59,26 +57,6 @@ def peers(count: int, nbytes: int, repeats: int):
             proc.wait(120)
 
 
-@contextmanager
-def servers(common: list[str], count: int):
-    procs, urls = [], []
-    try:
-        for _ in range(count):
-            port = free_port()
-            procs.append(subprocess.Popen([sys.executable, "-m", "streamrl", "serve", *common, "--port", str(port)],
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                          env={**os.environ, "OMP_NUM_THREADS": "1"}))
-            urls.append(f"http://127.0.0.1:{port}")
-        for url, proc in zip(urls, procs):
-            wait_healthy(url, proc, timeout_s=300)
-        yield urls
-    finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            proc.wait(60)
-
-
 def measure(model_dir: str, redis_url: str, run_dir: Path, n_servers: int, buckets_mb: list[float],
             repeats: int) -> dict:
     from transformers import AutoModelForCausalLM
@@ -92,7 +70,7 @@ def measure(model_dir: str, redis_url: str, run_dir: Path, n_servers: int, bucke
     registry = ServerRegistry(Namespace.open(redis_url, run), ttl_s=cfg.server.registry_ttl_s)
     samples: dict[str, list[float]] = {"bound": [], **{f"push_{b:g}MB": [] for b in buckets_mb}}
     with ExitStack() as stack:
-        stack.enter_context(servers(common, n_servers))
+        stack.enter_context(serve_processes(common, n_servers, {"OMP_NUM_THREADS": "1"}, timeout_s=300))
         while len(registry.alive()) < n_servers:
             time.sleep(0.1)
         pusher = WeightPusher(cfg, registry)

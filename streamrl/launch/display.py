@@ -55,8 +55,9 @@ class Dashboard:
 
     def stats(self) -> dict[str, Any]:
         run = Path(self.cfg.run.path)
-        learner = [r for r in read_records(run / "metrics" / "learner.jsonl") if "loss" in r]
-        pushes = [r for r in read_records(run / "metrics" / "learner.jsonl") if "push_s" in r]
+        lines = read_records(run / "metrics" / "learner.jsonl")
+        learner = [r for r in lines if "loss" in r]
+        pushes = [r for r in lines if "push_s" in r]
         evals = read_records(run / "metrics" / "eval.jsonl")
         workers = [rs[-1] for rs in (read_records(p) for p in sorted((run / "metrics").glob("rollout-*.jsonl")))
                    if rs]
