@@ -91,6 +91,8 @@ class RolloutConfig(Section):
     dataset: str | None = Field(None, description="JSONL/Parquet file; empty uses the env's generator")
     workers: int = Field(1, ge=0)
     concurrency: int = Field(32, ge=1, description="episodes in flight per worker")
+    coalesce_ms: float = Field(2.0, ge=0, description="how long a generation waits for sibling episodes with the "
+                               "same context, to go out together as one /generate with n (0: never)")
     env_concurrency: int = Field(64, ge=1, description="env steps in flight per worker")
     env_timeout_s: float = Field(60.0, gt=0, description="longest an env reset or step may take")
     max_context: int = Field(2048, ge=8, description="longest trajectory context in tokens")

@@ -60,6 +60,29 @@ def test_router_spreads_requests_drops_dead_servers_and_adds_new_ones(cluster):
     assert _served(c) > before
 
 
+def test_n_samples_of_one_context_come_back_through_the_router_from_one_request(cluster):
+    url, _ = cluster.server()
+    router_url, _ = cluster.router()
+    _until(lambda: _router_workers(router_url) == {url})
+    before = _latency_count(url)
+
+    async def sample():
+        async with GenerateClient(router_url) as client:
+            return await client.generate_n([5, 6, 7], SamplingParams(max_new_tokens=6, ignore_eos=True), 4)
+
+    outs = asyncio.run(sample())
+    assert len(outs) == 4 and all(len(o.output_ids) == 6 == len(o.logprobs) for o in outs)
+    assert len({tuple(o.output_ids) for o in outs}) > 1  # independent samples, not one copied
+    assert _latency_count(url) == before + 1 and _served(url) >= 4
+
+
+def _latency_count(url: str) -> float:
+    """Requests the server answered (its latency histogram observes each request once)."""
+    text = httpx.get(url + "/metrics").text
+    line = next((l for l in text.splitlines() if l.startswith("streamrl_request_latency_seconds_count")), None)
+    return float(line.split()[-1]) if line else 0.0
+
+
 def test_client_raises_on_4xx_without_retrying(cluster):
     url, _ = cluster.server()
 

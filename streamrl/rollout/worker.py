@@ -28,6 +28,7 @@ from streamrl.config import Config
 from streamrl.envs import Env, Observation, StepResult, env_factory
 from streamrl.protocol import Group, Sample, WireError, validate_group
 from streamrl.rollout.client import GenerateClient, GenerateError
+from streamrl.rollout.coalesce import Coalescer
 from streamrl.rollout.dataset import Prompts, load_rows
 from streamrl.rollout.engines.base import Completion, SamplingParams
 from streamrl.rollout.episode import ChatRenderer, run_episode
@@ -107,7 +108,8 @@ class RolloutWorker:
         groups_in_flight = asyncio.Semaphore(max(1, math.ceil(rollout.concurrency / rollout.sampling.n)) + 1)
         tasks: set[asyncio.Task] = set()
         reporter = asyncio.create_task(self._report_every(rollout.metrics_every_s))
-        async with GenerateClient(self.router_url) as self.client:
+        async with GenerateClient(self.router_url) as client:
+            self.coalescer = Coalescer(client.generate_n, rollout.coalesce_ms / 1000)
             started = 0
             while not self.stopping.is_set() and (max_groups is None or started < max_groups):
                 await groups_in_flight.acquire()
@@ -190,7 +192,7 @@ class RolloutWorker:
 
     async def _generate(self, input_ids: list[int], params: SamplingParams) -> Completion:
         async with self.generation_gate:
-            return await self.client.generate(input_ids, params)
+            return await self.coalescer.generate(input_ids, params)
 
     async def _report_every(self, seconds: float) -> None:
         while True:

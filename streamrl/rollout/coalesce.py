@@ -1,0 +1,59 @@
+"""Sibling episodes that ask for the same continuation go out as one request.
+
+The n episodes of a group start from the same prompt, so their first turn is n
+identical requests. Sent as one ``/generate`` with ``n`` they cost one HTTP round
+trip instead of n, and an engine with a prefix cache prefills the prompt once.
+A request waits at most ``window_s`` for siblings; later turns, whose contexts
+differ, go out alone after the same short wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from streamrl.rollout.engines.base import Completion, SamplingParams
+
+SendN = Callable[[list[int], SamplingParams, int], Awaitable[list[Completion]]]
+
+
+class Coalescer:
+    def __init__(self, send_n: SendN, window_s: float):
+        self.send_n, self.window_s = send_n, window_s
+        self._pending: dict[tuple, list[asyncio.Future]] = {}
+        self._sending: set[asyncio.Task] = set()
+
+    async def generate(self, input_ids: list[int], params: SamplingParams) -> Completion:
+        if self.window_s <= 0:
+            return (await self.send_n(input_ids, params, 1))[0]
+        loop = asyncio.get_running_loop()
+        key = (tuple(input_ids), params)
+        waiter = loop.create_future()
+        if key in self._pending:
+            self._pending[key].append(waiter)
+        else:
+            self._pending[key] = [waiter]
+            loop.call_later(self.window_s, self._flush, key)
+        return await waiter
+
+    def _flush(self, key: tuple) -> None:
+        waiters = [w for w in self._pending.pop(key) if not w.done()]  # a cancelled episode asks for nothing
+        if waiters:
+            task = asyncio.create_task(self._send(key, waiters))
+            self._sending.add(task)  # keep a reference until it is done
+            task.add_done_callback(self._sending.discard)
+
+    async def _send(self, key: tuple, waiters: list[asyncio.Future]) -> None:
+        input_ids, params = key
+        try:
+            outs = await self.send_n(list(input_ids), params, len(waiters))
+        except BaseException as e:  # every sibling gets the error (and retries or fails its sample)
+            for w in waiters:
+                if not w.done():
+                    w.set_exception(e)
+            if not isinstance(e, Exception):
+                raise
+            return
+        for w, out in zip(waiters, outs):
+            if not w.done():
+                w.set_result(out)

@@ -1,0 +1,79 @@
+"""Sibling requests with the same context become one request with n; others stay apart."""
+
+import asyncio
+
+import pytest
+
+from streamrl.rollout.coalesce import Coalescer
+from streamrl.rollout.engines.base import Completion, SamplingParams
+
+P = SamplingParams(max_new_tokens=4)
+
+
+class RecordingSend:
+    """Stands in for the HTTP call: records (context, n) and numbers the samples it returns."""
+
+    def __init__(self, fail: bool = False):
+        self.calls: list[tuple[tuple[int, ...], int]] = []
+        self.fail = fail
+
+    async def __call__(self, input_ids, params, n):
+        self.calls.append((tuple(input_ids), n))
+        await asyncio.sleep(0.01)
+        if self.fail:
+            raise RuntimeError("router down")
+        return [Completion(output_ids=[len(self.calls), i]) for i in range(n)]
+
+
+def test_identical_contexts_within_the_window_share_one_request():
+    send = RecordingSend()
+
+    async def main():
+        co = Coalescer(send, window_s=0.02)
+        return await asyncio.gather(*[co.generate([1, 2], P) for _ in range(5)], co.generate([3], P),
+                                    co.generate([1, 2], SamplingParams(max_new_tokens=8)))
+
+    outs = asyncio.run(main())
+    assert sorted(send.calls) == [((1, 2), 1), ((1, 2), 5), ((3,), 1)]
+    same = [tuple(o.output_ids) for o in outs[:5]]
+    assert len(set(same)) == 5 and len({s[0] for s in same}) == 1  # five distinct samples of one request
+
+
+def test_a_request_after_the_window_goes_separately():
+    send = RecordingSend()
+
+    async def main():
+        co = Coalescer(send, window_s=0.005)
+        first = asyncio.create_task(co.generate([1], P))
+        await asyncio.sleep(0.05)
+        return await asyncio.gather(first, co.generate([1], P))
+
+    asyncio.run(main())
+    assert send.calls == [((1,), 1), ((1,), 1)]
+
+
+def test_window_zero_never_waits_or_merges():
+    send = RecordingSend()
+
+    async def main():
+        co = Coalescer(send, window_s=0)
+        await asyncio.gather(*[co.generate([1], P) for _ in range(3)])
+
+    asyncio.run(main())
+    assert send.calls == [((1,), 1)] * 3
+
+
+def test_a_failure_reaches_every_sibling_and_a_cancelled_one_is_not_asked_for():
+    send = RecordingSend(fail=True)
+
+    async def main():
+        co = Coalescer(send, window_s=0.02)
+        tasks = [asyncio.create_task(co.generate([7], P)) for _ in range(4)]
+        await asyncio.sleep(0)
+        tasks[0].cancel()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert isinstance(results[0], asyncio.CancelledError)
+    assert all(isinstance(r, RuntimeError) and "router down" in str(r) for r in results[1:])
+    assert send.calls == [((7,), 3)]
