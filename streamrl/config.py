@@ -38,7 +38,8 @@ class RedisConfig(Section):
     host: str = Field("127.0.0.1", description="bind address of the embedded server")
     port: int = Field(0, ge=0, le=65535, description="port of the embedded server; 0 picks a free one")
     password: str | None = None
-    appendfsync: Literal["always", "everysec", "no"] = "everysec"
+    appendfsync: Literal["always", "everysec", "no"] = Field(
+        "always", description="embedded Redis: always = no acknowledged write is lost if it is killed")
     retries: int = Field(8, ge=0, description="reconnect attempts before giving up")
     retry_cap_s: float = Field(2.0, gt=0, description="longest wait between reconnect attempts")
     dedupe_ttl_s: int = Field(7 * 86400, gt=0, description="how long a pushed group id is remembered")
@@ -184,9 +185,10 @@ class EvalConfig(Section):
 class SuperviseConfig(Section):
     """How `streamrl up` looks after its parts."""
 
-    restart: list[Literal["router", "server", "rollout", "learner", "evaluator"]] = Field(
-        default_factory=lambda: ["router", "server", "rollout", "evaluator"],
-        description="parts restarted when they die; any other part's death stops the run")
+    restart: list[Literal["redis", "router", "server", "rollout", "learner", "evaluator"]] = Field(
+        default_factory=lambda: ["redis", "router", "server", "rollout", "learner", "evaluator"],
+        description="parts restarted when they die (Redis from its AOF, the learner from its last checkpoint); "
+                    "any other part's death stops the run")
     max_restarts: int = Field(3, ge=0, description="restarts per part before the run is stopped")
     ready_timeout_s: float = Field(180.0, gt=0, description="how long a part may take to become ready")
     display: Literal["auto", "live", "plain"] = Field("auto", description="auto: live on a terminal, else plain")

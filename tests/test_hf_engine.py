@@ -79,7 +79,7 @@ def test_stop_tokens_and_eos_finish_with_stop(model, engine):
 
 
 def test_abort_finishes_running_and_waiting_requests(engine):
-    long = SamplingParams(max_new_tokens=10_000, temperature=1.0, ignore_eos=True)
+    long = SamplingParams(max_new_tokens=1000, temperature=1.0, ignore_eos=True)
     futures = [engine.submit(f"r{i}", [1, 2, 3], long) for i in range(6)]  # 4 run, 2 wait
     time.sleep(0.3)
     engine.abort("r0")
@@ -126,3 +126,9 @@ def test_bad_requests_are_refused(model, engine):
         SamplingParams(top_p=0)
     with pytest.raises(KeyError, match="no parameter 'nope'"):
         engine.swap_weights([("nope", torch.zeros(1))], version=1).result(10)
+
+
+def test_a_request_longer_than_the_context_is_refused_with_the_reason(engine):
+    with pytest.raises(ValueError, match="3 prompt tokens \\+ max_new_tokens 1022 exceed the model's context of 1024"):
+        engine.submit("too-long", [1, 2, 3], SamplingParams(max_new_tokens=1022))
+    assert engine.submit("fits", [1, 2, 3], SamplingParams(max_new_tokens=4)).result(30).output_ids

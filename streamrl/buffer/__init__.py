@@ -5,6 +5,7 @@ Knows nothing of models or torch; speaks only the wire types of ``streamrl.proto
 
 from streamrl.buffer.admission import Admission
 from streamrl.buffer.connection import BufferUnavailable, Namespace, connect
+from streamrl.buffer.ledger import Ledger, LedgerReport
 from streamrl.buffer.prompts import PromptClaims
 from streamrl.buffer.redis_server import EmbeddedRedis
 from streamrl.buffer.registry import ServerInfo, ServerRegistry
@@ -16,6 +17,8 @@ __all__ = [
     "BufferUnavailable",
     "EmbeddedRedis",
     "Entry",
+    "Ledger",
+    "LedgerReport",
     "Namespace",
     "PolicyVersion",
     "PromptClaims",

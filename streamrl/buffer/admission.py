@@ -35,7 +35,8 @@ return 1
 
 _RELEASE = """
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then
-  redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
+  redis.call('HINCRBY', KEYS[2], 'abandoned', 1)
+  redis.call('HINCRBY', KEYS[2], 'abandoned:' .. ARGV[2], 1)
   return 1
 end
 return 0
@@ -62,10 +63,10 @@ class Admission:
         with self.ns.reachable(f"admit group {group_id}"):
             return bool(self._admit(keys=self._keys, args=args))
 
-    def abandon(self, group_id: str) -> bool:
-        """Give back the slot of a group that will never be put (its episodes failed)."""
+    def abandon(self, group_id: str, reason: str = "failed") -> bool:
+        """Give back the slot of a group that will never be put, counted under ``abandoned:<reason>``."""
         with self.ns.reachable(f"abandon group {group_id}"):
-            return bool(self._release(keys=self._keys[:2], args=[group_id, "abandoned"]))
+            return bool(self._release(keys=self._keys[:2], args=[group_id, reason]))
 
     def running(self) -> int:
         with self.ns.reachable("count running groups"):

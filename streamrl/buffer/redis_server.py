@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import os
 import shutil
 import signal
 import socket
@@ -86,28 +87,40 @@ class EmbeddedRedis:
         for _attempt in range(1 if fixed_port else 3):  # a picked port can be taken before we bind
             if not fixed_port:
                 self.port = free_port(self.host)
-            self.proc = subprocess.Popen(self._argv(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            self.proc = subprocess.Popen(self.argv(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                          preexec_fn=_die_with_parent)
             if self._wait_ready(timeout_s):
                 return self.url
         raise RuntimeError(f"redis-server did not start on {self.host}:{self.port}: {self._log_tail()}")
 
-    def _argv(self) -> list[str]:
-        argv = [
-            self.binary,
-            "--bind", self.host,
-            "--port", str(self.port),
-            "--dir", str(self.data_dir.resolve()),
-            "--logfile", str(self.log_path.resolve()),
-            "--appendonly", "yes",
-            "--appendfsync", self.appendfsync,
-            "--save", "",
-            "--daemonize", "no",
-            "--protected-mode", "yes" if not self.password else "no",
-        ]
+    def argv(self) -> list[str]:
+        """The command line: the binary and a config file (0600) that holds every setting.
+
+        The password goes in the file, never on the command line, where ``ps`` would show it.
+        """
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        settings = {
+            "bind": self.host, "port": self.port, "dir": str(self.data_dir.resolve()),
+            "logfile": str(self.log_path.resolve()), "appendonly": "yes", "appendfsync": self.appendfsync,
+            "save": '""', "daemonize": "no", "protected-mode": "no" if self.password else "yes",
+        }
         if self.password:
-            argv += ["--requirepass", self.password]
-        return argv
+            settings["requirepass"] = '"' + self.password.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        conf = self.data_dir / "redis.conf"
+        conf.unlink(missing_ok=True)
+        with os.fdopen(os.open(conf, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+            f.writelines(f"{key} {value}\n" for key, value in settings.items())
+        return [self.binary, str(conf.resolve())]
+
+    def ping(self) -> bool:
+        """True when this server answers (with the password, if one is set)."""
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
+        try:
+            return bool(client.ping())
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
 
     def _wait_ready(self, timeout_s: float) -> bool:
         client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)

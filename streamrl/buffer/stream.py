@@ -18,13 +18,14 @@ START = "0-0"
 
 # Atomic put: remember the group id (so a retry after a lost reply is a no-op),
 # append the entry, close the admission lease, finish the prompt's claim and
-# count it — all or nothing.
+# count it — all or nothing. A put whose lease had already expired is counted
+# as late, so the ledger does not count that group twice.
 _PUT = """
 local seen = redis.call('GET', KEYS[2])
 if seen then return {seen, 0} end
 local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 4))
 redis.call('SET', KEYS[2], id, 'EX', ARGV[1])
-redis.call('ZREM', KEYS[3], ARGV[2])
+if redis.call('ZREM', KEYS[3], ARGV[2]) == 0 then redis.call('HINCRBY', KEYS[4], 'late', 1) end
 redis.call('HINCRBY', KEYS[4], 'accepted', 1)
 if ARGV[3] ~= '' then
   redis.call('ZREM', KEYS[5], ARGV[3])

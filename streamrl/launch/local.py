@@ -4,7 +4,9 @@
     → learner (torchrun when learner.nproc > 1) → watch until the learner and evaluator finish
 
 Every part reads the same resolved config, written to ``RUN/config.yaml`` (with the embedded
-Redis URL filled in). Ctrl-C, completion or a fatal failure tears everything down.
+Redis URL filled in). The embedded Redis is a part like the others: restarted on the same port
+from its append-only file if it dies. Ctrl-C, completion or a fatal failure tears everything
+down (Redis last, so the others can finish their writes).
 """
 
 from __future__ import annotations
@@ -59,13 +61,14 @@ def _threads(cfg: Config) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)}
 
 
-def parts(cfg: Config, config_file: Path) -> list[Part]:
+def parts(cfg: Config, config_file: Path, redis: EmbeddedRedis | None = None) -> list[Part]:
     """What to start, in order, for this config."""
     me = [sys.executable, "-m", "streamrl"]
     logs, cfg_arg = cfg.run.path / "logs", str(config_file)
     router_url = f"http://{cfg.router.host}:{cfg.router.port}"
-    out = [Part("router", "router", [*me, "launch-router", cfg_arg], logs / "router.log",
-                ready=lambda: _healthy(router_url))]
+    out = [Part("redis", "redis", redis.argv(), redis.log_path, ready=redis.ping)] if redis else []
+    out.append(Part("router", "router", [*me, "launch-router", cfg_arg], logs / "router.log",
+                    ready=lambda: _healthy(router_url)))
     for i in range(cfg.server.count):
         url = f"http://{cfg.server.host}:{cfg.server.base_port + i}"
         out.append(Part(f"server-{i}", "server", [*me, "serve", cfg_arg, "--port", str(cfg.server.base_port + i)],
@@ -108,15 +111,16 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
     launcher = supervisor = redis = None
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the run like Ctrl-C, even while parts start
     try:
-        if not cfg.redis.url:
-            redis = EmbeddedRedis(cfg.run.path / "redis", host=cfg.redis.host, port=cfg.redis.port,
-                                  password=cfg.redis.password, appendfsync=cfg.redis.appendfsync)
-            cfg.redis.url = redis.start()
+        if not cfg.redis.url:  # a fixed port, so that a restarted Redis is where everyone looks
+            redis = EmbeddedRedis(cfg.run.path / "redis", host=cfg.redis.host,
+                                  port=cfg.redis.port or free_port(cfg.redis.host), password=cfg.redis.password,
+                                  appendfsync=cfg.redis.appendfsync)
+            cfg.redis.url = redis.url
         config_file = cfg.run.path / "config.yaml"
         config_file.unlink(missing_ok=True)
         with os.fdopen(os.open(config_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:  # holds the Redis password
             yaml.safe_dump(cfg.model_dump(mode="json"), f, sort_keys=False)
-        todo = parts(cfg, config_file)
+        todo = parts(cfg, config_file, redis)
         if cfg.launcher == "ray":
             from streamrl.launch.ray import RayActors
 
@@ -143,8 +147,7 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the teardown short
             signal.signal(sig, signal.SIG_IGN)
-        for step in (dashboard.close, supervisor and supervisor.stop, launcher and launcher.close,
-                     redis and redis.stop):
+        for step in (dashboard.close, supervisor and supervisor.stop, launcher and launcher.close):
             try:
                 if step:
                     step()

@@ -30,7 +30,7 @@ class PartFailed(RuntimeError):
 @dataclass
 class Part:
     name: str
-    kind: str                      # router | server | rollout | learner | evaluator
+    kind: str                      # redis | router | server | rollout | learner | evaluator
     argv: list[str]
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
@@ -169,8 +169,11 @@ class Supervisor:
                              f"{part.log_tail()}")
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """Stop every part together: SIGTERM, then SIGKILL for whatever is left of each tree."""
-        self.launcher.stop_all([p for p in reversed(self.parts) if p.proc is not None], timeout_s)
+        """Stop every part together: SIGTERM, then SIGKILL for whatever is left of each tree; Redis last."""
+        started = [p for p in reversed(self.parts) if p.proc is not None]
+        for group in ([p for p in started if p.kind != "redis"], [p for p in started if p.kind == "redis"]):
+            if group:
+                self.launcher.stop_all(group, timeout_s)
 
 
 def _tree(pid: int) -> list[psutil.Process]:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from streamrl.buffer import Admission, Namespace, PolicyVersion, ReplayStream, ServerRegistry, StreamReader
+from streamrl.buffer import Admission, Ledger, Namespace, PolicyVersion, ReplayStream, ServerRegistry, StreamReader
 from streamrl.config import Config
 from streamrl.learner import batch as batching
 from streamrl.learner import checkpoint
@@ -85,13 +85,21 @@ class Learner:
             self.admission = Admission(ns, max_staleness=cfg.off_policy.max_staleness,
                                        groups_per_step=cfg.learner.groups_per_step)
             self.versions.set(self.version)
+            self.ledger = Ledger(ns)
+            forgotten = self.ledger.rollback(self.version, self.reader.cursor)  # gone with the lost weights
+            if forgotten:
+                log.info("ledger: %d outcomes of steps after version %d forgotten; they are replayed", forgotten,
+                         self.version)
             self.metrics = MetricsSink(Path(cfg.run.path), tensorboard=cfg.learner.tensorboard,
                                        wandb_project=cfg.learner.wandb_project, run_name=cfg.run.name,
                                        config=cfg.redacted())
 
-    def _collect(self) -> tuple[list, dict]:
-        """``groups_per_step`` fresh groups from the stream; stale ones dropped (and counted) or kept."""
-        want, groups, dropped = self.cfg.learner.groups_per_step, [], 0
+    def _collect(self) -> tuple[list, dict, dict[str, str]]:
+        """``groups_per_step`` fresh groups from the stream; stale ones dropped (and counted) or kept.
+
+        Also returns the ledger outcome of every group read and not trained (group id -> outcome).
+        """
+        want, groups, dropped, outcomes = self.cfg.learner.groups_per_step, [], 0, {}
         max_staleness = 0 if self.cfg.mode == "sync" else self.cfg.off_policy.max_staleness
         t0 = time.perf_counter()
         while len(groups) < want:
@@ -99,19 +107,21 @@ class Learner:
                 top = max(int(s.tokens.max()) for s in entry.group.samples)
                 if top >= self.vocab_size:  # valid on the wire, but not for this model
                     self.reader.dead_letter(entry.id, f"token id {top} >= vocab size {self.vocab_size}")
+                    outcomes[entry.group.group_id] = "dropped:dead"
                     continue
                 if batching.stale(entry.group, self.version, max_staleness) and self.cfg.off_policy.stale == "drop":
                     dropped += 1
+                    outcomes[entry.group.group_id] = "dropped:stale"
                     continue
                 groups.append(entry.group)
         if dropped:
             self.admission.count_dropped_stale(dropped)
-        return groups, {"wait_s": time.perf_counter() - t0, "dropped_stale": dropped}
+        return groups, {"wait_s": time.perf_counter() - t0, "dropped_stale": dropped}, outcomes
 
     def step(self) -> dict:
-        payloads, info = None, {}
+        payloads, info, outcomes = None, {}, {}
         if self.rank == 0:
-            groups, info = self._collect()
+            groups, info, outcomes = self._collect()
             penalties = None
             if self.reference is not None:
                 penalties = batching.kl_penalties(groups, self.reference, self.cfg.learner.kl_coef,
@@ -146,9 +156,13 @@ class Learner:
         if stats["skipped"]:  # nothing reached the weights: the version stays, the batch is reported
             log.warning("step skipped: non-finite loss or gradient")
             if self.rank == 0:
+                self.ledger.record(self.version + 1, self.reader.cursor,
+                                   outcomes | dict.fromkeys(info["group_ids"], "dropped:skipped"))
                 self._write({"step": self.version, "time": time.time(), **info, **stats, "cursor": self.reader.cursor})
             return stats
         self.version += 1  # one policy version per step of the loop, however many epochs it ran
+        if self.rank == 0:
+            self.ledger.record(self.version, self.reader.cursor, outcomes | dict.fromkeys(info["group_ids"], "trained"))
         if self.version % self.cfg.weight_sync.sync_every == 0:
             stats.update(self.push() or {})
             if self.cfg.mode == "sync" and self.rank == 0:  # no group may start before the servers have the weights
@@ -198,8 +212,10 @@ class Learner:
         cursor = self.reader.cursor if self.rank == 0 else ""
         checkpoint.save(self.policy.engine, self.checkpoints, version=self.version, cursor=cursor)
         dist.barrier()
-        if self.rank == 0 and cursor != "0-0":
-            self.stream.trim(cursor)
+        if self.rank == 0:
+            self.ledger.settle(self.version)
+            if cursor != "0-0":
+                self.stream.trim(cursor)
 
 
 def launch(cfg: Config, steps: int | None = None, solo: bool = False) -> None:

@@ -42,13 +42,16 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise DatasetError(f"dataset file not found: {path}")
     if path.suffix == ".jsonl":
-        return [_row(line, path, n) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+        return [_row(line, path, n) for n, line in enumerate(path.read_bytes().splitlines(), 1) if line.strip()]
     if path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError:
             raise DatasetError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
-        return pq.read_table(path).to_pylist()
+        try:
+            return pq.read_table(path).to_pylist()
+        except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+            raise DatasetError(f"{path}: not a readable Parquet file: {e}") from None
     raise DatasetError(f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl or .parquet")
 
 
@@ -69,9 +72,11 @@ def _hf_rows(path: Path) -> list[dict[str, Any]]:
     return loaded.to_list()
 
 
-def _row(line: str, path: Path, n: int) -> dict[str, Any]:
+def _row(line: bytes, path: Path, n: int) -> dict[str, Any]:
     try:
-        row = json.loads(line)
+        row = json.loads(line.decode())
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{path}:{n}: not UTF-8 text: {e}") from None
     except json.JSONDecodeError as e:
         raise DatasetError(f"{path}:{n}: not valid JSON: {e}") from None
     if not isinstance(row, dict):

@@ -151,7 +151,7 @@ class RolloutWorker:
             if not isinstance(r, Sample):
                 self.metrics.failure(r)
         if len(good) < self.cfg.rollout.min_group:
-            await self._redis(self.admission.abandon, group_id)
+            await self._redis(self.admission.abandon, group_id, "failed_samples")
             await self._redis(self.claims.release, index)
             self.metrics.count("groups_abandoned")
             return
@@ -161,7 +161,7 @@ class RolloutWorker:
             validate_group(group)
         except WireError as e:  # an engine or env produced something the learner cannot use
             self.metrics.failure(e)
-            await self._redis(self.admission.abandon, group_id)
+            await self._redis(self.admission.abandon, group_id, "malformed")
             await self._redis(self.claims.release, index)
             return
         version = await self._redis(self.version.get)

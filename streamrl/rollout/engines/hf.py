@@ -41,6 +41,7 @@ class HFEngine:
         self.model = model.eval()
         self.tokenizer = tokenizer  # only needed for stop strings
         self.max_batch_size = max_batch_size
+        self.max_length = getattr(model.config, "max_position_embeddings", None) or 2**31
         config_eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else []
         self.eos_token_ids = tuple(eos_token_ids) or tuple(eos)
@@ -73,6 +74,9 @@ class HFEngine:
         vocab = self.model.config.vocab_size
         if min(input_ids) < 0 or max(input_ids) >= vocab:
             raise ValueError(f"input_ids must be in [0, {vocab})")
+        if len(input_ids) + params.max_new_tokens > self.max_length:
+            raise ValueError(f"{len(input_ids)} prompt tokens + max_new_tokens {params.max_new_tokens} exceed the "
+                             f"model's context of {self.max_length} tokens")
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         seq = _Sequence(rid, list(input_ids), params, Future(), generator)
         self._waiting.put(seq)

@@ -1,0 +1,68 @@
+"""``streamrl doctor RUN``: the ledger of a run, and whether it balances.
+
+Reads ``RUN/config.yaml`` for the Redis URL and run name. When that Redis is gone (an embedded
+one stops with its run), the run's own append-only file is opened in a temporary redis-server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import redis
+from rich.console import Console
+from rich.table import Table
+
+from streamrl.buffer import EmbeddedRedis, Ledger, LedgerReport, Namespace
+from streamrl.config import Config, load_config
+
+
+def diagnose(run_dir: Path) -> LedgerReport:
+    config = run_dir / "config.yaml"
+    if not config.is_file():
+        raise FileNotFoundError(f"{config} does not exist: give the directory of a run started by `streamrl up`")
+    cfg = load_config(config, [])
+    with _redis_of(cfg, run_dir) as url:
+        return Ledger(Namespace.open(url, cfg.run.name, retries=0)).report()
+
+
+@contextlib.contextmanager
+def _redis_of(cfg: Config, run_dir: Path) -> Iterator[str]:
+    if cfg.redis.url and _answers(cfg.redis.url):
+        yield cfg.redis.url
+        return
+    data = run_dir / "redis"
+    if not any(data.glob("appendonly*")):
+        raise ConnectionError(f"Redis at {cfg.redis.url} does not answer and {data} holds no append-only file")
+    with EmbeddedRedis(data, password=cfg.redis.password) as server:  # the run's data, on a free port
+        yield server.url
+
+
+def _answers(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+    except redis.RedisError:
+        return False
+
+
+def show(report: LedgerReport, console: Console) -> None:
+    table = Table(title="ledger", show_header=True)
+    table.add_column("groups")
+    table.add_column("count", justify="right")
+    r, l = report.rollout, report.learner
+    rows = [("started (admitted by a worker)", r["admitted"]), ("pushed into the replay stream", r["accepted"]),
+            *((f"  {k.replace('abandoned:', 'abandoned: ')}", v) for k, v in r.items() if k.startswith("abandoned:")),
+            ("  lease expired (worker died mid-group)", r["expired"]), ("  pushed after its lease expired", r.get("late", 0)),
+            ("  still being generated", report.running),
+            ("trained", l["trained"]), ("dropped: stale", l["dropped:stale"]), ("dropped: dead-lettered", l["dropped:dead"]),
+            ("dropped: step skipped (non-finite)", l["dropped:skipped"]), ("pending after the learner's cursor", report.pending),
+            ("recorded twice", l["twice"]), ("undecodable stream entries", r["dead"])]
+    for name, value in rows:
+        table.add_row(name, str(value))
+    console.print(table)
+    if report.balanced:
+        console.print(f"[green]balanced[/]: every pushed group was trained once, dropped with a reason, or is pending "
+                      f"(cursor {report.cursor})")
+    for problem in report.problems:
+        console.print(f"[red]imbalance:[/] {problem}")
