@@ -14,7 +14,7 @@ from benchmarks.common import console
 
 TITLES = {"queue": "Replay stream", "partition": "Micro-batch partitioning", "generate": "Generation",
           "learner": "Learner", "weight_push": "Weight push", "e2e": "End to end: async vs sync",
-          "trl": "Against TRL", "simulate": "Simulated fleets"}
+          "trl": "Against TRL", "simulate": "Simulated fleets", "soak": "Soak: memory over a long run"}
 
 
 def markdown_table(table: dict) -> str:

@@ -146,10 +146,13 @@ def launch_router(
         else:
             err.print("redis.url is not set: routing only to --worker URLs", soft_wrap=True)
             router.sync(set(static))
-            while not stop.wait(1) and router.proc.poll() is None:
+            while not stop.wait(1) and router.alive():
                 pass
     except KeyboardInterrupt:
         pass
+    except (RuntimeError, TimeoutError) as e:
+        err.print(f"[red]streamrl launch-router:[/] {escape(str(e))}", soft_wrap=True)
+        raise typer.Exit(1) from None
     finally:
         router.stop()
 

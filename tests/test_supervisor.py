@@ -73,3 +73,12 @@ def test_stop_kills_the_whole_tree_even_children_in_their_own_session(tmp_path):
     sup.stop(timeout_s=1)
     time.sleep(0.2)
     assert not [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_news_with_brackets_from_a_log_tail_is_printed_as_text(tmp_path, capsys):
+    from streamrl.config import load_config
+    from streamrl.launch.display import Dashboard
+
+    cfg = load_config(None, [f"run.dir={tmp_path}", "supervise.display=plain"])
+    Dashboard(cfg).say("server-0 exited; its log: [/__w/gloo/pair.cc:553] Connection closed by peer [bold]")
+    assert "[/__w/gloo/pair.cc:553] Connection closed by peer [bold]" in capsys.readouterr().out

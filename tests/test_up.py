@@ -6,9 +6,13 @@ import signal
 import subprocess
 import sys
 import time
+from urllib.parse import urlsplit
 
+import httpx
 import psutil
 import pytest
+import redis
+import yaml
 
 from streamrl.buffer.redis_server import free_port
 from streamrl.rollout.evaluate import read_records
@@ -35,6 +39,24 @@ def _kill_and_wait_for_restart(up, run_path, name: str) -> int:
         assert time.monotonic() < deadline, f"{name} was not restarted"
         time.sleep(0.2)
     return _parts(run_path)[name]["pid"]
+
+
+def _check_locked_down(run_path) -> None:
+    """`streamrl up` made a Redis password and a control token, kept only in the 0600 config file."""
+    cfg = yaml.safe_load((run_path / "config.yaml").read_text())
+    assert (run_path / "config.yaml").stat().st_mode & 0o077 == 0
+    assert cfg["redis"]["password"] and cfg["server"]["token"]
+    port = urlsplit(cfg["redis"]["url"]).port
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(port=port).ping()
+    assert redis.Redis.from_url(cfg["redis"]["url"]).ping()
+    server = f"http://127.0.0.1:{cfg['server']['base_port']}"
+    assert httpx.post(f"{server}/pause_generation").status_code == 401
+    token = {"Authorization": f"Bearer {cfg['server']['token']}"}
+    assert httpx.post(f"{server}/flush_cache", headers=token).status_code == 200
+    assert all(c.laddr.ip == "127.0.0.1" for c in psutil.net_connections("tcp")
+               if c.status == psutil.CONN_LISTEN and c.laddr.port in (port, cfg["server"]["base_port"],
+                                                                      cfg["router"]["port"]))
 
 
 def _wait_for_step(up, run_path, step: int) -> None:
@@ -66,6 +88,8 @@ def test_up_survives_killing_each_part_in_turn_and_its_ledger_balances(tmp_path)
                           env={**os.environ, "COLUMNS": "200"})
     seen: set[int] = {up.pid}
     try:
+        _wait_for_step(up, run_path, 1)
+        _check_locked_down(run_path)
         for step, victim in ((2, "rollout-0"), (3, "server-0"), (4, "router"), (5, "learner"), (7, "redis")):
             _wait_for_step(up, run_path, step)
             seen |= {p["pid"] for p in _parts(run_path).values()}

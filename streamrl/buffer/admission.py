@@ -5,7 +5,9 @@ AReaL's rule (ARCHITECTURE §3): start a new group only while
     accepted + running < (max_staleness + V + 1) * groups_per_step
 
 where ``V`` is the learner's policy version, ``accepted`` counts groups ever put
-into the replay stream and ``running`` counts groups admitted but not yet put.
+into the replay stream (less those the learner dropped as stale: they will never be
+trained, so they must not hold slots, or a burst of stale data would stall the run)
+and ``running`` counts groups admitted but not yet put.
 Running groups hold a lease that expires, so a worker that dies mid-group does
 not hold its slot forever. Check-and-admit is one Lua script: no two workers can
 take the last slot.
@@ -26,6 +28,7 @@ if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
 end
 local running = redis.call('ZCARD', KEYS[1])
 local accepted = tonumber(redis.call('HGET', KEYS[2], 'accepted') or '0')
+  - tonumber(redis.call('HGET', KEYS[2], 'dropped_stale') or '0')
 local version = tonumber(redis.call('GET', KEYS[3]) or '0')
 if accepted + running >= (tonumber(ARGV[3]) + version + 1) * tonumber(ARGV[4]) then return 0 end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])

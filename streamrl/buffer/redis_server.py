@@ -42,7 +42,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: SIGTERM the child when its parent dies, so no server outlives its run."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -88,7 +88,7 @@ class EmbeddedRedis:
             if not fixed_port:
                 self.port = free_port(self.host)
             self.proc = subprocess.Popen(self.argv(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=die_with_parent)
             if self._wait_ready(timeout_s):
                 return self.url
         raise RuntimeError(f"redis-server did not start on {self.host}:{self.port}: {self._log_tail()}")

@@ -14,6 +14,7 @@ from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from streamrl.config import Config
@@ -47,8 +48,9 @@ class Dashboard:
             self.live.start()
 
     def say(self, message: str) -> None:
+        """A line of news; plain text (log tails hold brackets that rich would read as markup)."""
         stamp = time.strftime("%H:%M:%S")
-        (self.live.console if self.live is not None else self.console).print(f"[dim]{stamp}[/] {message}",
+        (self.live.console if self.live is not None else self.console).print(f"[dim]{stamp}[/] {escape(message)}",
                                                                              highlight=False, soft_wrap=True)
 
     # ------------------------------------------------------------------ figures

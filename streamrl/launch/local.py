@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -108,6 +109,7 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
         return 130
     if not cfg.model.path:
         raise ConfigError("model.path is not set (and no prepare.fn sets it)")
+    _lock_down(cfg)
     launcher = supervisor = redis = None
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the run like Ctrl-C, even while parts start
     try:
@@ -155,6 +157,15 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
                 say(f"teardown: {e}")
     dashboard.summary(time.time() - t0, code)
     return code
+
+
+def _lock_down(cfg: Config) -> None:
+    """Secrets for a run that did not configure its own: a password for the embedded Redis and a token for
+    the servers' control endpoints. They live only in RUN/config.yaml (mode 0600), which every part reads."""
+    if not cfg.redis.url and cfg.redis.password is None:
+        cfg.redis.password = secrets.token_urlsafe(24)
+    if cfg.server.token is None:
+        cfg.server.token = secrets.token_urlsafe(24)
 
 
 def _interrupt(*_) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import psutil
 
-from streamrl.buffer.redis_server import _die_with_parent
+from streamrl.buffer.redis_server import die_with_parent
 
 
 class PartFailed(RuntimeError):
@@ -70,7 +70,7 @@ class LocalProcesses:
         with part.log_path.open("ab") as log:
             return subprocess.Popen(part.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env={**os.environ, **part.env}, start_new_session=True,
-                                    preexec_fn=_die_with_parent)
+                                    preexec_fn=die_with_parent)
 
     def stop_all(self, parts: list[Part], timeout_s: float) -> None:
         """SIGTERM every part's tree at once, wait for them together, SIGKILL what is left."""

@@ -101,9 +101,14 @@ class Learner:
         """
         want, groups, dropped, outcomes = self.cfg.learner.groups_per_step, [], 0, {}
         max_staleness = 0 if self.cfg.mode == "sync" else self.cfg.off_policy.max_staleness
-        t0 = time.perf_counter()
+        t0 = last_catch_up = time.perf_counter()
         while len(groups) < want:
-            for entry in self.reader.read(want - len(groups), block_ms=1000):
+            entries = self.reader.read(want - len(groups), block_ms=1000)
+            if not entries and time.perf_counter() - last_catch_up > 2.0:
+                self._catch_up()
+                last_catch_up = time.perf_counter()
+            stale_before = dropped
+            for entry in entries:
                 top = max(int(s.tokens.max()) for s in entry.group.samples)
                 if top >= self.vocab_size:  # valid on the wire, but not for this model
                     self.reader.dead_letter(entry.id, f"token id {top} >= vocab size {self.vocab_size}")
@@ -114,8 +119,8 @@ class Learner:
                     outcomes[entry.group.group_id] = "dropped:stale"
                     continue
                 groups.append(entry.group)
-        if dropped:
-            self.admission.count_dropped_stale(dropped)
+            if dropped > stale_before:  # at once: a dropped group gives its admission slot back
+                self.admission.count_dropped_stale(dropped - stale_before)
         return groups, {"wait_s": time.perf_counter() - t0, "dropped_stale": dropped}, outcomes
 
     def step(self) -> dict:
@@ -180,6 +185,17 @@ class Learner:
             return record
         return stats
 
+
+    def _catch_up(self) -> None:
+        """While data is late, bring servers that lack the current weights up to date (plain DP only:
+        under ZeRO-3 gathering the weights is a collective the other ranks are not in)."""
+        if self.version == 0 or self.cfg.learner.zero_stage == 3:
+            return
+        stats = self.pusher.catch_up([(name, p.detach()) for name, p in self.policy.module.named_parameters()],
+                                     self.version)
+        if stats:
+            log.info("caught up %d server(s) to version %d in %.2fs", stats["push_targets"], self.version,
+                     stats["push_s"])
 
     def push(self) -> dict | None:
         """Send the weights to every live rollout server.

@@ -32,13 +32,15 @@ class WeightPusher:
         self.cfg, self.registry = cfg, registry
         self.sync = cfg.weight_sync
         self.groups: dict[str, object] = {}
+        self.started: dict[str, float] = {}  # a server restarted on the same URL is a new server
+        self.has: dict[str, int] = {}  # the version each server was last pushed successfully
         self.pool = ThreadPoolExecutor(32, thread_name_prefix="push")
         self.pending: Future | None = None
         self.staging: Staging | None = None
         headers = {"Authorization": f"Bearer {cfg.server.token}"} if cfg.server.token else {}
         self.http = httpx.Client(timeout=self.sync.timeout_s, headers=headers)
 
-    def _join(self, url: str) -> None:
+    def _join(self, url: str, started: float) -> None:
         port = free_port()
         backend = "nccl" if self.sync.backend == "nccl" or (self.sync.backend == "auto" and torch.cuda.is_available()) \
             else "gloo"
@@ -49,15 +51,18 @@ class WeightPusher:
             "backend": backend, "group_name": GROUP, "timeout_s": self.sync.timeout_s})
         reply.raise_for_status()
         self.groups[url] = mine.result(self.sync.timeout_s)
+        self.started[url] = started
 
     def refresh(self) -> None:
         """Join servers that appeared; forget those whose heartbeats stopped."""
-        alive = {s.url for s in self.registry.alive()}
-        for url in set(self.groups) - alive:
-            self.groups.pop(url, None)
-        for url in alive - set(self.groups):
+        alive = {s.url: s.started_at for s in self.registry.alive()}
+        for url in list(self.groups):
+            if alive.get(url) != self.started.get(url):  # gone, or back as a new process
+                self.groups.pop(url, None)
+                self.has.pop(url, None)
+        for url in alive.keys() - self.groups.keys():
             try:
-                self._join(url)
+                self._join(url, alive[url])
             except Exception as e:
                 log.warning("could not set up a weight group with %s: %s", url, e)
 
@@ -71,14 +76,33 @@ class WeightPusher:
         pending, self.pending = self.pending, None
         return pending.result() if pending else {}
 
-    def push(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
-        t0 = time.perf_counter()
+    def catch_up(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+        """Push ``version`` to servers that lack it (joined or restarted since the last push).
+
+        Called while the learner waits for data: a server that came back with old weights would
+        otherwise generate only stale data, and no step (hence no push) would ever come.
+        """
+        if self.pending is not None and not self.pending.done():
+            return {}
         self.refresh()
-        targets = list(self.groups)
+        reported = {s.url: s.weight_version for s in self.registry.alive()}
+        lagging = [url for url in self.groups if max(self.has.get(url, -1), reported.get(url, -1)) < version]
+        if not lagging:
+            return {}
+        log.info("catching up %s to weight version %d", ", ".join(lagging), version)
+        return self.push(named_tensors, version, lagging)
+
+    def push(self, named_tensors: list[tuple[str, torch.Tensor]], version: int,
+             only: list[str] | None = None) -> dict[str, float]:
+        t0 = time.perf_counter()
+        if only is None:
+            self.refresh()
+        targets = list(self.groups) if only is None else [url for url in only if url in self.groups]
         paused = targets[:] if self.sync.mode == "pause" else []
         self._each(paused, "/pause_generation")
         try:
             self._send(named_tensors, version, targets)
+            self.has.update(dict.fromkeys(targets, version))
         finally:  # every server that was paused continues, even one dropped from this push
             self._each(paused, "/continue_generation")
         return {"push_s": time.perf_counter() - t0, "push_targets": float(len(targets)), "push_version": version}
@@ -113,6 +137,7 @@ class WeightPusher:
                     log.warning("dropping %s from the weight push: %s", url, e or type(e).__name__)
                     targets.remove(url)
                     self.groups.pop(url, None)
+                    self.has.pop(url, None)
 
     def _each(self, urls: list[str], path: str) -> None:
         for url in urls:

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 
 from streamrl.buffer import ServerRegistry
+from streamrl.buffer.redis_server import die_with_parent
 
 log = logging.getLogger("streamrl.router")
 
@@ -62,21 +63,32 @@ class Router:
         ]
 
     def start(self, timeout_s: float = 30.0) -> None:
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.argv(), stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
+        while self._answers():  # e.g. the router of a killed predecessor, still on its way out
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"another process already serves {self.url}: choose another router.port")
+            time.sleep(0.2)
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        # the Rust router dies with this process: an orphan would keep the port and a stale worker set
+        self.proc = subprocess.Popen(self.argv(), stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"sglang-router exited with {self.proc.returncode} on startup"
                                    + (f"; see {self.log_path}" if self.log_path else ""))
-            try:
-                if self._http.get("/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+            if self._answers():
+                return
             time.sleep(0.1)
         self.stop()
         raise TimeoutError(f"sglang-router did not answer on {self.url} within {timeout_s:.0f}s")
+
+    def _answers(self) -> bool:
+        try:
+            return self._http.get("/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -119,8 +131,13 @@ class Router:
 
 def follow_registry(router: Router, registry: ServerRegistry, *, every_s: float, stop: threading.Event,
                     static: frozenset[str] = frozenset()) -> None:
-    """Keep the router's workers equal to the live servers in the registry (plus ``static`` ones)."""
+    """Keep the router's workers equal to the live servers in the registry (plus ``static`` ones).
+
+    Returns when ``stop`` is set; raises if the router process dies (its supervisor restarts us).
+    """
     while not stop.is_set():
+        if not router.alive():
+            raise RuntimeError(f"sglang-router exited with {router.proc.returncode}; see {router.log_path}")
         try:
             added, removed = router.sync({s.url for s in registry.alive()} | static)
             for url in added:

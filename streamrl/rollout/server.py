@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 import uuid
 from dataclasses import replace
@@ -26,6 +27,8 @@ from safetensors.torch import load_file
 from streamrl import __version__
 from streamrl.rollout.engines.base import Completion, Engine, SamplingParams
 from streamrl.rollout.weight_receiver import WeightReceiver
+
+log = logging.getLogger("streamrl.server")
 
 
 class SamplingIn(BaseModel):
@@ -175,6 +178,7 @@ def create_app(engine: Engine, *, model_path: str, tokenizer: Any = None, token:
             raise HTTPException(400, str(e)) from None
         except Exception as e:  # an engine fault: 5xx, so the router retries elsewhere
             metrics.requests.labels("error").inc()
+            log.exception("generate %s failed in the engine", rid)
             raise HTTPException(500, f"engine error: {e}") from None
         latency = time.perf_counter() - start
         metrics.requests.labels("ok").inc(n)
