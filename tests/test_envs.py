@@ -20,7 +20,7 @@ def test_builtin_envs_are_found_by_entry_point_and_by_path():
 
 
 @pytest.mark.parametrize("name, message", [
-    ("nope", "unknown env .nope.; installed: arithmetic, calculator, gem, guess, retry, reward_model, single_turn"),
+    ("nope", "unknown env .nope.; installed: arithmetic, calculator, gem, guess, python_tool, retry, reward_model, single_turn"),
     ("os:path", "not a subclass of streamrl.envs.Env"),
     ("no_such_module:X", "cannot load env"),
 ])

@@ -30,7 +30,7 @@ def test_an_endless_loop_is_killed_at_the_wall_clock_limit():
 
 def test_cpu_time_is_capped_even_within_the_wall_clock():
     out = run("while True: pass", wall_s=20.0, cpu_s=1)
-    assert out.killed is None and out.returncode is not None and out.returncode < 0  # SIGXCPU / SIGKILL
+    assert out.killed == "cpu time" and out.returncode < 0  # the kernel's SIGXCPU / SIGKILL
 
 
 def test_memory_beyond_the_limit_is_refused():
@@ -40,7 +40,7 @@ def test_memory_beyond_the_limit_is_refused():
 
 def test_files_beyond_the_size_limit_cannot_be_written():
     out = run("open('big', 'wb').write(b'x' * (4 * 2**20))", file_mb=1)
-    assert not out.ok
+    assert "File too large" in out.stderr and not out.ok  # Python ignores SIGXFSZ: the write fails with EFBIG
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping to 'nobody' needs root; as a user the OS already refuses")
@@ -62,7 +62,7 @@ def test_a_fork_bomb_is_capped_and_nothing_it_spawned_survives():
 
 
 def test_the_python_tool_env_runs_a_call_then_scores_the_answer():
-    env = PythonTool(wall_s=3.0)
+    env = PythonTool(wall_s=2.0, cpu_s=30)
 
     async def episode():
         await env.reset({"question": "What is 123 * 45?", "answer": 5535})

@@ -21,10 +21,10 @@ INSTRUCTION = "You may run Python by writing a ```python``` block; end with the 
 
 class PythonTool(Env):
     def __init__(self, digits: int = 3, ops: str = "+-*", max_turns: int = 3, wall_s: float = 5.0,
-                 memory_mb: int = 256):
+                 cpu_s: int = 5, memory_mb: int = 256):
         self.questions = Arithmetic(digits, ops)
         self.max_turns = max_turns
-        self.limits = Limits(wall_s=wall_s, cpu_s=max(1, int(wall_s)), memory_mb=memory_mb)
+        self.limits = Limits(wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb)
         self.answer: int | None = None
 
     def items(self, seed: int = 0) -> Iterator[dict[str, Any]]:

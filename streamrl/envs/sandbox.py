@@ -43,7 +43,7 @@ class Outcome:
     stdout: str
     stderr: str
     returncode: int | None
-    killed: str | None = None  # "wall time" when the timeout killed it; rlimit kills show as signals
+    killed: str | None = None  # the limit that stopped it: "wall time", "cpu time" or "file size"
 
     @property
     def ok(self) -> bool:
@@ -75,7 +75,12 @@ async def run_python(code: str, limits: Limits = Limits()) -> Outcome:
                 _kill_group(proc.pid)
         _kill_group(proc.pid)  # anything it forked and left behind
     cut = limits.output_bytes
+    killed = killed or _RLIMIT_SIGNALS.get(proc.returncode)
     return Outcome(out[:cut].decode(errors="replace"), err[-cut:].decode(errors="replace"), proc.returncode, killed)
+
+
+# the kernel's answer to a process past RLIMIT_CPU (SIGXCPU, then SIGKILL at the hard limit) or RLIMIT_FSIZE
+_RLIMIT_SIGNALS = {-signal.SIGXCPU: "cpu time", -signal.SIGKILL: "cpu time", -signal.SIGXFSZ: "file size"}
 
 
 def _confine(limits: Limits) -> None:
