@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import cli, console, new_figure, print_table, save_figure, write_json
+from benchmarks.common import cli, new_figure, print_table, save_figure, write_json
 from streamrl.learner.partition import karmarkar_karp
 
 

@@ -7,7 +7,6 @@ import sys
 import textwrap
 import threading
 import time
-import uuid
 
 import numpy as np
 import pytest

@@ -12,7 +12,6 @@ import copy
 import importlib.util
 import os
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch

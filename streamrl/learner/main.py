@@ -107,21 +107,28 @@ class Learner:
             if not entries and time.perf_counter() - last_catch_up > 2.0:
                 self._catch_up()
                 last_catch_up = time.perf_counter()
-            stale_before = dropped
+            fresh_drops = 0
             for entry in entries:
-                top = max(int(s.tokens.max()) for s in entry.group.samples)
-                if top >= self.vocab_size:  # valid on the wire, but not for this model
-                    self.reader.dead_letter(entry.id, f"token id {top} >= vocab size {self.vocab_size}")
-                    outcomes[entry.group.group_id] = "dropped:dead"
+                verdict = self._verdict(entry, max_staleness)
+                if verdict is None:
+                    groups.append(entry.group)
                     continue
-                if batching.stale(entry.group, self.version, max_staleness) and self.cfg.off_policy.stale == "drop":
-                    dropped += 1
-                    outcomes[entry.group.group_id] = "dropped:stale"
-                    continue
-                groups.append(entry.group)
-            if dropped > stale_before:  # at once: a dropped group gives its admission slot back
-                self.admission.count_dropped_stale(dropped - stale_before)
+                outcomes[entry.group.group_id] = verdict
+                fresh_drops += verdict == "dropped:stale"
+            if fresh_drops:  # at once: a dropped group gives its admission slot back
+                self.admission.count_dropped_stale(fresh_drops)
+                dropped += fresh_drops
         return groups, {"wait_s": time.perf_counter() - t0, "dropped_stale": dropped}, outcomes
+
+    def _verdict(self, entry, max_staleness: int) -> str | None:
+        """None to train on the entry's group, else the ledger outcome it gets instead."""
+        top = max(int(s.tokens.max()) for s in entry.group.samples)
+        if top >= self.vocab_size:  # valid on the wire, but not for this model
+            self.reader.dead_letter(entry.id, f"token id {top} >= vocab size {self.vocab_size}")
+            return "dropped:dead"
+        if batching.stale(entry.group, self.version, max_staleness) and self.cfg.off_policy.stale == "drop":
+            return "dropped:stale"
+        return None
 
     def step(self) -> dict:
         payloads, info, outcomes = None, {}, {}
