@@ -22,6 +22,31 @@ def markdown_table(table: dict) -> str:
     return f"*{table['title']}*\n\n" + head + "".join("| " + " | ".join(row) + " |\n" for row in table["rows"])
 
 
+def headlines(results: Path) -> list[str]:
+    """The few figures people ask for first, from the studies that have run."""
+    def load(name: str) -> dict | None:
+        path = results / f"{name}.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    lines = []
+    if e2e := load("e2e"):
+        for workload, s in e2e["summary"].items():
+            lines.append(f"- **async / sync, {workload}**: {s['ratio']:.2f}× samples/s (steady state "
+                         f"{s['steady_ratio']:.2f}×), final eval {s['async']['eval_final']:.2f} vs "
+                         f"{s['sync']['eval_final']:.2f} (medians of {e2e['repeats']})")
+    if trl := load("trl"):
+        m = trl["median"]
+        lines.append(f"- **streamrl / TRL GRPOTrainer**: {trl['ratio']:.2f}× samples/s "
+                     f"({m['streamrl']['samples_per_s']:.0f} vs {m['trl']['samples_per_s']:.0f}; medians of "
+                     f"{trl['repeats']})")
+    if soak := load("soak"):
+        worst = max(soak["growth"].items(), key=lambda kv: kv[1]["growth"], default=None)
+        if worst:
+            lines.append(f"- **soak**: {soak['minutes']:.0f} min; largest memory growth after warm-up "
+                         f"{worst[1]['growth']:+.1%} ({worst[0]})")
+    return ["## Headlines\n", "\n".join(lines) + "\n"] if lines else []
+
+
 def build(results: Path, page: Path) -> Path:
     found = [(name, results / f"{name}.json") for name in TITLES if (results / f"{name}.json").is_file()]
     if not found:
@@ -34,6 +59,7 @@ def build(results: Path, page: Path) -> Path:
              f"({'CUDA' if machine['cuda'] else 'no GPU'}). Every figure stands beside a baseline measured in the "
              "same run on the same machine; figures are medians of the repeats each table names. "
              "Regenerate with `streamrl bench NAME` for each study, then `streamrl bench report`.\n"]
+    parts.extend(headlines(results))
     for name, path in found:
         data = json.loads(path.read_text())
         parts.append(f"## {TITLES[name]} (`streamrl bench {name.replace('_', '-')}`)\n")

@@ -43,7 +43,8 @@ def run(minutes: float, every_s: float, warmup_s: float) -> dict:
                 "learner.max_steps=1000000", "eval.every=50", "learner.checkpoint_every=50",
                 "learner.export_every=50", f"router.port={free_port()}", f"router.prometheus_port={free_port()}",
                 f"server.base_port={free_port()}", "supervise.display=plain"]
-        up = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env={**os.environ})
+        log = open(Path(tmp) / "up.log", "w")
+        up = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
         samples: list[dict] = []
         try:
             while not (run_path / "metrics" / "learner.jsonl").exists():  # clock starts with the first step
@@ -59,11 +60,24 @@ def run(minutes: float, every_s: float, warmup_s: float) -> dict:
                 row["restarts"] = sum(p["restarts"] for p in parts.values())
                 samples.append(row)
                 time.sleep(every_s)
-        finally:
-            up.send_signal(signal.SIGINT)
-            up.wait(120)
+        finally:  # the samples are kept whatever the teardown does
+            stopped = _stop(up)
     return {"study": "soak", "minutes": minutes, "every_s": every_s, "warmup_s": warmup_s, "samples": samples,
-            "growth": growth(samples, warmup_s), "goal": GOAL}
+            "growth": growth(samples, warmup_s), "goal": GOAL, "teardown_s": stopped}
+
+
+def _stop(up: subprocess.Popen) -> float | None:
+    """Ctrl-C the run as a user would; seconds until it exited (None: it had to be killed after 5 min)."""
+    t0 = time.time()
+    up.send_signal(signal.SIGINT)
+    try:
+        up.wait(300)
+        return time.time() - t0
+    except subprocess.TimeoutExpired:
+        console.log("streamrl up did not exit within 5 min of Ctrl-C: killing it")
+        up.kill()
+        up.wait()
+        return None
 
 
 def _step(run_path: Path) -> int:
