@@ -78,3 +78,9 @@ def build(results: Path, page: Path) -> Path:
 
 def main(quick: bool = False, out: Path = Path("benchmarks/results")) -> Path:
     return build(out, Path("docs/benchmarks.md"))
+
+
+if __name__ == "__main__":
+    from benchmarks.common import cli
+
+    cli(main, __doc__)

@@ -67,14 +67,18 @@ def run(minutes: float, every_s: float, warmup_s: float) -> dict:
 
 
 def _stop(up: subprocess.Popen) -> float | None:
-    """Ctrl-C the run as a user would; seconds until it exited (None: it had to be killed after 5 min)."""
+    """Stop the run as a service manager would; seconds until it exited (None: it had to be killed).
+
+    SIGTERM, not SIGINT: a study started in the background of a non-interactive shell inherits SIGINT
+    ignored (POSIX), and Python then never raises KeyboardInterrupt for it.
+    """
     t0 = time.time()
-    up.send_signal(signal.SIGINT)
+    up.send_signal(signal.SIGTERM)
     try:
         up.wait(300)
         return time.time() - t0
     except subprocess.TimeoutExpired:
-        console.log("streamrl up did not exit within 5 min of Ctrl-C: killing it")
+        console.log("streamrl up did not exit within 5 min of SIGTERM: killing it")
         up.kill()
         up.wait()
         return None
