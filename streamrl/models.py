@@ -3,9 +3,31 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GENERIC_FAST_TOKENIZERS = {"TokenizersBackend", "PreTrainedTokenizerFast"}
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of a local model directory.
+
+    A tokenizer saved as the generic fast one (``tokenizer.json`` + a config naming
+    ``TokenizersBackend``) is loaded as that class directly: ``AutoTokenizer`` would first import the
+    model's config class, and with it torch — seconds of start-up for a rollout worker or an
+    evaluator that never touches a tensor. Anything else goes through ``AutoTokenizer``.
+    """
+    config = Path(path) / "tokenizer_config.json"
+    declared = json.loads(config.read_text()) if config.is_file() else {}
+    if (declared.get("tokenizer_class") in GENERIC_FAST_TOKENIZERS and "auto_map" not in declared
+            and (Path(path) / "tokenizer.json").is_file()):
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 def smollm2_gguf() -> Path:

@@ -270,6 +270,28 @@ def test_epochs_reuse_the_proximal_so_the_ratio_is_one_only_on_the_first(engine)
     assert abs(second["ratio_mean"] - 1.0) > 1e-6  # the weights moved; the proximal did not
 
 
+@pytest.mark.slow
+def test_a_steps_first_forward_stands_in_for_the_proximal_forward(engine):
+    shard, n = _shard()
+    batches = [batching.collate(mb) if mb else None for mb in shard]
+    separate = engine.proximal([b for b in batches if b is not None])  # a no-grad eval forward, before the step
+    engine.step(shard, n, batches=batches)
+    for b, want in zip([b for b in batches if b is not None], separate):
+        assert torch.allclose(b["proximal"], want, atol=1e-6)
+
+
+def test_a_model_with_dropout_has_a_random_forward():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from streamrl.learner.engine import has_dropout
+
+    def tiny(**kw):
+        return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=2, **kw))
+
+    assert not has_dropout(tiny()) and has_dropout(tiny(attention_dropout=0.1))
+
+
 def test_kl_in_the_reward_is_the_behaviour_minus_reference_logprob_sum(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 

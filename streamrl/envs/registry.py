@@ -6,9 +6,10 @@ package's entry points, or name it in the config as ``my_pkg.envs:MyEnv``.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from streamrl.envs.base import Env
@@ -17,7 +18,14 @@ GROUP = "streamrl.envs"
 
 
 def available() -> list[str]:
-    return sorted(ep.name for ep in entry_points(group=GROUP))
+    return sorted(_installed(GROUP))
+
+
+@functools.cache
+def _installed(group: str) -> dict[str, EntryPoint]:
+    """A group's entry points, read once per process: the scan reads every installed package's
+    metadata, and a worker builds an env (and its reward function) for every episode."""
+    return {ep.name: ep for ep in entry_points(group=group)}
 
 
 def load_plugin(name: str, group: str, what: str) -> Any:
@@ -28,12 +36,11 @@ def load_plugin(name: str, group: str, what: str) -> Any:
             return getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as e:
             raise ValueError(f"cannot load {what} {name!r}: {e}") from None
-    found = [ep for ep in entry_points(group=group) if ep.name == name]
-    if not found:
-        installed = sorted(ep.name for ep in entry_points(group=group))
-        raise ValueError(f"unknown {what} {name!r}; installed: {', '.join(installed) or 'none'}; "
+    found = _installed(group).get(name)
+    if found is None:
+        raise ValueError(f"unknown {what} {name!r}; installed: {', '.join(sorted(_installed(group))) or 'none'}; "
                          "or give module:attribute")
-    return found[0].load()
+    return found.load()
 
 
 def env_class(name: str) -> type[Env]:

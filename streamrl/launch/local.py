@@ -68,18 +68,8 @@ def parts(cfg: Config, config_file: Path, redis: EmbeddedRedis | None = None) ->
     logs, cfg_arg = cfg.run.path / "logs", str(config_file)
     router_url = f"http://{cfg.router.host}:{cfg.router.port}"
     out = [Part("redis", "redis", redis.argv(), redis.log_path, ready=redis.ping)] if redis else []
-    out.append(Part("router", "router", [*me, "launch-router", cfg_arg], logs / "router.log",
-                    ready=lambda: _healthy(router_url)))
-    for i in range(cfg.server.count):
-        url = f"http://{cfg.server.host}:{cfg.server.base_port + i}"
-        out.append(Part(f"server-{i}", "server", [*me, "serve", cfg_arg, "--port", str(cfg.server.base_port + i)],
-                        logs / f"server-{i}.log", env=_threads(cfg), ready=lambda url=url: _healthy(url)))
-    for i in range(cfg.rollout.workers):
-        out.append(Part(f"rollout-{i}", "rollout", [*me, "launch-rollout", cfg_arg, "--name", f"worker-{i}"],
-                        logs / f"rollout-{i}.log", env={"OMP_NUM_THREADS": "1"}))
-    if cfg.eval.dataset:
-        out.append(Part("evaluator", "evaluator", [*me, "evaluate", cfg_arg], logs / "evaluator.log",
-                        env={"OMP_NUM_THREADS": "1"}, ready=lambda: _has_eval(cfg, 0)))
+    # The learner starts first: its start-up (imports, DeepSpeed, ~10 s) overlaps the others'. It cannot
+    # step before there is data, and the workers start only after the evaluator's baseline (version 0).
     if cfg.learner.nproc == 1:
         learner = [*me, "launch-learner", cfg_arg]
     else:
@@ -87,6 +77,18 @@ def parts(cfg: Config, config_file: Path, redis: EmbeddedRedis | None = None) ->
                    "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "streamrl",
                    "launch-learner", cfg_arg]
     out.append(Part("learner", "learner", learner, logs / "learner.log", env=_threads(cfg)))
+    out.append(Part("router", "router", [*me, "launch-router", cfg_arg], logs / "router.log",
+                    ready=lambda: _healthy(router_url)))
+    for i in range(cfg.server.count):
+        url = f"http://{cfg.server.host}:{cfg.server.base_port + i}"
+        out.append(Part(f"server-{i}", "server", [*me, "serve", cfg_arg, "--port", str(cfg.server.base_port + i)],
+                        logs / f"server-{i}.log", env=_threads(cfg), ready=lambda url=url: _healthy(url)))
+    if cfg.eval.dataset:
+        out.append(Part("evaluator", "evaluator", [*me, "evaluate", cfg_arg], logs / "evaluator.log",
+                        env={"OMP_NUM_THREADS": "1"}, ready=lambda: _has_eval(cfg, 0)))
+    for i in range(cfg.rollout.workers):
+        out.append(Part(f"rollout-{i}", "rollout", [*me, "launch-rollout", cfg_arg, "--name", f"worker-{i}"],
+                        logs / f"rollout-{i}.log", env={"OMP_NUM_THREADS": "1"}))
     return out
 
 

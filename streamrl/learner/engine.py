@@ -66,6 +66,7 @@ class PolicyEngine:
                                clip_high=cfg.learner.clip_eps_high, dual_clip=cfg.learner.dual_clip,
                                tis_cap=cfg.off_policy.tis_cap)
         self.temperature = cfg.rollout.sampling.temperature
+        self.random_forward = has_dropout(model)
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.reference = None
         if cfg.learner.kl_coef > 0 and not cfg.learner.kl_in_reward:  # a frozen copy of the initial policy
@@ -93,18 +94,18 @@ class PolicyEngine:
         (reported as ``skipped``): nothing of that batch reaches the weights.
         """
         batches = batches if batches is not None else [collate(mb) if mb else None for mb in shard]
-        if self.cfg.off_policy.correction != "none":  # kept on the batch: later epochs reuse the step's start
+        if self.cfg.off_policy.correction != "none" and self.random_forward:
+            # with dropout the training forward is not the weights' own distribution: a separate one
             for b in batches:
                 if b is not None and "proximal" not in b:
                     b["proximal"] = self.proximal([b])[0]
-        prox_iter = iter([b.get("proximal") for b in batches if b is not None])
         by_sequence = self.cfg.learner.loss_agg == "sequence"
         if by_sequence:
             global_sequences = global_sequences or self._sum_over_ranks(float(sum(len(mb) for mb in shard)))
         scale = normaliser(int(global_sequences) if by_sequence else global_tokens, self.world_size)
         stats = {"loss": 0.0, "tokens": 0.0, "padding": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0,
                  "is_weight_max": 0.0, "entropy": 0.0, "kl": 0.0}
-        work = [(b, lambda b: self._loss(b, next(prox_iter, None), stats), scale) for b in batches]
+        work = [(b, lambda b: self._loss(b, stats), scale) for b in batches]
         if ptx:
             ptx_batch = collate(ptx)
             ptx_scale = normaliser(self._sum_over_ranks(float(ptx_batch["mask"].sum())), self.world_size)
@@ -143,10 +144,15 @@ class PolicyEngine:
         stats["lr"] = self.scheduler.get_last_lr()[0] if self.scheduler else self.cfg.learner.lr
         return stats
 
-    def _loss(self, batch: dict[str, torch.Tensor], prox: torch.Tensor | None, stats: dict) -> torch.Tensor:
+    def _loss(self, batch: dict[str, torch.Tensor], stats: dict) -> torch.Tensor:
         """Summed loss of one micro-batch: clipped policy term, minus entropy bonus, plus KL to the reference."""
         logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         logp = token_logprobs(logits, batch["input_ids"], self.temperature)
+        prox = batch.get("proximal")
+        if prox is None and self.cfg.off_policy.correction != "none":
+            # The weights move only at the step's end (accumulation), so this first forward *is* the
+            # proximal policy's: no second forward. Kept on the batch for later epochs.
+            prox = batch["proximal"] = logp.detach()
         mask = batch["mask"]
         per_token, s = self.loss(logp, batch["logprobs"], prox, batch["advantages"], mask)
         if self.cfg.learner.entropy_coef > 0:
@@ -230,3 +236,13 @@ def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Entropy of the tempered distribution that predicted each token (0 at t=0), like ``token_logprobs``."""
     logp = torch.log_softmax(logits[:, :-1].float() / (temperature or 1.0), -1)
     return torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))
+
+
+def has_dropout(model: torch.nn.Module) -> bool:
+    """Whether a training forward is random: dropout modules, or dropout rates in the model's config
+    (attention dropout is often a rate handed to the attention kernel, not a module)."""
+    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    rates = config.to_dict().items() if config is not None else ()
+    return any("dropout" in k and isinstance(v, (int, float)) and v > 0 for k, v in rates)

@@ -25,6 +25,7 @@ from streamrl.learner.engine import PolicyEngine
 from streamrl.learner.metrics import MetricsSink
 from streamrl.learner.push import WeightPusher
 from streamrl.learner.partition import plan_micro_batches
+from streamrl.models import load_tokenizer
 
 log = logging.getLogger("streamrl.learner")
 
@@ -60,11 +61,9 @@ class Learner:
             self.critic = Critic(cfg, cfg.learner.critic_path or cfg.model.path)
         self.ptx = None
         if cfg.learner.ptx_dataset and cfg.learner.ptx_coef > 0:
-            from transformers import AutoTokenizer
-
             from streamrl.learner.ptx import PtxData
 
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+            tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
             self.ptx = PtxData(cfg.learner.ptx_dataset, tokenizer, max_len=cfg.learner.micro_batch_tokens)
         self.checkpoints = Path(cfg.run.path) / "checkpoints"
         resumed = checkpoint.load(self.policy.engine, self.checkpoints) if cfg.learner.resume == "auto" else None

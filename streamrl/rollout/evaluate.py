@@ -18,6 +18,7 @@ from typing import Any
 from streamrl.buffer import Namespace, PolicyVersion, ServerRegistry
 from streamrl.config import Config
 from streamrl.envs import env_factory
+from streamrl.models import load_tokenizer
 from streamrl.protocol import Sample
 from streamrl.rollout.client import GenerateClient
 from streamrl.rollout.dataset import load_rows
@@ -29,14 +30,12 @@ log = logging.getLogger("streamrl.evaluate")
 
 class Evaluator:
     def __init__(self, cfg: Config, redis_url: str):
-        from transformers import AutoTokenizer
-
         if not cfg.eval.dataset:
             raise ValueError("eval.dataset is not set: give held-out rows for rollout.env")
         self.cfg = cfg
         self.rows = load_rows(cfg.eval.dataset)[: cfg.eval.size]
         self.make_env = env_factory(cfg.rollout.env, cfg.rollout.env_args)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
         self.renderer = ChatRenderer(self.tokenizer)
         self.params = SamplingParams(max_new_tokens=cfg.rollout.sampling.max_new_tokens, temperature=0.0)
         ns = Namespace.open(redis_url, cfg.run.name)

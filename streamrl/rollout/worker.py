@@ -26,6 +26,7 @@ from prometheus_client import Counter as PromCounter
 from streamrl.buffer import Admission, BufferUnavailable, Namespace, PolicyVersion, PromptClaims, ReplayStream
 from streamrl.config import Config
 from streamrl.envs import Env, Observation, StepResult, env_factory
+from streamrl.models import load_tokenizer
 from streamrl.protocol import Group, Sample, WireError, validate_group
 from streamrl.rollout.client import GenerateClient, GenerateError
 from streamrl.rollout.coalesce import Coalescer
@@ -76,8 +77,6 @@ class GuardedEnv(Env):
 
 class RolloutWorker:
     def __init__(self, cfg: Config, name: str, *, redis_url: str):
-        from transformers import AutoTokenizer
-
         self.cfg, self.name = cfg, name
         rollout = cfg.rollout
         if not cfg.model.path and not cfg.model.tokenizer:
@@ -91,7 +90,7 @@ class RolloutWorker:
         self.make_env = env_factory(rollout.env, rollout.env_args)
         self.prompts = (Prompts(rows=load_rows(rollout.dataset)) if rollout.dataset
                         else Prompts(generator=lambda: self.make_env().items(cfg.run.seed)))
-        self.renderer = ChatRenderer(AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path))
+        self.renderer = ChatRenderer(load_tokenizer(cfg.model.tokenizer or cfg.model.path))
         s = rollout.sampling
         self.params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                                      top_k=s.top_k)
@@ -110,6 +109,7 @@ class RolloutWorker:
         reporter = asyncio.create_task(self._report_every(rollout.metrics_every_s))
         async with GenerateClient(self.router_url) as client:
             self.coalescer = Coalescer(client.generate_n, rollout.coalesce_ms / 1000)
+            log.info("%s: generating through %s", self.name, self.router_url)
             started = 0
             while not self.stopping.is_set() and (max_groups is None or started < max_groups):
                 await groups_in_flight.acquire()
