@@ -6,9 +6,11 @@ learning rate, no KL term and temperature 1.0. TRL (``pip install trl``; CPU, it
 ``model.generate``) generates a batch, then trains on it; streamrl runs ``streamrl up`` (async,
 max staleness 2). Advantages: TRL's GRPO with ``scale_rewards="none"`` is ``r - mean``, RLOO is
 the same times n/(n-1). Time to the target eval accuracy counts only training: TRL's evaluation
-pauses its clock; streamrl's evaluator runs beside training (so it is charged to streamrl). TRL's
-clock starts when its training loop starts; streamrl's when its rollout worker starts (its learner
-starts some seconds later, after the first evaluation).
+pauses its clock; streamrl's evaluator runs beside training (so it is charged to streamrl). Start-up
+is off both clocks: TRL's starts when its training loop starts (model loaded, trainer built, baseline
+evaluated); streamrl's when its rollout worker starts (every other part started, baseline evaluated;
+the worker's own start-up and the rest of the learner's are on the clock). After training, both
+final models are scored greedily on the same 512 held-out prompts, off the clock.
 
     python -m benchmarks.against_trl [--quick]      (or: streamrl bench trl)
 """
@@ -21,25 +23,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import cli, console, new_figure, print_table, save_figure, write_json
-from benchmarks.e2e import TARGET, medians, one_run
-from streamrl.config import load_config
-from streamrl.recipes.reverse import prepare
-
-
-def greedy_accuracy(model, tokenizer, rows: list[dict]) -> float:
-    import torch
-
-    was_training = model.training
-    model.eval()
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
-                                             add_generation_prompt=True) for r in rows]
-    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    with torch.no_grad():
-        out = model.generate(**batch, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=tokenizer.eos_token_id)
-    model.train(was_training)
-    texts = tokenizer.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
-    return sum(t.strip() == r["answer"] for t, r in zip(texts, rows)) / len(rows)
+from benchmarks.e2e import HELD_OUT, TARGET, greedy_accuracy, held_out_rows, medians, one_run, prepare_shared
 
 
 def trl_run(prepared: Path, out: Path, *, steps: int, groups: int, n: int, lr: float, eval_every: int,
@@ -51,7 +35,7 @@ def trl_run(prepared: Path, out: Path, *, steps: int, groups: int, n: int, lr: f
     tokenizer = AutoTokenizer.from_pretrained(prepared / "model", padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(prepared / "model")
     train = [json.loads(x) for x in (prepared / "train.jsonl").read_text().splitlines()]
-    held_out = [json.loads(x) for x in (prepared / "eval.jsonl").read_text().splitlines()][:64]  # as streamrl's eval.size
+    held_out = held_out_rows(prepared)[:64]  # as streamrl's online eval.size
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
                               for r in train])
 
@@ -88,7 +72,7 @@ def trl_run(prepared: Path, out: Path, *, steps: int, groups: int, n: int, lr: f
                                               "max_completion_length", "learning_rate", "max_steps", "beta",
                                               "temperature", "scale_rewards", "loss_type", "num_iterations")}
     return {"wall_s": wall, "samples": samples, "samples_per_s": samples / wall, "steady_samples_per_s": samples / wall,
-            "eval_first": before,
+            "eval_first": before, "held_out_final": greedy_accuracy(model, tokenizer, held_out_rows(prepared)),
             "eval_final": evals[-1]["accuracy"], "time_to_target_s": reached[0]["train_s"] if reached else None,
             "evals": evals, "settings": settings}
 
@@ -98,10 +82,8 @@ def run(quick: bool) -> dict:
     results = {"streamrl": [], "trl": []}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        cfg = load_config("configs/quickstart.yaml", [f"run.dir={tmp}", "run.name=prep"])
         console.log("warm start (once, shared by both systems)")
-        prepare(cfg, **cfg.prepare.args)
-        prepared = tmp / "prep" / "prepared"
+        cfg, prepared = prepare_shared(tmp)
         groups, n, lr = cfg.learner.groups_per_step, cfg.rollout.sampling.n, cfg.learner.lr
         for r in range(repeats):
             for side in (("streamrl", "trl") if r % 2 == 0 else ("trl", "streamrl")):
@@ -123,11 +105,13 @@ def run(quick: bool) -> dict:
 def report(data: dict, out: Path) -> None:
     m = data["median"]
     print_table(f"streamrl vs TRL GRPOTrainer, {data['max_steps']} steps, same samples, medians of {data['repeats']}",
-                ["system", "samples/s", "train wall s", f"s to eval ≥ {data['target']}", "final eval"],
+                ["system", "samples/s", "train wall s", f"s to eval ≥ {data['target']}", "final eval (64)",
+                 f"final held-out ({HELD_OUT})"],
                 [[side, m[side]["samples_per_s"], m[side]["wall_s"],
-                  f"{m[side]['time_to_target_s']:.0f} ({m[side]['reached_target']})", m[side]["eval_final"]]
+                  f"{m[side]['time_to_target_s']:.0f} ({m[side]['reached_target']})", m[side]["eval_final"],
+                  m[side]["held_out_final"]]
                  for side in ("streamrl", "trl")]
-                + [["streamrl / TRL", data["ratio"], "", "", ""]])
+                + [["streamrl / TRL", data["ratio"], "", "", "", ""]])
     json_path = write_json(out, "trl", data)
     fig, (ax,) = new_figure(1, "Samples/s on the quickstart task (same model, samples, machine)")
     ax.bar(["streamrl (async)", "TRL GRPOTrainer"], [m["streamrl"]["samples_per_s"], m["trl"]["samples_per_s"]])

@@ -7,11 +7,14 @@ Each run is a real ``streamrl up`` of the quickstart (every part its own process
   ~1 s of wall time, and a wrong reply gets feedback and a second try (``RetryWithFeedback``).
 
 Both modes train the same number of samples (``max_steps × groups_per_step × n``) from the same
-warm-started model. The clock starts when the rollout workers start (both modes may generate from
-then on; the learner starts after the version-0 evaluation) and stops at the learner's last step.
+warm-started model. The clock starts when the rollout workers start — the last part to start, after
+the version-0 evaluation; the learner started first and may still be loading — and stops at the
+learner's last step.
 Reported per run: that wall time, samples/s over it, steady-state samples/s (between the ends of
 step 2 and the last step, where the queue is as full at both ends), time to a target eval accuracy
-(with how many runs reached it), the staleness of every trained sample, and the final eval accuracy.
+(with how many runs reached it), the staleness of every trained sample, the final online eval accuracy
+(64 prompts), and — off the clock — the final weights' greedy accuracy on all 512 held-out prompts,
+the finer measure of "no loss of final reward".
 The ratio is async samples/s over sync samples/s; sides alternate per repeat.
 
     python -m benchmarks.e2e [--quick]      (or: streamrl bench e2e)
@@ -35,6 +38,7 @@ from streamrl.recipes.reverse import prepare
 from streamrl.rollout.evaluate import read_records
 
 TARGET = 0.8  # eval accuracy whose first crossing is timed
+HELD_OUT = 512  # prompts of the final greedy evaluation, off the clock (the online one scores 64)
 WORKLOADS = {
     "single-turn": [],
     "env-latency": ["rollout.env=streamrl.envs.retry:RetryWithFeedback",
@@ -60,6 +64,46 @@ def one_run(run_dir: Path, prepared: Path, workload: str, mode: str, steps: int,
     return summarise(run_dir / name, load_config("configs/quickstart.yaml", [f"learner.max_steps={steps}"]))
 
 
+def greedy_accuracy(model, tokenizer, rows: list[dict]) -> float:
+    """Exact-match accuracy of greedy replies to ``rows`` (the chat template, 12 new tokens)."""
+    import torch
+
+    was_training, side = model.training, tokenizer.padding_side
+    model.eval()
+    tokenizer.padding_side = "left"
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
+                                             add_generation_prompt=True) for r in rows]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id)
+    model.train(was_training)
+    tokenizer.padding_side = side
+    texts = tokenizer.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
+    return sum(t.strip() == r["answer"] for t, r in zip(texts, rows)) / len(rows)
+
+
+def held_out_rows(prepared: Path) -> list[dict]:
+    return [json.loads(x) for x in (prepared / "eval.jsonl").read_text().splitlines()][:HELD_OUT]
+
+
+def held_out_accuracy(model_dir: Path, prepared: Path) -> float:
+    """The final weights' greedy accuracy on every held-out prompt: a finer final score than the online 64."""
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.models import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    return greedy_accuracy(model, load_tokenizer(prepared / "model"), held_out_rows(prepared))
+
+
+def prepare_shared(tmp: Path):
+    """The warm-started model and data every run starts from, with ``HELD_OUT`` held-out prompts."""
+    cfg = load_config("configs/quickstart.yaml", [f"run.dir={tmp}", "run.name=prep"])
+    prepare(cfg, **{**cfg.prepare.args, "eval_size": HELD_OUT})
+    return cfg, tmp / "prep" / "prepared"
+
+
 def summarise(run_path: Path, cfg) -> dict:
     steps = [r for r in read_records(run_path / "metrics" / "learner.jsonl") if "loss" in r]
     evals = read_records(run_path / "metrics" / "eval.jsonl")
@@ -76,12 +120,15 @@ def summarise(run_path: Path, cfg) -> dict:
             "time_to_target_s": reached[0]["time"] - start if reached else None,
             "eval_first": evals[0]["eval/accuracy"], "eval_final": evals[-1]["eval/accuracy"],
             "staleness": {str(k): staleness[k] for k in sorted(staleness)},
-            "train_reward_last5": sum(r["reward_mean"] for r in steps[-5:]) / len(steps[-5:])}
+            "train_reward_last5": sum(r["reward_mean"] for r in steps[-5:]) / len(steps[-5:]),
+            "held_out_final": held_out_accuracy(run_path / "export" / f"version-{steps[-1]['step']}",
+                                                run_path / "prepared")}
 
 
 def medians(rows: list[dict]) -> dict:
     """Medians over repeats; time to target over the runs that reached it, with their count."""
-    out = {k: median([x[k] for x in rows]) for k in ("samples_per_s", "steady_samples_per_s", "wall_s", "eval_final")}
+    out = {k: median([x[k] for x in rows])
+           for k in ("samples_per_s", "steady_samples_per_s", "wall_s", "eval_final", "held_out_final")}
     reached = [x["time_to_target_s"] for x in rows if x["time_to_target_s"] is not None]
     out.update(time_to_target_s=median(reached), reached_target=f"{len(reached)}/{len(rows)}")
     return out
@@ -92,10 +139,8 @@ def run(quick: bool) -> dict:
     results: dict[str, dict[str, list[dict]]] = {w: {"async": [], "sync": []} for w in WORKLOADS}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        cfg = load_config("configs/quickstart.yaml", [f"run.dir={tmp}", "run.name=prep"])
         console.log("warm start (once, shared by every run)")
-        prepare(cfg, **cfg.prepare.args)
-        prepared = tmp / "prep" / "prepared"
+        _, prepared = prepare_shared(tmp)
         for r in range(repeats):
             for workload in WORKLOADS:
                 for mode in (("async", "sync") if r % 2 == 0 else ("sync", "async")):
@@ -119,11 +164,13 @@ def report(data: dict, out: Path) -> None:
         for mode in ("async", "sync"):
             m = s[mode]
             rows.append([f"{workload} / {mode}", m["samples_per_s"], m["steady_samples_per_s"], m["wall_s"],
-                         f"{m['time_to_target_s']:.0f} ({m['reached_target']})", m["eval_final"]])
-        rows.append([f"{workload}: async / sync", s["ratio"], s["steady_ratio"], "", "", ""])
+                         f"{m['time_to_target_s']:.0f} ({m['reached_target']})", m["eval_final"],
+                         m["held_out_final"]])
+        rows.append([f"{workload}: async / sync", s["ratio"], s["steady_ratio"], "", "", "", ""])
     print_table(f"End to end, {data['max_steps']} steps, medians of {data['repeats']} (max staleness "
                 f"{data['max_staleness']} for async)", ["run", "samples/s", "steady samples/s", "wall s",
-                                                         f"s to eval ≥ {data['target']} (runs)", "final eval"], rows)
+                                                         f"s to eval ≥ {data['target']} (runs)", "final eval (64)",
+                                                         f"final held-out ({HELD_OUT})"], rows)
     json_path = write_json(out, "e2e", data)
     fig, (ax1, ax2) = new_figure(2, "Async vs sync, same samples (quickstart task)")
     names = list(data["summary"])

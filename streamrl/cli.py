@@ -141,7 +141,8 @@ def launch_router(
         err.print(f"sglang-router ready on {router.url} (log: {router.log_path})", soft_wrap=True)
         static = frozenset(worker or ())
         if cfg.redis.url:
-            registry = ServerRegistry(Namespace.open(cfg.redis.url, cfg.run.name), ttl_s=cfg.server.registry_ttl_s)
+            ns = Namespace.open(cfg.redis.url, cfg.run.name, **cfg.redis.retry())
+            registry = ServerRegistry(ns, ttl_s=cfg.server.registry_ttl_s)
             follow_registry(router, registry, every_s=cfg.router.sync_every_s, stop=stop, static=static)
         else:
             err.print("redis.url is not set: routing only to --worker URLs", soft_wrap=True)

@@ -42,7 +42,12 @@ class RedisConfig(Section):
         "always", description="embedded Redis: always = no acknowledged write is lost if it is killed")
     retries: int = Field(8, ge=0, description="reconnect attempts before giving up")
     retry_cap_s: float = Field(2.0, gt=0, description="longest wait between reconnect attempts")
-    dedupe_ttl_s: int = Field(7 * 86400, gt=0, description="how long a pushed group id is remembered")
+    dedupe_ttl_s: int = Field(3600, gt=0, description="how long the id of a put whose reply never arrived is "
+                              "remembered (a retry within it is a no-op); acknowledged puts forget it at once")
+
+    def retry(self) -> dict[str, float]:
+        """Keyword arguments of ``Namespace.open``: how hard a part tries to reach Redis."""
+        return {"retries": self.retries, "retry_cap_s": self.retry_cap_s}
 
     @model_validator(mode="after")
     def _url_scheme(self) -> "RedisConfig":

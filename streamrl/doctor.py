@@ -56,8 +56,9 @@ def show(report: LedgerReport, console: Console) -> None:
             ("  lease expired (worker died mid-group)", r["expired"]), ("  pushed after its lease expired", r.get("late", 0)),
             ("  still being generated", report.running),
             ("trained", l["trained"]), ("dropped: stale", l["dropped:stale"]), ("dropped: dead-lettered", l["dropped:dead"]),
-            ("dropped: step skipped (non-finite)", l["dropped:skipped"]), ("pending after the learner's cursor", report.pending),
-            ("recorded twice", l["twice"]), ("undecodable stream entries", r["dead"])]
+            ("dropped: step skipped (non-finite)", l["dropped:skipped"]),
+            ("  trained or dropped, settled by a checkpoint", l["settled"]),
+            ("pending after the learner's cursor", report.pending), ("recorded twice", l["twice"]), ("undecodable stream entries", r["dead"])]
     for name, value in rows:
         table.add_row(name, str(value))
     console.print(table)

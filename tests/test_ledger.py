@@ -31,7 +31,8 @@ def test_a_whole_run_balances_with_every_kind_of_outcome(ns):
 
     report = ledger.report()
     assert report.balanced, report.problems
-    assert report.learner == {"trained": 2, "dropped:stale": 1, "dropped:dead": 0, "dropped:skipped": 1, "twice": 0}
+    assert report.learner == {"trained": 2, "dropped:stale": 1, "dropped:dead": 0, "dropped:skipped": 1, "twice": 0,
+                              "settled": 0}
     assert report.rollout["admitted"] == 7 and report.rollout["accepted"] == 5
     assert report.rollout["abandoned:failed_samples"] == 1 and report.running == 1 and report.pending == 1
 
@@ -76,6 +77,29 @@ def test_a_resumed_learner_rolls_back_uncheckpointed_steps_and_replays_them(ns):
     report = ledger.report()
     assert report.balanced, report.problems
     assert report.learner["trained"] == 4 and report.pending == 0
+
+
+def test_a_checkpoint_folds_the_outcomes_it_covers_into_counts(ns):
+    _, reader = _run(ns, admitted=6, put=6)
+    ledger = Ledger(ns)
+    for version in (1, 2, 3):
+        ids = [e.group.group_id for e in reader.read(2)]
+        ledger.record(version, reader.cursor, dict.fromkeys(ids, "trained"))
+        if version == 2:
+            checkpoint_cursor = reader.cursor
+    assert ledger.settle(2) == 4  # a checkpoint at version 2
+    assert ns.conn.hlen(ns.key("ledger:outcome")) == 2  # only the ids a rollback may still need
+    report = ledger.report()
+    assert report.balanced, report.problems
+    assert report.learner["trained"] == 6 and report.learner["settled"] == 4
+
+    assert ledger.rollback(2, checkpoint_cursor) == 2  # the learner dies after step 3 and resumes
+    replay = StreamReader(ns, cursor=checkpoint_cursor)
+    ids = [e.group.group_id for e in replay.read(2)]
+    ledger.record(3, replay.cursor, dict.fromkeys(ids, "trained"))
+    report = ledger.report()
+    assert report.balanced, report.problems
+    assert report.learner["trained"] == 6 and report.learner["twice"] == 0 and report.pending == 0
 
 
 def test_doctor_prints_the_ledger_and_exits_by_balance(ns, redis_server, tmp_path):

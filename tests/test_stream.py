@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+import redis
 
 from streamrl.buffer import BufferUnavailable, EmbeddedRedis, Namespace, ReplayStream, StreamReader
 from streamrl.protocol import encode_group
@@ -34,11 +35,22 @@ def test_put_then_read_round_trips_a_group(ns):
     assert fields[b"gid"].decode() == group.group_id
 
 
-def test_putting_the_same_group_twice_stores_it_once(ns):
+def test_a_put_retried_after_its_reply_was_lost_stores_the_group_once(ns):
     stream, group = ReplayStream(ns), synthetic_group(2, 16, prompt_len=4)
-    assert stream.put(group) == stream.put(group)
-    assert len(stream) == 1
-    assert ns.conn.hget(ns.key("counters"), "accepted") == b"1"
+    store = stream._put
+
+    def reply_lost(**kw):
+        store(**kw)
+        raise redis.ConnectionError("connection reset")
+
+    stream._put = reply_lost
+    with pytest.raises(BufferUnavailable):
+        stream.put(group)
+    stream._put = store
+    first = ns.conn.xrange(ns.key("groups"))[0][0].decode()
+    assert stream.put(group) == first  # the caller's retry
+    assert len(stream) == 1 and ns.conn.hget(ns.key("counters"), "accepted") == b"1"
+    assert not ns.conn.exists(ns.key(f"gid:{group.group_id}"))  # acknowledged: forgotten, Redis does not grow
 
 
 @pytest.mark.slow

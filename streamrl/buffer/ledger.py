@@ -13,7 +13,8 @@ Outcomes are recorded step by step (``ledger:step:<version>``). A learner that r
 older checkpoint no longer holds what it trained after it, so it rolls those steps' outcomes back
 and records them again as it replays the stream from the checkpoint's cursor. An outcome recorded
 twice without a rollback between is counted in ``twice``: that is the defect the ledger exists to
-catch.
+catch. A checkpoint settles the steps it covers: their ids are dropped and only their counts kept
+(``settled``), so the ledger's size follows the steps since the last checkpoint, not the run.
 """
 
 from __future__ import annotations
@@ -58,6 +59,20 @@ end
 return forgotten
 """
 
+# KEYS: outcome hash, steps zset, counts hash; ARGV: last version to settle
+_SETTLE = """
+local settled = 0
+for _, step in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1])) do
+  for _, gid in ipairs(redis.call('LRANGE', step, 0, -1)) do
+    settled = settled + redis.call('HDEL', KEYS[1], gid)
+  end
+  redis.call('DEL', step)
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[1])
+redis.call('HINCRBY', KEYS[3], 'settled', settled)
+return settled
+"""
+
 OUTCOMES = ("trained", "dropped:stale", "dropped:dead", "dropped:skipped")
 
 
@@ -82,6 +97,7 @@ class Ledger:
         self._cursor = ns.key("ledger:cursor")
         self._record = ns.conn.register_script(_RECORD)
         self._rollback = ns.conn.register_script(_ROLLBACK)
+        self._settle = ns.conn.register_script(_SETTLE)
 
     def record(self, version: int, cursor: str, outcomes: dict[str, str]) -> int:
         """Record what step ``version`` did with each group id read up to ``cursor``; returns repeats."""
@@ -100,13 +116,15 @@ class Ledger:
             self.ns.conn.set(self._cursor, cursor)
             return forgotten
 
-    def settle(self, through_version: int) -> None:
-        """Steps a checkpoint covers can never be rolled back: drop their lists, keep their outcomes."""
+    def settle(self, through_version: int) -> int:
+        """Steps a checkpoint covers can never be rolled back: keep only their counts.
+
+        Their groups are trimmed from the stream and behind every cursor a learner can resume
+        from, so no replay can bring them back; keeping each id would grow Redis with the run.
+        Returns how many outcomes were folded into the counts.
+        """
         with self.ns.reachable("settle the ledger"):
-            steps = self.ns.conn.zrangebyscore(self._steps, "-inf", through_version)
-            if steps:
-                self.ns.conn.delete(*steps)
-                self.ns.conn.zremrangebyscore(self._steps, "-inf", through_version)
+            return int(self._settle(keys=[self._outcome, self._steps, self._counts], args=[through_version]))
 
     def report(self) -> LedgerReport:
         from streamrl.buffer.admission import COUNTERS
@@ -121,7 +139,7 @@ class Ledger:
             twice_ids = [g.decode() for g in conn.lrange(self._outcome + ":twice", 0, 9)]
             pending = _count_after(conn, self.ns.key("groups"), cursor)
         rollout = {name: raw.pop(name, 0) for name in COUNTERS} | raw
-        learner = {name: counts.get(name, 0) for name in (*OUTCOMES, "twice")}
+        learner = {name: counts.get(name, 0) for name in (*OUTCOMES, "twice", "settled")}
         report = LedgerReport(rollout, learner, running, pending, cursor)
         started_gap = rollout["admitted"] - (rollout["accepted"] + rollout["abandoned"] + rollout["expired"] + running
                                              - rollout.get("late", 0))
@@ -134,8 +152,9 @@ class Ledger:
                                    if gap > 0 else f"{-gap} more outcomes than pushed groups")
         if learner["twice"]:
             report.problems.append(f"{learner['twice']} groups were recorded twice (e.g. {', '.join(twice_ids)})")
-        if outcomes != settled:
-            report.problems.append(f"{outcomes} group outcomes but counts sum to {settled}")
+        if outcomes + learner["settled"] != settled:
+            report.problems.append(f"{outcomes} group outcomes and {learner['settled']} settled, "
+                                   f"but counts sum to {settled}")
         return report
 
 

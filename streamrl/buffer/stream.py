@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import redis
+
 from streamrl.buffer.connection import Namespace
 from streamrl.protocol import SCHEMA, Group, WireError, decode_group, encode_group
 
 START = "0-0"
 
-# Atomic put: remember the group id (so a retry after a lost reply is a no-op),
-# append the entry, close the admission lease, finish the prompt's claim and
+# Atomic put: remember the group id (so a retry after a lost reply is a no-op; the
+# writer forgets it once the reply arrives, after which it never retries), append the entry, close the admission lease, finish the prompt's claim and
 # count it — all or nothing. A put whose lease had already expired is counted
 # as late, so the ledger does not count that group twice.
 _PUT = """
@@ -54,15 +56,19 @@ class Entry:
 class ReplayStream:
     """Write side, plus the length/trim operations the learner needs."""
 
-    def __init__(self, ns: Namespace, *, dedupe_ttl_s: int = 7 * 86400):
+    def __init__(self, ns: Namespace, *, dedupe_ttl_s: int = 3600):
         self.ns = ns
         self.key = ns.key("groups")
         self.dedupe_ttl_s = dedupe_ttl_s
         self._put = ns.conn.register_script(_PUT)
 
     def put(self, group: Group, prompt_index: int | None = None) -> str:
-        """Append a group; returns its entry id. Putting the same group id twice stores it once.
+        """Append a group; returns its entry id.
 
+        A put retried after its reply was lost (by the client, or by a caller that got
+        ``BufferUnavailable``) stores the group once: its id is remembered until the reply
+        arrives, and for ``dedupe_ttl_s`` if it never does. Remembering every id for good
+        would grow Redis by ~100 bytes a group for the life of the run.
         ``prompt_index``: the claimed prompt (``PromptClaims``) this group finishes.
         """
         payload = encode_group(group)
@@ -74,6 +80,10 @@ class ReplayStream:
         claim = "" if prompt_index is None else prompt_index
         with self.ns.reachable(f"put group {group.group_id}"):
             entry_id, _fresh = self._put(keys=keys, args=[self.dedupe_ttl_s, group.group_id, claim, *fields])
+        try:  # acknowledged: no retry of this put can follow
+            self.ns.conn.unlink(keys[1])
+        except (redis.ConnectionError, redis.TimeoutError):
+            pass  # the put stands; the id expires after dedupe_ttl_s
         return entry_id.decode()
 
     def __len__(self) -> int:

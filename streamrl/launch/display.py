@@ -39,7 +39,7 @@ class Dashboard:
     def connect(self, redis_url: str, supervisor) -> None:
         from streamrl.buffer import Admission, Namespace, PolicyVersion
 
-        ns = Namespace.open(redis_url, self.cfg.run.name)
+        ns = Namespace.open(redis_url, self.cfg.run.name, **self.cfg.redis.retry())
         self.ns, self.version = ns, PolicyVersion(ns)
         self.admission = Admission(ns, max_staleness=self.cfg.off_policy.max_staleness,
                                    groups_per_step=self.cfg.learner.groups_per_step)

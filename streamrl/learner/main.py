@@ -74,7 +74,7 @@ class Learner:
 
             self.reference = AutoModelForCausalLM.from_pretrained(cfg.model.path).eval().requires_grad_(False)
         if self.rank == 0:
-            ns = Namespace.open(redis_url, cfg.run.name)
+            ns = Namespace.open(redis_url, cfg.run.name, **cfg.redis.retry())
             self.stream = ReplayStream(ns)
             self.pusher = WeightPusher(cfg, ServerRegistry(ns, ttl_s=cfg.server.registry_ttl_s))
             self.reader = StreamReader(ns, cursor=resumed["cursor"] if resumed else "0-0")

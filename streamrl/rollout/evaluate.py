@@ -38,7 +38,7 @@ class Evaluator:
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
         self.renderer = ChatRenderer(self.tokenizer)
         self.params = SamplingParams(max_new_tokens=cfg.rollout.sampling.max_new_tokens, temperature=0.0)
-        ns = Namespace.open(redis_url, cfg.run.name)
+        ns = Namespace.open(redis_url, cfg.run.name, **cfg.redis.retry())
         self.version, self.registry = PolicyVersion(ns), ServerRegistry(ns, ttl_s=cfg.server.registry_ttl_s)
         self.router_url = cfg.rollout.router_url or f"http://{cfg.router.host}:{cfg.router.port}"
         self.metrics = cfg.run.path / "metrics" / "eval.jsonl"

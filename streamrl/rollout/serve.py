@@ -37,7 +37,8 @@ def serve(cfg: Config, *, host: str | None = None, port: int | None = None) -> N
     url = f"http://{host}:{port}"
     stop = threading.Event()
     if cfg.redis.url:
-        registry = ServerRegistry(Namespace.open(cfg.redis.url, cfg.run.name), ttl_s=cfg.server.registry_ttl_s)
+        ns = Namespace.open(cfg.redis.url, cfg.run.name, **cfg.redis.retry())
+        registry = ServerRegistry(ns, ttl_s=cfg.server.registry_ttl_s)
         beat = threading.Thread(target=_heartbeat, args=(registry, url, engine, cfg, stop), daemon=True)
         beat.start()
     else:

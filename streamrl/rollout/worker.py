@@ -81,9 +81,10 @@ class RolloutWorker:
         rollout = cfg.rollout
         if not cfg.model.path and not cfg.model.tokenizer:
             raise ValueError("model.path (or model.tokenizer) is not set: the worker needs the tokenizer")
-        ns = Namespace.open(redis_url, cfg.run.name)
+        ns = Namespace.open(redis_url, cfg.run.name, **cfg.redis.retry())
         max_staleness = 0 if cfg.mode == "sync" else cfg.off_policy.max_staleness
-        self.stream, self.version = ReplayStream(ns), PolicyVersion(ns)
+        self.stream = ReplayStream(ns, dedupe_ttl_s=cfg.redis.dedupe_ttl_s)
+        self.version = PolicyVersion(ns)
         self.admission = Admission(ns, max_staleness=max_staleness, groups_per_step=cfg.learner.groups_per_step,
                                    lease_s=rollout.group_lease_s)
         self.claims = PromptClaims(ns, name, lease_s=rollout.prompt_lease_s, life=uuid.uuid4().hex)
