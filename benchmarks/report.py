@@ -31,14 +31,17 @@ def headlines(results: Path) -> list[str]:
     lines = []
     if e2e := load("e2e"):
         for workload, s in e2e["summary"].items():
-            final = " vs ".join(f"{s[m].get('held_out_final', s[m]['eval_final']):.2f}" for m in ("async", "sync"))
-            lines.append(f"- **async / sync, {workload}**: {s['ratio']:.2f}× samples/s (steady state "
-                         f"{s['steady_ratio']:.2f}×), final reward {final} (medians of {e2e['repeats']})")
+            bounds = e2e.get("staleness_modes", {"async": e2e["max_staleness"]})
+            for mode, r in s.get("ratios", {"async": s}).items():
+                final = " vs ".join(f"{s[m].get('held_out_final', s[m]['eval_final']):.2f}" for m in (mode, "sync"))
+                lines.append(f"- **async (max staleness {bounds[mode]}) / sync, {workload}**: {r['ratio']:.2f}× "
+                             f"samples/s (steady state {r['steady_ratio']:.2f}×), final accuracy {final} "
+                             f"(medians of {e2e['repeats']})")
     if trl := load("trl"):
         m = trl["median"]
         lines.append(f"- **streamrl / TRL GRPOTrainer**: {trl['ratio']:.2f}× samples/s "
                      f"({m['streamrl']['samples_per_s']:.0f} vs {m['trl']['samples_per_s']:.0f}; medians of "
-                     f"{trl['repeats']})" + (f", final reward {m['streamrl']['held_out_final']:.2f} vs "
+                     f"{trl['repeats']})" + (f", final accuracy {m['streamrl']['held_out_final']:.2f} vs "
                                              f"{m['trl']['held_out_final']:.2f}" if "held_out_final" in m["trl"] else ""))
     if soak := load("soak"):
         worst = max(soak["growth"].items(), key=lambda kv: kv[1]["growth"], default=None)
