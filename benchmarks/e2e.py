@@ -201,7 +201,7 @@ def report(data: dict, out: Path) -> None:
                 width=width, label=mode)
     ax2.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names)
     ax2.set_ylabel(f"final greedy accuracy, {HELD_OUT} held-out prompts")
-    ax2.legend()
+    ax2.legend(loc="lower center")
     save_figure(fig, out, "e2e", json_path)
 
 
