@@ -19,9 +19,10 @@ from streamrl.protocol import SCHEMA, Group, WireError, decode_group, encode_gro
 START = "0-0"
 
 # Atomic put: remember the group id (so a retry after a lost reply is a no-op; the
-# writer forgets it once the reply arrives, after which it never retries), append the entry, close the admission lease, finish the prompt's claim and
-# count it — all or nothing. A put whose lease had already expired is counted
-# as late, so the ledger does not count that group twice.
+# writer forgets it once the reply arrives, after which it never retries), append
+# the entry, close the admission lease, finish the prompt's claim and count it —
+# all or nothing. A put whose lease had already expired is counted as late, so the
+# ledger does not count that group twice.
 _PUT = """
 local seen = redis.call('GET', KEYS[2])
 if seen then return {seen, 0} end
