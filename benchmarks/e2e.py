@@ -64,7 +64,7 @@ def one_run(run_dir: Path, prepared: Path, workload: str, mode: str, steps: int,
     out = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
     if out.returncode != 0:
         raise RuntimeError(f"{name} failed ({out.returncode}):\n{out.stdout[-3000:]}")
-    return summarise(run_dir / name, load_config("configs/quickstart.yaml", [f"learner.max_steps={steps}"]))
+    return summarise(run_dir / name)
 
 
 def greedy_accuracy(model, tokenizer, rows: list[dict]) -> float:
@@ -107,7 +107,8 @@ def prepare_shared(tmp: Path):
     return cfg, tmp / "prep" / "prepared"
 
 
-def summarise(run_path: Path, cfg) -> dict:
+def summarise(run_path: Path) -> dict:
+    cfg = load_config(run_path / "config.yaml")  # as the run saw it
     steps = [r for r in read_records(run_path / "metrics" / "learner.jsonl") if "loss" in r]
     evals = read_records(run_path / "metrics" / "eval.jsonl")
     start = json.loads((run_path / "parts.json").read_text())["rollout-0"]["started_at"]
@@ -125,7 +126,24 @@ def summarise(run_path: Path, cfg) -> dict:
             "staleness": {str(k): staleness[k] for k in sorted(staleness)},
             "train_reward_last5": sum(r["reward_mean"] for r in steps[-5:]) / len(steps[-5:]),
             "held_out_final": held_out_accuracy(run_path / "export" / f"version-{steps[-1]['step']}",
-                                                run_path / "prepared")}
+                                                run_path / "prepared"),
+            "stages": stage_speeds(run_path, steps, cfg)}
+
+
+def stage_speeds(run_path: Path, steps: list[dict], cfg) -> dict:
+    """What each stage took in this run (steady state): the simulator replays the run from these."""
+    steady = steps[2:]
+    reports = [r for r in read_records(run_path / "metrics" / "rollout-worker-0.jsonl") if r.get("group_s_mean")]
+    pushed = sum(r["groups_pushed"] for r in reports)
+    n = cfg.rollout.sampling.n
+    return {"mode": cfg.mode, "max_staleness": cfg.off_policy.max_staleness, "n": n,
+            "groups_per_step": cfg.learner.groups_per_step, "groups_in_flight": cfg.rollout.concurrency // n,
+            "learner_step_s": median([r["train_s"] for r in steady]),
+            "push_s": median([r.get("push_s", 0.0) for r in steady]),
+            "tokens_per_sample": median([r["tokens_global"] / (r["groups"] * n) for r in steady]),
+            "group_s": sum(r["group_s_mean"] * r["groups_pushed"] for r in reports) / pushed if pushed else None,
+            "staleness_mean": sum(sum(int(k) * v for k, v in r["staleness_hist"].items()) for r in steady)
+            / sum(sum(r["staleness_hist"].values()) for r in steady)}
 
 
 def medians(rows: list[dict]) -> dict:

@@ -14,11 +14,19 @@ Model (every assumption is a parameter):
   then pushes for ``push_s`` (in flight: the engines keep going; the learner is busy).
 - Staleness of a trained group: the learner's version minus the version it was started at.
 
-The defaults are stated assumptions for GPU fleets, not measurements (a 7B-class policy on H100s:
+Calibration and check: the model is first run on this machine's own measured end-to-end runs
+(``benchmarks/results/e2e.json``, from ``streamrl bench e2e``). Each run recorded its stages' speeds
+— a group's rollout latency, the learner's train and push time per step, tokens per sample, the
+groups in flight and the staleness bound — and the model, given only those, predicts the run's
+steady samples/s and mean staleness, which are compared with what the run measured. That checks the
+pipeline logic (admission, staleness bound, overlap) that the fleet predictions rest on.
+
+The fleet rates are stated assumptions for GPUs, not measurements (a 7B-class policy on H100s:
 2,500 generated tokens/s per engine GPU at full batch, 12,000 trained tokens/s per learner GPU, 90%
 data-parallel efficiency, a 1.5 s NCCL push); this machine has no GPU to calibrate them against.
-Change ``Fleet``'s fields to model another stack. It ignores network contention, KV-cache limits
-and the cost of in-flight weight swaps.
+Change ``Fleet``'s fields to model another stack. It ignores network contention, KV-cache limits,
+the cost of in-flight weight swaps, and stages sharing a device (on this 2-core machine they share
+the CPU: the replay takes each stage's speed as measured under that sharing).
 
     python -m benchmarks.simulate [--quick]      (or: streamrl bench simulate)
 """
@@ -26,12 +34,13 @@ and the cost of in-flight weight swaps.
 from __future__ import annotations
 
 import heapq
+import json
 import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import cli, new_figure, print_table, save_figure, write_json
+from benchmarks.common import cli, console, median, new_figure, print_table, save_figure, write_json
 
 
 @dataclass
@@ -63,7 +72,7 @@ def simulate(f: Fleet, max_staleness: int, steps: int, seed: int = 0) -> dict:
     events: list[tuple[float, int, str, tuple]] = []
     free_slots, running, accepted, version, now, seq = f.engines * f.slots, 0, 0, 0, 0.0, 0
     ready: list[tuple[int, float]] = []  # (version at start, tokens) of finished groups
-    learner_busy, learner_time, stale, done_steps = False, 0.0, [], 0
+    learner_busy, learner_time, stale, step_ends = False, 0.0, [], []
 
     def push(t: float, kind: str, data: tuple = ()) -> None:
         nonlocal seq
@@ -88,23 +97,57 @@ def simulate(f: Fleet, max_staleness: int, steps: int, seed: int = 0) -> dict:
         push(now + train + f.push_s, "step")
 
     start_groups()
-    while done_steps < steps:
+    while len(step_ends) < steps:
         now, _, kind, data = heapq.heappop(events)
         if kind == "group":
             free_slots, running, accepted = free_slots + 1, running - 1, accepted + 1
             ready.append(data)
             try_step()
         else:
-            learner_busy, version, done_steps = False, version + 1, done_steps + 1
+            learner_busy, version = False, version + 1
+            step_ends.append(now)
             try_step()
         start_groups()
     samples = steps * f.groups_per_step * f.n
-    return {"samples_per_s": samples / now, "seconds": now, "learner_busy": learner_time / now,
+    steady = (steps - 2) * f.groups_per_step * f.n / (now - step_ends[1]) if steps > 2 else None  # as e2e's
+    return {"samples_per_s": samples / now, "steady_samples_per_s": steady, "seconds": now,
+            "learner_busy": learner_time / now,
             "staleness_mean": sum(stale) / len(stale), "staleness_max": max(stale),
             "bottleneck": "learner" if learner_time / now > 0.9 else "rollout"}
 
 
-def run(quick: bool) -> dict:
+def replay(stages: dict, steps: int) -> dict:
+    """Simulate one measured e2e run from its own stage speeds: one engine, one learner rank."""
+    length, slots, n, groups = (stages["tokens_per_sample"], stages["groups_in_flight"], stages["n"],
+                                stages["groups_per_step"])
+    fleet = Fleet(engines=1, ranks=1, slots=slots, n=n, groups_per_step=groups, mean_len=length, sigma=0.0,
+                  max_len=length, engine_tokens_per_s=length / stages["group_s"] * slots * n,  # a group: group_s
+                  rank_tokens_per_s=groups * n * length / stages["learner_step_s"], dp_efficiency=1.0,
+                  push_s=stages["push_s"])
+    return simulate(fleet, 0 if stages["mode"] == "sync" else stages["max_staleness"], steps)
+
+
+def check_against(e2e_path: Path) -> list[dict]:
+    """Model vs measurement for every workload and mode of a saved e2e study (empty if there is none)."""
+    if not e2e_path.is_file():
+        return []
+    e2e = json.loads(e2e_path.read_text())
+    rows = []
+    for workload, by_mode in e2e["runs"].items():
+        for mode, runs in by_mode.items():
+            runs = [r for r in runs if r.get("stages", {}).get("group_s")]
+            if not runs:
+                continue
+            predicted = [replay(r["stages"], e2e["max_steps"]) for r in runs]
+            rows.append({"workload": workload, "mode": mode, "runs": len(runs),
+                         "measured": median([r["steady_samples_per_s"] for r in runs]),
+                         "predicted": median([p["steady_samples_per_s"] for p in predicted]),
+                         "measured_staleness": median([r["stages"]["staleness_mean"] for r in runs]),
+                         "predicted_staleness": median([p["staleness_mean"] for p in predicted])})
+    return rows
+
+
+def run(quick: bool, out: Path) -> dict:
     sizes = [8, 64, 256] if quick else [8, 32, 64, 128, 256, 512, 1024]
     steps = 20 if quick else 60
     rows = []
@@ -123,7 +166,8 @@ def run(quick: bool) -> dict:
         split.append({"rollout_gpus": engines, "train_gpus": 256 - engines, "async": a, "sync": s,
                       "ratio": a["samples_per_s"] / s["samples_per_s"]})
     return {"study": "simulate", "steps": steps, "split": "half the GPUs generate, half train",
-            "assumptions": Fleet(engines=0, ranks=0).__dict__, "rows": rows, "splits": split}
+            "assumptions": Fleet(engines=0, ranks=0).__dict__, "rows": rows, "splits": split,
+            "check": check_against(out / "e2e.json")}
 
 
 def report(data: dict, out: Path) -> None:
@@ -137,8 +181,17 @@ def report(data: dict, out: Path) -> None:
                  "async bottleneck"],
                 [[r["rollout_gpus"], r["train_gpus"], r["async"]["samples_per_s"], r["sync"]["samples_per_s"],
                   r["ratio"], r["async"]["learner_busy"], r["async"]["bottleneck"]] for r in data["splits"]])
+    if data["check"]:
+        print_table("The model replaying this machine's e2e runs from their measured stage speeds (medians)",
+                    ["workload / mode", "runs", "measured steady samples/s", "model", "model / measured",
+                     "measured mean staleness", "model"],
+                    [[f"{r['workload']} / {r['mode']}", r["runs"], r["measured"], r["predicted"],
+                      r["predicted"] / r["measured"], r["measured_staleness"], r["predicted_staleness"]]
+                     for r in data["check"]])
+    else:
+        console.log("no e2e results with stage speeds beside: run `streamrl bench e2e` to check the model")
     json_path = write_json(out, "simulate", data)
-    fig, (ax,) = new_figure(1, "Simulated throughput (max staleness 2 vs synchronous)")
+    fig, (ax, check) = new_figure(2, "Simulated throughput (max staleness 2 vs synchronous)")
     for env_s, style in ((0.0, "-"), (30.0, "--")):
         rows = [r for r in data["rows"] if r["env_s"] == env_s]
         for mode in ("async", "sync"):
@@ -149,11 +202,18 @@ def report(data: dict, out: Path) -> None:
     ax.set_xlabel("GPUs")
     ax.set_ylabel("samples/s")
     ax.legend()
+    for r in data["check"]:
+        check.scatter(r["measured"], r["predicted"], marker="o" if r["mode"] == "sync" else "^")
+        check.annotate(f"{r['workload']} {r['mode']}", (r["measured"], r["predicted"]), fontsize=7)
+    top = max([v for r in data["check"] for v in (r["measured"], r["predicted"])], default=1.0) * 1.1
+    check.plot([0, top], [0, top], "k:", linewidth=1)
+    check.set_xlabel("measured steady samples/s (this machine's e2e runs)")
+    check.set_ylabel("model's samples/s from the runs' stage speeds")
     save_figure(fig, out, "simulate", json_path)
 
 
 def main(quick: bool = False, out: Path = Path("benchmarks/results")) -> dict:
-    data = run(quick)
+    data = run(quick, out)
     report(data, out)
     return data
 

@@ -144,7 +144,7 @@ class RolloutWorker:
         return False
 
     async def _group(self, group_id: str, index: int) -> None:
-        item = self.prompts[index]
+        item, started = self.prompts[index], time.perf_counter()
         results = await asyncio.gather(*(self._episode(item) for _ in range(self.cfg.rollout.sampling.n)),
                                        return_exceptions=True)
         good = [r for r in results if isinstance(r, Sample)]
@@ -167,7 +167,8 @@ class RolloutWorker:
             return
         version = await self._redis(self.version.get)
         await self._redis(self.stream.put, group, index)
-        self.metrics.pushed(group, staleness=version - group.version_range()[0])
+        self.metrics.pushed(staleness=version - group.version_range()[0],
+                            seconds=time.perf_counter() - started)
 
     async def _redis(self, fn, *args):
         """A Redis call that outlasts an outage: a finished group waits in memory, never dropped."""
@@ -226,6 +227,7 @@ class WorkerMetrics:
         self.counts: Counter[str] = Counter()
         self.rewards: list[float] = []
         self.staleness: list[int] = []
+        self.group_s: list[float] = []  # admission to push: a group's rollout latency
         self.tokens = 0
         self.env_s = self.generate_s = 0.0
         self.since = time.time()
@@ -249,9 +251,10 @@ class WorkerMetrics:
         self.generate_s += sample.timings.get("generate_s", 0.0)
         self.env_latency.observe(sample.timings.get("env_s", 0.0))
 
-    def pushed(self, group: Group, staleness: int) -> None:
+    def pushed(self, staleness: int, seconds: float) -> None:
         self.count("groups_pushed")
         self.staleness.append(staleness)
+        self.group_s.append(seconds)
         self.push_staleness.observe(staleness)
 
     def write(self, ledger: dict[str, int]) -> None:
@@ -263,6 +266,8 @@ class WorkerMetrics:
             "episodes_per_s": episodes / span, "tokens_per_s": self.tokens / span,
             "reward_mean": sum(self.rewards) / len(self.rewards) if self.rewards else None,
             "env_s_per_episode": self.env_s / episodes if episodes else None,
+            "generate_s_per_episode": self.generate_s / episodes if episodes else None,
+            "group_s_mean": sum(self.group_s) / len(self.group_s) if self.group_s else None,
             "staleness_mean": sum(self.staleness) / len(self.staleness) if self.staleness else None,
             "staleness_max": max(self.staleness, default=None), "ledger": ledger,
         }
@@ -273,6 +278,7 @@ class WorkerMetrics:
         self.counts.clear()
         self.rewards.clear()
         self.staleness.clear()
+        self.group_s.clear()
         self.tokens, self.env_s, self.generate_s, self.since = 0, 0.0, 0.0, now
 
 
