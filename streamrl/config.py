@@ -127,6 +127,8 @@ class OffPolicyConfig(Section):
     stale: Literal["drop", "keep"] = Field("drop", description="what the learner does with data past the bound")
     correction: Literal["none", "tis", "decoupled"] = "decoupled"
     tis_cap: float = Field(2.0, gt=0)
+    behav_weight_cap: float | None = Field(None, gt=1, description="decoupled: leave out tokens whose "
+                                           "pi_prox / pi_behav exceeds this (AReaL's behav_imp_weight_cap)")
 
 
 class LearnerConfig(Section):

@@ -68,6 +68,17 @@ def test_tis_caps_the_weight_and_decoupled_does_not():
     assert torch.allclose(dec, torch.tensor([-3.0, -0.5]))
 
 
+def test_decoupled_leaves_out_tokens_past_the_behaviour_weight_cap():
+    behav = torch.zeros(3)
+    prox = torch.log(torch.tensor([3.0, 0.5, 10.0]))  # w = pi_prox / pi_behav = 3, 0.5, 10
+    adv, mask = torch.tensor([1.0, 1.0, -1.0]), torch.ones(3)
+    out, stats = PolicyLoss(correction="decoupled", behav_cap=5.0)(prox.clone(), behav, prox, adv, mask)
+    assert torch.allclose(out, torch.tensor([-3.0, -0.5, 0.0]))  # left out, not clamped to 5
+    assert stats["is_capped_frac"].item() == pytest.approx(1 / 3)
+    uncapped, _ = PolicyLoss(correction="decoupled")(prox.clone(), behav, prox, adv, mask)
+    assert torch.allclose(uncapped, torch.tensor([-3.0, -0.5, 10.0]))
+
+
 def test_on_policy_every_correction_is_plain_ppo_with_ratio_one():
     torch.manual_seed(0)
     logits = torch.randn(12, requires_grad=True)

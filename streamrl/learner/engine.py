@@ -64,7 +64,7 @@ class PolicyEngine:
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg))
         self.loss = PolicyLoss(correction=cfg.off_policy.correction, clip_low=cfg.learner.clip_eps,
                                clip_high=cfg.learner.clip_eps_high, dual_clip=cfg.learner.dual_clip,
-                               tis_cap=cfg.off_policy.tis_cap)
+                               tis_cap=cfg.off_policy.tis_cap, behav_cap=cfg.off_policy.behav_weight_cap)
         self.temperature = cfg.rollout.sampling.temperature
         self.random_forward = has_dropout(model)
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))

@@ -76,6 +76,7 @@ class PolicyLoss:
     clip_high: float | None = None  # None: same as clip_low
     dual_clip: float | None = None  # c > 1: bound the loss of negative advantages (Ye et al. 2020)
     tis_cap: float = 2.0
+    behav_cap: float | None = None  # decoupled: tokens with pi_prox / pi_behav above it leave the loss
 
     def __call__(self, logp: torch.Tensor, logp_behav: torch.Tensor, logp_prox: torch.Tensor | None,
                  advantages: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -84,6 +85,8 @@ class PolicyLoss:
         none:      u = pi / pi_behav,                        w = 1
         tis:       u = pi / pi_prox, w = min(pi_prox / pi_behav, C)   (stop-gradient)
         decoupled: u = pi / pi_prox, w = pi_prox / pi_behav            (stop-gradient)
+                   (w = 0 where w > behav_cap: a token the data's policy found far less likely than
+                   the proximal one is too stale to correct, so it is left out rather than amplified)
         loss = -w * min(u A, clip(u, 1 - eps, 1 + eps_high) A)
         """
         if self.correction == "none" or logp_prox is None:
@@ -93,6 +96,9 @@ class PolicyLoss:
             weight = torch.exp(anchor - logp_behav)
             if self.correction == "tis":
                 weight = weight.clamp(max=self.tis_cap)
+            elif self.behav_cap is not None:
+                dropped = weight > self.behav_cap
+                weight = weight.masked_fill(dropped, 0.0)
         ratio = torch.exp(logp - anchor)
         high = self.clip_low if self.clip_high is None else self.clip_high
         clipped = ratio.clamp(1 - self.clip_low, 1 + high)
@@ -109,6 +115,8 @@ class PolicyLoss:
         }
         if self.correction == "tis" and m.any():
             stats["is_capped_frac"] = (weight[m] >= self.tis_cap).float().mean()
+        elif self.correction == "decoupled" and self.behav_cap is not None and logp_prox is not None and m.any():
+            stats["is_capped_frac"] = dropped[m].float().mean()
         return per_token, stats
 
 
