@@ -57,7 +57,8 @@ class Fleet:
     mean_len: float = 1500.0     # generated tokens per sample (log-normal, sigma below)
     sigma: float = 0.8
     max_len: float = 8192.0      # max_new_tokens: the tail is cut here
-    env_s: float = 0.0           # environment wall time per group (tools, sandboxes)
+    env_s: float = 0.0           # environment wall time per group (tools, sandboxes), mean
+    env_sigma: float = 0.0       # its log-normal spread (0: every group the same)
 
 
 def simulate(f: Fleet, max_staleness: int, steps: int, seed: int = 0) -> dict:
@@ -83,8 +84,9 @@ def simulate(f: Fleet, max_staleness: int, steps: int, seed: int = 0) -> dict:
         nonlocal free_slots, running
         while free_slots and accepted + running < bound(version):
             lengths = [min(rng.lognormvariate(mu, f.sigma), f.max_len) for _ in range(f.n)]
+            env = rng.lognormvariate(math.log(f.env_s) - f.env_sigma**2 / 2, f.env_sigma) if f.env_s else 0.0
             free_slots, running = free_slots - 1, running + 1
-            push(now + max(lengths) / seq_rate + f.env_s, "group", (version, sum(lengths)))
+            push(now + max(lengths) / seq_rate + env, "group", (version, sum(lengths)))
 
     def try_step() -> None:
         nonlocal learner_busy, learner_time
@@ -117,11 +119,18 @@ def simulate(f: Fleet, max_staleness: int, steps: int, seed: int = 0) -> dict:
 
 
 def replay(stages: dict, steps: int) -> dict:
-    """Simulate one measured e2e run from its own stage speeds: one engine, one learner rank."""
+    """Simulate one measured e2e run from its own stage speeds: one engine, one learner rank.
+
+    A group's measured latency (decoding, queueing in the engine and env time together) becomes its
+    duration, drawn log-normally with the measured mean and spread: a synchronous step waits for
+    the slowest of its groups, so the spread matters as much as the mean.
+    """
     length, slots, n, groups = (stages["tokens_per_sample"], stages["groups_in_flight"], stages["n"],
                                 stages["groups_per_step"])
+    cv = stages.get("group_s_std", 0.0) / stages["group_s"]
     fleet = Fleet(engines=1, ranks=1, slots=slots, n=n, groups_per_step=groups, mean_len=length, sigma=0.0,
-                  max_len=length, engine_tokens_per_s=length / stages["group_s"] * slots * n,  # a group: group_s
+                  max_len=length, engine_tokens_per_s=math.inf, env_s=stages["group_s"],
+                  env_sigma=math.sqrt(math.log(1 + cv**2)),
                   rank_tokens_per_s=groups * n * length / stages["learner_step_s"], dp_efficiency=1.0,
                   push_s=stages["push_s"])
     return simulate(fleet, 0 if stages["mode"] == "sync" else stages["max_staleness"], steps)

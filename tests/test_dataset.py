@@ -67,7 +67,7 @@ def test_worker_metrics_go_to_jsonl_and_prometheus(tmp_path):
     metrics.write({"accepted": 2})  # a report covers only what happened since the last one
     first, second = map(json.loads, (tmp_path / "m.jsonl").read_text().splitlines())
     assert first["failed_env"] == 1 and first["groups_pushed"] == 2 and first["ledger"] == {"accepted": 2}
-    assert first["group_s_mean"] == 1.0 and first["staleness_mean"] == 2.0 and first["staleness_max"] == 3
+    assert first["group_s_mean"] == 1.0 and first["group_s_std"] == 0.5 and first["staleness_mean"] == 2.0 and first["staleness_max"] == 3
     assert second["group_s_mean"] is None and "groups_pushed" not in second
     text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
     assert 'streamrl_rollout_events_total{event="failed_env"} 1.0' in text

@@ -44,6 +44,9 @@ def stages(mode: str, **kw) -> dict:
 def test_replay_turns_a_runs_stage_speeds_into_the_model():
     assert replay(stages("sync"), steps=10)["steady_samples_per_s"] == pytest.approx(128 / 2.6)
     assert replay(stages("async", group_s=0.1), steps=30)["steady_samples_per_s"] == pytest.approx(128 / 0.6)
+    # a synchronous step waits for its slowest group: spread in group latency slows it at the same mean
+    spread = replay(stages("sync", group_s_std=1.0), steps=30)["steady_samples_per_s"]
+    assert spread < 0.8 * 128 / 2.6
 
 
 def test_check_against_compares_model_and_measurement_per_mode(tmp_path):

@@ -187,7 +187,8 @@ def create_app(engine: Engine, *, model_path: str, tokenizer: Any = None, token:
         metrics.latency.observe(latency)
         bodies = [_response(r, o, len(input_ids), latency, req.return_logprob, tokenizer)
                   for r, o in zip(rids, outs)]
-        return bodies[0] if n == 1 else bodies
+        # plain JSON already: a JSONResponse skips FastAPI's per-element encoder (a tenth of the front end's CPU)
+        return JSONResponse(bodies[0] if n == 1 else bodies)
 
     @app.post("/abort_request", dependencies=control)
     async def abort_request(req: AbortIn) -> dict:

@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import signal
+import statistics
 import time
 import uuid
 from collections import Counter
@@ -267,7 +268,8 @@ class WorkerMetrics:
             "reward_mean": sum(self.rewards) / len(self.rewards) if self.rewards else None,
             "env_s_per_episode": self.env_s / episodes if episodes else None,
             "generate_s_per_episode": self.generate_s / episodes if episodes else None,
-            "group_s_mean": sum(self.group_s) / len(self.group_s) if self.group_s else None,
+            "group_s_mean": statistics.fmean(self.group_s) if self.group_s else None,
+            "group_s_std": statistics.pstdev(self.group_s) if self.group_s else None,
             "staleness_mean": sum(self.staleness) / len(self.staleness) if self.staleness else None,
             "staleness_max": max(self.staleness, default=None), "ledger": ledger,
         }
