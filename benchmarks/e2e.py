@@ -147,8 +147,8 @@ def stage_speeds(run_path: Path, steps: list[dict], cfg) -> dict:
             "push_s": median([r.get("push_s", 0.0) for r in steady]),
             "tokens_per_sample": median([r["tokens_global"] / (r["groups"] * n) for r in steady]),
             "group_s": mean, "group_s_std": max(square / pushed - mean**2, 0.0) ** 0.5 if pushed else None,
-            "staleness_mean": sum(sum(int(k) * v for k, v in r["staleness_hist"].items()) for r in steady)
-            / sum(sum(r["staleness_hist"].values()) for r in steady)}
+            "staleness_mean": sum(sum(int(k) * v for k, v in r["staleness_hist"].items()) for r in steps)
+            / sum(sum(r["staleness_hist"].values()) for r in steps)}  # every step, as the model counts
 
 
 def medians(rows: list[dict]) -> dict:
