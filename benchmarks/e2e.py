@@ -134,7 +134,8 @@ def summarise(run_path: Path) -> dict:
 
 
 def stage_speeds(run_path: Path, steps: list[dict], cfg) -> dict:
-    """What each stage took in this run (steady state): the simulator replays the run from these."""
+    """What each stage took in this run — the learner over steps 3 on, a group's latency over the whole run:
+    the simulator replays the run from these."""
     steady = steps[2:]
     reports = [r for r in read_records(run_path / "metrics" / "rollout-worker-0.jsonl") if r.get("group_s_mean")]
     pushed = sum(r["groups_pushed"] for r in reports)
@@ -146,9 +147,7 @@ def stage_speeds(run_path: Path, steps: list[dict], cfg) -> dict:
             "learner_step_s": median([r["train_s"] for r in steady]),
             "push_s": median([r.get("push_s", 0.0) for r in steady]),
             "tokens_per_sample": median([r["tokens_global"] / (r["groups"] * n) for r in steady]),
-            "group_s": mean, "group_s_std": max(square / pushed - mean**2, 0.0) ** 0.5 if pushed else None,
-            "staleness_mean": sum(sum(int(k) * v for k, v in r["staleness_hist"].items()) for r in steps)
-            / sum(sum(r["staleness_hist"].values()) for r in steps)}  # every step, as the model counts
+            "group_s": mean, "group_s_std": max(square / pushed - mean**2, 0.0) ** 0.5 if pushed else None}
 
 
 def medians(rows: list[dict]) -> dict:

@@ -151,9 +151,13 @@ def check_against(e2e_path: Path) -> list[dict]:
             rows.append({"workload": workload, "mode": mode, "runs": len(runs),
                          "measured": median([r["steady_samples_per_s"] for r in runs]),
                          "predicted": median([p["steady_samples_per_s"] for p in predicted]),
-                         "measured_staleness": median([r["stages"]["staleness_mean"] for r in runs]),
+                         "measured_staleness": median([mean_staleness(r["staleness"]) for r in runs]),
                          "predicted_staleness": median([p["staleness_mean"] for p in predicted])})
     return rows
+
+
+def mean_staleness(histogram: dict[str, int]) -> float:
+    return sum(int(k) * v for k, v in histogram.items()) / sum(histogram.values())
 
 
 def run(quick: bool, out: Path) -> dict:
