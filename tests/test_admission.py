@@ -1,4 +1,5 @@
 import multiprocessing as mp
+import threading
 import time
 
 import pytest
@@ -21,6 +22,16 @@ def test_the_bound_follows_the_learner_version(ns):
     assert not admission.try_admit("one-too-many")
     assert admission.counters() == {"admitted": 12, "accepted": 3, "abandoned": 0, "expired": 0,
                                          "dropped_stale": 0, "dead": 0}
+
+
+def test_a_version_watch_wakes_on_the_next_version_and_times_out_without_one(ns):
+    version = PolicyVersion(ns)
+    watch = version.watch()
+    assert watch.wait(0.2) is False  # nothing published (the subscribe reply is not a version)
+    threading.Timer(0.1, version.set, args=(1,)).start()
+    assert watch.wait(30.0) is True  # woken by the learner's set, long before the timeout
+    assert version.get() == 1 and watch.wait(0.1) is False  # one wake per version
+    watch.close()
 
 
 def test_readmitting_a_running_group_renews_instead_of_taking_a_slot(ns):

@@ -86,6 +86,7 @@ class RolloutWorker:
         max_staleness = 0 if cfg.mode == "sync" else cfg.off_policy.max_staleness
         self.stream = ReplayStream(ns, dedupe_ttl_s=cfg.redis.dedupe_ttl_s)
         self.version = PolicyVersion(ns)
+        self.version_watch = self.version.watch()
         self.admission = Admission(ns, max_staleness=max_staleness, groups_per_step=cfg.learner.groups_per_step,
                                    lease_s=rollout.group_lease_s)
         self.claims = PromptClaims(ns, name, lease_s=rollout.prompt_lease_s, life=uuid.uuid4().hex)
@@ -130,18 +131,20 @@ class RolloutWorker:
                 await asyncio.wait(tasks)
         reporter.cancel()
         self.metrics.write(self.admission.counters())
+        self.version_watch.close()
 
     async def _admit(self, group_id: str) -> bool:
-        """Wait for a slot under the staleness bound; False if asked to stop meanwhile."""
-        delay = 0.05
+        """Wait for a slot under the staleness bound; False if asked to stop meanwhile.
+
+        Slots free when the learner publishes a new version, so a refused worker waits for that
+        (a polling worker would lose up to its poll interval per step: the synchronous mode pays it
+        on every step). The wait is bounded for slots freed otherwise (abandoned or dropped groups).
+        """
         while not self.stopping.is_set():
             if await asyncio.to_thread(self.admission.try_admit, group_id):
                 return True
             self.metrics.count("admission_waits")
-            try:
-                await asyncio.wait_for(self.stopping.wait(), delay)
-            except asyncio.TimeoutError:
-                delay = min(1.0, delay * 2)
+            await asyncio.to_thread(self.version_watch.wait, 0.5)
         return False
 
     async def _group(self, group_id: str, index: int) -> None:
