@@ -41,6 +41,7 @@ from streamrl.buffer.redis_server import free_port
 from streamrl.config import load_config
 from streamrl.recipes.reverse import prepare
 from streamrl.rollout.evaluate import read_records
+from streamrl.rollout.worker import max_groups_in_flight
 
 TARGET = 0.8  # eval accuracy whose first crossing is timed
 HELD_OUT = 512  # prompts of the final greedy evaluation, off the clock (the online one scores 64)
@@ -143,7 +144,7 @@ def stage_speeds(run_path: Path, steps: list[dict], cfg) -> dict:
     square = sum((r.get("group_s_std", 0.0) ** 2 + r["group_s_mean"] ** 2) * r["groups_pushed"] for r in reports)
     n = cfg.rollout.sampling.n
     return {"mode": cfg.mode, "max_staleness": cfg.off_policy.max_staleness, "n": n,
-            "groups_per_step": cfg.learner.groups_per_step, "groups_in_flight": cfg.rollout.concurrency // n,
+            "groups_per_step": cfg.learner.groups_per_step, "groups_in_flight": max_groups_in_flight(cfg.rollout),
             "learner_step_s": median([r["train_s"] for r in steady]),
             "push_s": median([r.get("push_s", 0.0) for r in steady]),
             "tokens_per_sample": median([r["tokens_global"] / (r["groups"] * n) for r in steady]),

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_se
 from prometheus_client import Counter as PromCounter
 
 from streamrl.buffer import Admission, BufferUnavailable, Namespace, PolicyVersion, PromptClaims, ReplayStream
-from streamrl.config import Config
+from streamrl.config import Config, RolloutConfig
 from streamrl.envs import Env, Observation, StepResult, env_factory
 from streamrl.models import load_tokenizer
 from streamrl.protocol import Group, Sample, WireError, validate_group
@@ -107,7 +107,7 @@ class RolloutWorker:
         rollout = self.cfg.rollout
         self.generation_gate = asyncio.Semaphore(rollout.concurrency)
         self.env_gate = asyncio.Semaphore(rollout.env_concurrency)
-        groups_in_flight = asyncio.Semaphore(max(1, math.ceil(rollout.concurrency / rollout.sampling.n)) + 1)
+        groups_in_flight = asyncio.Semaphore(max_groups_in_flight(rollout))
         tasks: set[asyncio.Task] = set()
         reporter = asyncio.create_task(self._report_every(rollout.metrics_every_s))
         async with GenerateClient(self.router_url) as client:
@@ -204,6 +204,11 @@ class RolloutWorker:
         while True:
             await asyncio.sleep(seconds)
             self.metrics.write(await asyncio.to_thread(self.admission.counters))
+
+
+def max_groups_in_flight(rollout: RolloutConfig) -> int:
+    """Groups a worker runs at once: enough to keep ``concurrency`` episodes busy, and one starting."""
+    return max(1, math.ceil(rollout.concurrency / rollout.sampling.n)) + 1
 
 
 def _log_crash(task: asyncio.Task) -> None:
