@@ -103,9 +103,6 @@ class Learner:
         t0 = last_catch_up = time.perf_counter()
         while len(groups) < want:
             entries = self.reader.read(want - len(groups), block_ms=1000)
-            if not entries and time.perf_counter() - last_catch_up > 2.0:
-                self._catch_up()
-                last_catch_up = time.perf_counter()
             fresh_drops = 0
             for entry in entries:
                 verdict = self._verdict(entry, max_staleness)
@@ -117,6 +114,11 @@ class Learner:
             if fresh_drops:  # at once: a dropped group gives its admission slot back
                 self.admission.count_dropped_stale(fresh_drops)
                 dropped += fresh_drops
+            # No data, or only stale data (a server behind the learner can keep the stream full of it,
+            # and the learner pushes only after a step): bring lagging servers up to date.
+            if (not entries or fresh_drops) and time.perf_counter() - last_catch_up > 2.0:
+                self._catch_up()
+                last_catch_up = time.perf_counter()
         return groups, {"wait_s": time.perf_counter() - t0, "dropped_stale": dropped}, outcomes
 
     def _verdict(self, entry, max_staleness: int) -> str | None:
