@@ -89,6 +89,7 @@ class PolicyLoss:
                    the proximal one is too stale to correct, so it is left out rather than amplified)
         loss = -w * min(u A, clip(u, 1 - eps, 1 + eps_high) A)
         """
+        dropped = None  # tokens left out by behav_cap
         if self.correction == "none" or logp_prox is None:
             anchor, weight = logp_behav, torch.ones_like(logp)
         else:
@@ -115,7 +116,7 @@ class PolicyLoss:
         }
         if self.correction == "tis" and m.any():
             stats["is_capped_frac"] = (weight[m] >= self.tis_cap).float().mean()
-        elif self.correction == "decoupled" and self.behav_cap is not None and logp_prox is not None and m.any():
+        elif dropped is not None and m.any():
             stats["is_capped_frac"] = dropped[m].float().mean()
         return per_token, stats
 

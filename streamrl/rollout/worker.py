@@ -236,7 +236,7 @@ class WorkerMetrics:
         self.counts: Counter[str] = Counter()
         self.rewards: list[float] = []
         self.staleness: list[int] = []
-        self.group_s: list[float] = []  # admission to push: a group's rollout latency
+        self.group_s: list[float] = []  # a group's first episode starting to its put: its rollout latency
         self.tokens = 0
         self.env_s = self.generate_s = 0.0
         self.since = time.time()
