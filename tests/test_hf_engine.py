@@ -44,6 +44,25 @@ def test_logprobs_match_a_teacher_forced_forward_under_continuous_batching(model
         assert max(abs(a - b) for a, b in zip(want, out.logprobs)) <= 1e-4
 
 
+def test_samples_of_one_prompt_share_one_prefill_and_stay_correct(model, engine):
+    shared, other = [7, 3, 99, 41, 8], [12, 5]
+    widths = []  # rows of each forward: the prefill is the one with more than one column
+    hook = model.register_forward_pre_hook(lambda _, args, kw: widths.append(tuple(kw["input_ids"].shape)),
+                                           with_kwargs=True)
+    engine.pause()  # queue everything, so one admission sees all of it
+    prompts = [shared, shared, other, shared]
+    params = [SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True, seed=i) for i in range(4)]
+    futures = [engine.submit(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    engine.resume()
+    outs = [f.result(30) for f in futures]
+    hook.remove()
+    assert [w for w in widths if w[1] > 1] == [(2, len(shared))]  # two distinct prompts, one forward
+    for prompt, out in zip(prompts, outs):
+        want = _teacher_forced_logprobs(model, prompt, out.output_ids, 1.0)
+        assert max(abs(a - b) for a, b in zip(want, out.logprobs)) <= 1e-4
+    assert len({tuple(o.output_ids) for o in (outs[0], outs[1], outs[3])}) > 1  # shared KV, independent draws
+
+
 def test_greedy_matches_transformers_generate(model, engine):
     prompt = [5, 17, 42, 9, 100, 3]
     out = engine.submit("g", prompt, SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)).result(30)

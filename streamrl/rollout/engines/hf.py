@@ -1,7 +1,7 @@
 """The ``hf`` engine: a transformers causal LM with continuous batching, for CPU (and GPU).
 
 One engine thread owns the model. Between decode steps it admits waiting requests
-(each prefilled alone, then merged into the running batch), applies queued weight
+(prefilled together, each distinct prompt once, then merged into the running batch), applies queued weight
 updates, honours pause, and retires finished sequences; every running sequence
 advances one token per step. The batch keeps one KV cache, left-padded, with an
 attention mask and explicit positions, so sequences of any length share a forward.
@@ -182,19 +182,24 @@ class HFEngine:
                     seq.future.set_exception(e)
 
     def _prefill(self, joining: list[_Sequence]) -> None:
-        width = max(len(seq.prompt) for seq in joining)
-        ids = torch.tensor([[0] * (width - len(seq.prompt)) + seq.prompt for seq in joining])
-        mask = torch.tensor([[0] * (width - len(seq.prompt)) + [1] * len(seq.prompt) for seq in joining])
+        # The n samples of a group share their prompt: each distinct prompt is prefilled once and
+        # its KV rows are copied to every sequence that asked for it.
+        distinct: dict[tuple[int, ...], int] = {}
+        rows = [distinct.setdefault(tuple(seq.prompt), len(distinct)) for seq in joining]
+        width = max(map(len, distinct))
+        ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in distinct])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in distinct])
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        self._emit(joining, out.logits[:, -1])
+        self._emit(joining, out.logits[rows, -1])
         keep = [i for i, seq in enumerate(joining) if not self._finished(seq)]
         if not keep:
             return
+        kept_rows = [rows[i] for i in keep]
         cache = out.past_key_values
-        if len(keep) < len(joining):
-            cache.batch_select_indices(torch.tensor(keep))
-            mask = mask[keep]
+        if kept_rows != list(range(len(distinct))):
+            cache.batch_select_indices(torch.tensor(kept_rows))
+            mask = mask[kept_rows]
         self._merge(cache, mask)
         self._running.extend(joining[i] for i in keep)
 
