@@ -21,10 +21,11 @@ cfg = load_config(None, [f"model.path={model_dir}", "learner.optimizer=sgd", "le
 engine = PolicyEngine(cfg, model_dir)
 rng = np.random.default_rng(0)
 lengths = [40, 6, 9, 7, 5, 8]  # one long sequence, five short ones
+prompt = rng.integers(3, 200, 3)  # one group's samples share their prompt (forwarded once per micro-batch)
 samples = []
 for n in lengths:
     mask = np.r_[np.zeros(3), np.ones(n - 3)].astype(np.uint8)
-    samples.append(Sample(tokens=rng.integers(3, 200, n), loss_mask=mask,
+    samples.append(Sample(tokens=np.r_[prompt, rng.integers(3, 200, n - 3)], loss_mask=mask,
                           logprobs=np.where(mask == 1, -rng.random(n) - 0.1, 0), versions=np.where(mask == 1, 0, -1),
                           reward=float(rng.random())))
 seqs = batching.sequences([Group("p", "e", samples)], version=0, algorithm="rloo")

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from streamrl.config import Config
+from streamrl.learner import prefix
 from streamrl.learner.batch import TrainSequence, collate
 from streamrl.learner.losses import PolicyLoss, kl, normaliser
 
@@ -80,8 +81,7 @@ class PolicyEngine:
     def proximal(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Logprobs of the weights at the start of the step (for tis / decoupled)."""
         self.engine.eval()
-        out = [token_logprobs(self.engine(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits,
-                              mb["input_ids"], self.temperature) for mb in micro_batches]
+        out = [token_logprobs(self._logits(mb), mb["input_ids"], self.temperature) for mb in micro_batches]
         self.engine.train()
         return out
 
@@ -94,6 +94,10 @@ class PolicyEngine:
         (reported as ``skipped``): nothing of that batch reaches the weights.
         """
         batches = batches if batches is not None else [collate(mb) if mb else None for mb in shard]
+        if self.cfg.learner.share_prompts:
+            for mb, b in zip(shard, batches):
+                if b is not None and "prompt_ids" not in b:
+                    b.update(prefix.layout(mb) or {})
         if self.cfg.off_policy.correction != "none" and self.random_forward:
             # with dropout the training forward is not the weights' own distribution: a separate one
             for b in batches:
@@ -146,7 +150,7 @@ class PolicyEngine:
 
     def _loss(self, batch: dict[str, torch.Tensor], stats: dict) -> torch.Tensor:
         """Summed loss of one micro-batch: clipped policy term, minus entropy bonus, plus KL to the reference."""
-        logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = self._logits(batch)
         logp = token_logprobs(logits, batch["input_ids"], self.temperature)
         prox = batch.get("proximal")
         if prox is None and self.cfg.off_policy.correction != "none":
@@ -180,6 +184,11 @@ class PolicyEngine:
         if self.cfg.learner.loss_agg == "sequence":  # rows are sequences: each one's mean, summed
             return (per_token.sum(1) / mask.sum(1).clamp(min=1)).sum()
         return per_token.sum()
+
+    def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if "prompt_ids" in batch:  # shared prompts: see ``prefix``
+            return prefix.logits(self.engine, batch)
+        return self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
     def _ptx_loss(self, batch: dict[str, torch.Tensor], stats: dict) -> torch.Tensor:
         """Summed token cross-entropy on SFT rows, weighted by ``ptx_coef``."""

@@ -1,0 +1,62 @@
+"""One forward per shared prompt: the n samples of a group are trained without n copies of their prompt.
+
+A group's samples continue the same context, so a micro-batch of padded sequences spends
+most of its forward (and backward) on identical prompt tokens when prompts are long and
+answers short. Here each distinct prompt runs once, its keys and values are gathered to
+every sequence that continues it, and only the continuations run per sequence. The logits
+are put back in the plain right-padded layout, so the loss code sees no difference; the
+gather's backward sums the prompt's gradient over its continuations, as the plain forward
+would. The prompt is what precedes a sequence's first generated token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from streamrl.learner.batch import TrainSequence
+
+
+def layout(mb: list[TrainSequence]) -> dict[str, torch.Tensor] | None:
+    """Tensors for ``logits`` when some prompt is shared by two or more sequences, else None."""
+    starts = [int(s.mask.argmax()) if s.mask.any() else 0 for s in mb]
+    if min(starts) == 0:  # a sequence with nothing generated, or generated from its first token: no prompt
+        return None
+    prompts: dict[bytes, int] = {}
+    rows = [prompts.setdefault(s.tokens[:p].tobytes(), len(prompts)) for s, p in zip(mb, starts)]
+    if len(prompts) == len(mb):
+        return None
+    firsts = {row: i for i, row in reversed(list(enumerate(rows)))}  # a sequence holding each prompt
+    lengths = [starts[firsts[r]] for r in range(len(prompts))]
+    width = max(lengths)
+    prompt_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    prompt_mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for r, n in enumerate(lengths):  # left-padded: every prompt ends in the last column
+        prompt_ids[r, width - n:] = torch.as_tensor(mb[firsts[r]].tokens[:n].astype("int64"))
+        prompt_mask[r, width - n:] = 1
+    rest = max(len(s) - p for s, p in zip(mb, starts))
+    rest_ids = torch.zeros(len(mb), rest, dtype=torch.long)
+    rest_mask = torch.zeros(len(mb), rest, dtype=torch.long)
+    for i, (s, p) in enumerate(zip(mb, starts)):
+        rest_ids[i, : len(s) - p] = torch.as_tensor(s.tokens[p:].astype("int64"))
+        rest_mask[i, : len(s) - p] = 1
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "prompt_row": torch.tensor(rows),
+            "prompt_len": torch.tensor(starts), "rest_ids": rest_ids, "rest_mask": rest_mask}
+
+
+def logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``[B, T, V]`` logits in ``batch["input_ids"]``'s layout (zeros where nothing is predicted from)."""
+    prompt_mask, rows, starts = batch["prompt_mask"], batch["prompt_row"], batch["prompt_len"]
+    positions = (prompt_mask.cumsum(1) - 1).clamp(min=0)
+    head = model(input_ids=batch["prompt_ids"], attention_mask=prompt_mask, position_ids=positions, use_cache=True)
+    cache = head.past_key_values
+    cache.batch_select_indices(rows)  # each sequence's copy of its prompt's keys and values
+    rest_mask = batch["rest_mask"]
+    rest_positions = starts[:, None] + torch.arange(rest_mask.shape[1])
+    tail = model(input_ids=batch["rest_ids"], attention_mask=torch.cat([prompt_mask[rows], rest_mask], 1),
+                 position_ids=rest_positions, past_key_values=cache, use_cache=True).logits
+    b, t = batch["input_ids"].shape
+    seq, j = rest_mask.nonzero(as_tuple=True)
+    out = tail.new_zeros(b, t, tail.shape[-1])
+    out = out.index_put((seq, starts[seq] + j), tail[seq, j])
+    # the prompt's last position predicts each sequence's first generated token
+    return out.index_put((torch.arange(b), starts - 1), head.logits[rows, -1])

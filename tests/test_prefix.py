@@ -1,0 +1,64 @@
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from streamrl.learner import prefix
+from streamrl.learner.batch import TrainSequence, collate
+from streamrl.learner.engine import token_logprobs
+
+
+def _sequence(prompt, reply, rng) -> TrainSequence:
+    tokens = np.r_[prompt, reply].astype(np.int32)
+    mask = np.r_[np.zeros(len(prompt)), np.ones(len(reply))].astype(np.uint8)
+    return TrainSequence(tokens, mask, np.zeros(len(tokens), np.float32),
+                         np.full(len(tokens), rng.normal(), np.float32), staleness=0)
+
+
+def _micro_batch(rng) -> list[TrainSequence]:
+    """Two groups with prompts of different lengths, a lone sequence, replies of different lengths, interleaved."""
+    short, long_, lone = rng.integers(3, 200, 4), rng.integers(3, 200, 11), rng.integers(3, 200, 7)
+    mb = []
+    for i in range(3):
+        mb.append(_sequence(short, rng.integers(3, 200, 1 + 3 * i), rng))
+        mb.append(_sequence(long_, rng.integers(3, 200, 2 + i), rng))
+    mb.insert(2, _sequence(lone, rng.integers(3, 200, 5), rng))
+    return mb
+
+
+def _loss_and_grads(model, logits, batch):
+    model.zero_grad()
+    logp = token_logprobs(logits, batch["input_ids"], 1.0)
+    loss = (logp * batch["mask"] * batch["advantages"]).sum()
+    loss.backward()
+    return logp.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_a_shared_prompt_forward_gives_the_plain_forwards_logprobs_and_gradient(tiny_model_dir):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    mb = _micro_batch(np.random.default_rng(0))
+    batch = collate(mb)
+    shared = prefix.layout(mb)
+    assert shared["prompt_ids"].shape == (3, 11)  # three distinct prompts, left-padded to the longest
+    assert shared["prompt_row"].tolist() == [0, 1, 2, 0, 1, 0, 1]
+
+    plain_logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    want_logp, want_grads = _loss_and_grads(model, plain_logits, batch)
+    got_logp, got_grads = _loss_and_grads(model, prefix.logits(model, {**batch, **shared}), batch)
+
+    generated = batch["mask"].bool()
+    assert torch.allclose(got_logp[generated], want_logp[generated], atol=1e-5)
+    scale = max(g.abs().max() for g in want_grads)
+    for want, got in zip(want_grads, got_grads):
+        assert torch.allclose(got, want, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("case", ["distinct prompts", "no prompt"])
+def test_nothing_to_share_leaves_the_plain_forward(case):
+    rng = np.random.default_rng(1)
+    if case == "distinct prompts":
+        mb = [_sequence(rng.integers(3, 200, 5), rng.integers(3, 200, 3), rng) for _ in range(3)]
+    else:  # a sequence whose first token is generated has no prompt to share
+        mb = [_sequence([], rng.integers(3, 200, 3), rng), _sequence([], rng.integers(3, 200, 3), rng)]
+    assert prefix.layout(mb) is None
