@@ -14,6 +14,7 @@ records where each sequence ends (``seq_lens``).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -35,12 +36,15 @@ class ChatRenderer:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.stop_ids = {tokenizer.eos_token_id} - {None}
+        # a group's n episodes open with the same prompt, and feedback texts repeat: tokenise each once
+        self._encoded = functools.lru_cache(maxsize=4096)(
+            lambda text: tuple(tokenizer(text, add_special_tokens=False).input_ids))
 
     def render(self, messages: list[Message], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        return list(self._encoded(text))
 
     def reply_text(self, ids: list[int]) -> str:
         """The reply as message content: its text without the end-of-turn token it may end with."""
