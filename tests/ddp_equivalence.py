@@ -10,14 +10,14 @@ from streamrl.learner import batch as batching
 from streamrl.learner.engine import PolicyEngine
 from streamrl.protocol import Group, Sample
 
-model_dir, out, agg = sys.argv[1], sys.argv[2], sys.argv[3]
+model_dir, out, agg, zero = sys.argv[1:5]
 import deepspeed
 import torch.distributed as dist
 
 deepspeed.init_distributed(dist_backend="gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 cfg = load_config(None, [f"model.path={model_dir}", "learner.optimizer=sgd", "learner.lr=1.0", "learner.grad_clip=1e9",
-                         "off_policy.correction=none", f"learner.loss_agg={agg}"])
+                         "off_policy.correction=none", f"learner.loss_agg={agg}", f"learner.zero_stage={zero}"])
 engine = PolicyEngine(cfg, model_dir)
 rng = np.random.default_rng(0)
 lengths = [40, 6, 9, 7, 5, 8]  # one long sequence, five short ones
@@ -34,6 +34,8 @@ split = {1: [[0, 1, 2, 3, 4, 5]], 2: {0: [[0]], 1: [[1, 2, 3, 4, 5]]}}
 mine = split[1] if world == 1 else split[2][rank]
 stats = engine.step([[seqs[i] for i in mb] for mb in mine], global_tokens, global_sequences=len(seqs))
 assert stats["skipped"] == 0.0
+with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=zero == "3"):  # every rank
+    weights = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
 if rank == 0:
-    torch.save({k: v.detach().clone() for k, v in engine.module.state_dict().items()}, out)
+    torch.save(weights, out)
 dist.barrier()

@@ -80,8 +80,8 @@ def unpack(payload: bytes) -> tuple[list[list[TrainSequence]], int, int]:
     return shard, raw["global_tokens"], raw["global_sequences"]
 
 
-def collate(mb: list[TrainSequence]) -> dict[str, torch.Tensor]:
-    """Right-padded tensors for one micro-batch; targets are shifted by one."""
+def collate(mb: list[TrainSequence], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Right-padded tensors for one micro-batch, on ``device``."""
     width = max(len(s) for s in mb)
 
     def pad(name: str, dtype) -> torch.Tensor:
@@ -94,8 +94,9 @@ def collate(mb: list[TrainSequence]) -> dict[str, torch.Tensor]:
     attention = torch.zeros(len(mb), width, dtype=torch.long)
     for i, s in enumerate(mb):
         attention[i, : len(s)] = 1
-    return {"input_ids": pad("tokens", torch.long), "attention_mask": attention, "mask": pad("mask", torch.float32),
-            "logprobs": pad("logprobs", torch.float32), "advantages": pad("advantages", torch.float32)}
+    batch = {"input_ids": pad("tokens", torch.long), "attention_mask": attention, "mask": pad("mask", torch.float32),
+             "logprobs": pad("logprobs", torch.float32), "advantages": pad("advantages", torch.float32)}
+    return {k: v.to(device) for k, v in batch.items()}
 
 
 @torch.no_grad()

@@ -71,13 +71,13 @@ class Critic:
             if not mb:
                 out.append(None)
                 continue
-            batch = collate(mb)
+            batch = collate(mb, self.engine.device)
             batch["old_values"] = self.values(batch)
-            batch["advantages"], batch["returns"] = gae_advantages(batch["old_values"], mb, self.cfg.learner.gamma,
-                                                                   self.cfg.learner.lam)
+            adv, ret = gae_advantages(batch["old_values"].float().cpu(), mb, self.cfg.learner.gamma, self.cfg.learner.lam)
+            batch["advantages"], batch["returns"] = adv.to(self.engine.device), ret.to(self.engine.device)
             out.append(batch)
         if self.cfg.learner.whiten_advantages:
-            _whiten([b for b in out if b is not None])
+            _whiten([b for b in out if b is not None], self.engine.device)
         return out
 
     def step(self, batches: list[dict[str, Any] | None], global_tokens: int) -> dict[str, float]:
@@ -99,11 +99,11 @@ class Critic:
         return {"value_loss": total / max(global_tokens, 1)}
 
 
-def _whiten(batches: list[dict[str, Any]]) -> None:
+def _whiten(batches: list[dict[str, Any]], device: torch.device) -> None:
     """Advantages to zero mean, unit variance over the generated tokens of the whole global batch."""
     import torch.distributed as dist
 
-    moments = torch.zeros(3, dtype=torch.float64)
+    moments = torch.zeros(3, dtype=torch.float64, device=device)
     for b in batches:
         a, m = b["advantages"].double(), b["mask"].double()
         moments += torch.stack([(a * m).sum(), (a * a * m).sum(), m.sum()])

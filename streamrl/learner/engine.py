@@ -41,6 +41,7 @@ def deepspeed_config(cfg: Config) -> dict[str, Any]:
         "gradient_accumulation_steps": 1,  # boundaries are set per step instead
         "gradient_clipping": cfg.learner.grad_clip,
         "zero_optimization": {"stage": cfg.learner.zero_stage},
+        "zero_allow_untested_optimizer": True,  # learner.optimizer=sgd: ZeRO partitions any torch optimizer
         "bf16": {"enabled": bf16},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
@@ -77,6 +78,11 @@ class PolicyEngine:
     def module(self) -> torch.nn.Module:
         return self.engine.module
 
+    @property
+    def device(self) -> torch.device:
+        """Where batches and collective operands live (NCCL reduces only CUDA tensors)."""
+        return self.engine.device
+
     @torch.no_grad()
     def proximal(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Logprobs of the weights at the start of the step (for tis / decoupled)."""
@@ -93,11 +99,13 @@ class PolicyEngine:
         A non-finite loss or gradient on any rank skips the whole step on every rank
         (reported as ``skipped``): nothing of that batch reaches the weights.
         """
-        batches = batches if batches is not None else [collate(mb) if mb else None for mb in shard]
+        batches = batches if batches is not None else [collate(mb, self.device) if mb else None for mb in shard]
         if self.cfg.learner.share_prompts:
             for mb, b in zip(shard, batches):
                 if b is not None and "prompt_ids" not in b:
-                    b.update(prefix.layout(mb) or {})
+                    b.update({k: v.to(self.device) for k, v in (prefix.layout(mb) or {}).items()})
+            if self.cfg.learner.zero_stage == 3:
+                self._share_on_every_rank_or_none(batches)
         if self.cfg.off_policy.correction != "none" and self.random_forward:
             # with dropout the training forward is not the weights' own distribution: a separate one
             for b in batches:
@@ -111,7 +119,7 @@ class PolicyEngine:
                  "is_weight_max": 0.0, "entropy": 0.0, "kl": 0.0}
         work = [(b, lambda b: self._loss(b, stats), scale) for b in batches]
         if ptx:
-            ptx_batch = collate(ptx)
+            ptx_batch = collate(ptx, self.device)
             ptx_scale = normaliser(self._sum_over_ranks(float(ptx_batch["mask"].sum())), self.world_size)
             work.append((ptx_batch, lambda b: self._ptx_loss(b, stats), ptx_scale))
         bad = False
@@ -165,7 +173,7 @@ class PolicyEngine:
             stats["entropy"] += float((entropy * mask).sum().detach())
         if self.reference is not None:
             with torch.no_grad():
-                ref_logits = self.reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                ref_logits = self._logits(batch, self.reference)
             k = kl(logp, token_logprobs(ref_logits, batch["input_ids"], self.temperature), self.cfg.learner.kl_estimator)
             per_token = per_token + self.cfg.learner.kl_coef * k * mask
             stats["kl"] += float((k * mask).sum().detach())
@@ -185,10 +193,11 @@ class PolicyEngine:
             return (per_token.sum(1) / mask.sum(1).clamp(min=1)).sum()
         return per_token.sum()
 
-    def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _logits(self, batch: dict[str, torch.Tensor], model: torch.nn.Module | None = None) -> torch.Tensor:
+        model = self.engine if model is None else model
         if "prompt_ids" in batch:  # shared prompts: see ``prefix``
-            return prefix.logits(self.engine, batch)
-        return self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            return prefix.logits(model, batch)
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
     def _ptx_loss(self, batch: dict[str, torch.Tensor], stats: dict) -> torch.Tensor:
         """Summed token cross-entropy on SFT rows, weighted by ``ptx_coef``."""
@@ -197,10 +206,23 @@ class PolicyEngine:
         stats["ptx_loss"] = float(nll.sum().detach()) / max(float(batch["mask"].sum()), 1.0)
         return self.cfg.learner.ptx_coef * nll.sum()
 
+    def _share_on_every_rank_or_none(self, batches: list[dict | None]) -> None:
+        """ZeRO-3 gathers the weights in every forward, so every rank must run as many forwards: a
+        micro-batch shares prompts (two forwards) only where it does on every rank."""
+        import torch.distributed as dist
+
+        shared = torch.tensor([float(b is not None and "prompt_ids" in b) for b in batches], device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(shared, op=dist.ReduceOp.MIN)
+        for b, everywhere in zip(batches, shared.tolist()):
+            if b is not None and not everywhere:
+                for key in prefix.KEYS:
+                    b.pop(key, None)
+
     def _sum_over_ranks(self, value: float) -> float:
         import torch.distributed as dist
 
-        t = torch.tensor([value])
+        t = torch.tensor([value], device=self.device)
         if dist.is_initialized():
             dist.all_reduce(t)
         return float(t.item())
@@ -216,7 +238,7 @@ class PolicyEngine:
     def _any_rank(self, flag: bool) -> bool:
         import torch.distributed as dist
 
-        t = torch.tensor([float(flag)])
+        t = torch.tensor([float(flag)], device=self.device)
         if dist.is_initialized():
             dist.all_reduce(t)
         return bool(t.item() > 0)

@@ -30,21 +30,22 @@ from streamrl.models import load_tokenizer
 log = logging.getLogger("streamrl.learner")
 
 
-def _send(payloads: list[bytes] | None) -> bytes:
-    """Rank 0 sends payload r to rank r (sizes first, then one padded byte tensor)."""
+def _send(payloads: list[bytes] | None, device: torch.device) -> bytes:
+    """Rank 0 sends payload r to rank r (sizes first, then one padded byte tensor) through tensors on
+    ``device`` (NCCL carries only CUDA tensors)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    sizes = torch.zeros(world, dtype=torch.long)
+    sizes = torch.zeros(world, dtype=torch.long, device=device)
     if rank == 0:
-        sizes = torch.tensor([len(p) for p in payloads], dtype=torch.long)
+        sizes = torch.tensor([len(p) for p in payloads], dtype=torch.long, device=device)
     dist.broadcast(sizes, 0)
-    buf = torch.zeros(int(sizes.max()), dtype=torch.uint8)
+    buf = torch.zeros(int(sizes.max()), dtype=torch.uint8, device=device)
     mine = None
     for r in range(world):  # one broadcast per rank keeps it simple and backend-agnostic
         if rank == 0:
-            buf[: sizes[r]] = torch.frombuffer(bytearray(payloads[r]), dtype=torch.uint8)
+            buf[: sizes[r]] = torch.frombuffer(bytearray(payloads[r]), dtype=torch.uint8).to(device)
         dist.broadcast(buf, 0)
         if r == rank:
-            mine = bytes(buf[: sizes[r]].numpy())
+            mine = bytes(buf[: sizes[r]].cpu().numpy())
     return mine
 
 
@@ -154,12 +155,13 @@ class Learner:
                                                                                    return_counts=True))},
                         group_ids=[g.group_id for g in groups],
                         staleness_max=max(s.staleness for s in seqs), micro_batches_per_rank=plan.per_rank)
-        shard, global_tokens, global_sequences = batching.unpack(_send(payloads))
+        shard, global_tokens, global_sequences = batching.unpack(_send(payloads, self.policy.device))
         if self.rank == 0:  # the previous push overlapped the data wait; it must end before the weights move
             info.update(self.pusher.wait())
         t0 = time.perf_counter()
         ptx = self.ptx.for_step(self.version, self.rank, self.world, self.cfg.learner.ptx_per_rank) if self.ptx else None
-        batches = self.critic.prepare(shard) if self.critic else [batching.collate(mb) if mb else None for mb in shard]
+        batches = (self.critic.prepare(shard) if self.critic
+                   else [batching.collate(mb, self.policy.device) if mb else None for mb in shard])
         for _epoch in range(self.cfg.learner.epochs):  # PPO epochs: one optimizer step each, same data
             stats = self.policy.step(shard, global_tokens, ptx, batches, global_sequences)
             if stats["skipped"]:

@@ -16,6 +16,9 @@ import torch
 from streamrl.learner.batch import TrainSequence
 
 
+KEYS = ("prompt_ids", "prompt_mask", "prompt_row", "prompt_len", "rest_ids", "rest_mask")
+
+
 def layout(mb: list[TrainSequence]) -> dict[str, torch.Tensor] | None:
     """Tensors for ``logits`` when some prompt is shared by two or more sequences, else None."""
     starts = [int(s.mask.argmax()) if s.mask.any() else 0 for s in mb]
@@ -47,16 +50,19 @@ def logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tens
     """``[B, T, V]`` logits in ``batch["input_ids"]``'s layout (zeros where nothing is predicted from)."""
     prompt_mask, rows, starts = batch["prompt_mask"], batch["prompt_row"], batch["prompt_len"]
     positions = (prompt_mask.cumsum(1) - 1).clamp(min=0)
-    head = model(input_ids=batch["prompt_ids"], attention_mask=prompt_mask, position_ids=positions, use_cache=True)
+    head = model(input_ids=batch["prompt_ids"], attention_mask=prompt_mask, position_ids=positions, use_cache=True,
+                 logits_to_keep=1)  # only the last position predicts: skip the head's other logits
     cache = head.past_key_values
     cache.batch_select_indices(rows)  # each sequence's copy of its prompt's keys and values
     rest_mask = batch["rest_mask"]
-    rest_positions = starts[:, None] + torch.arange(rest_mask.shape[1])
+    # padding slots get position 0: a position past the sequence's end could exceed the model's range
+    rest_positions = (starts[:, None] + torch.arange(rest_mask.shape[1], device=starts.device)) * rest_mask
     tail = model(input_ids=batch["rest_ids"], attention_mask=torch.cat([prompt_mask[rows], rest_mask], 1),
                  position_ids=rest_positions, past_key_values=cache, use_cache=True).logits
     b, t = batch["input_ids"].shape
     seq, j = rest_mask.nonzero(as_tuple=True)
     out = tail.new_zeros(b, t, tail.shape[-1])
-    out = out.index_put((seq, starts[seq] + j), tail[seq, j])
+    out.index_put_((seq, starts[seq] + j), tail[seq, j])
     # the prompt's last position predicts each sequence's first generated token
-    return out.index_put((torch.arange(b), starts - 1), head.logits[rows, -1])
+    out.index_put_((torch.arange(b, device=starts.device), starts - 1), head.logits[rows, -1])
+    return out
