@@ -9,7 +9,9 @@ the same times n/(n-1). Time to the target eval accuracy counts only training: T
 pauses its clock; streamrl's evaluator runs beside training (so it is charged to streamrl). Start-up
 is off both clocks: TRL's starts when its training loop starts (model loaded, trainer built, baseline
 evaluated); streamrl's when its rollout worker starts (every other part started, baseline evaluated;
-the worker's own start-up and the rest of the learner's are on the clock). After training, both
+the worker's own start-up and the rest of the learner's are on the clock). "Steady" samples/s is
+streamrl's rate between the ends of step 2 and the last step, once its pipeline is full; TRL has no
+pipeline to fill, so its steady rate is its overall rate. After training, both
 final models are scored greedily on the same 512 held-out prompts, off the clock.
 
     python -m benchmarks.against_trl [--quick]      (or: streamrl bench trl)
@@ -99,19 +101,20 @@ def run(quick: bool) -> dict:
     return {"study": "trl", "repeats": repeats, "max_steps": steps, "target": TARGET,
             "streamrl_settings": {"config": "configs/quickstart.yaml", "mode": "async", "max_staleness": 2,
                                   "groups_per_step": groups, "n": n, "lr": lr},
-            "runs": results, "median": med, "ratio": med["streamrl"]["samples_per_s"] / med["trl"]["samples_per_s"]}
+            "runs": results, "median": med, "ratio": med["streamrl"]["samples_per_s"] / med["trl"]["samples_per_s"],
+            "steady_ratio": med["streamrl"]["steady_samples_per_s"] / med["trl"]["steady_samples_per_s"]}
 
 
 def report(data: dict, out: Path) -> None:
     m = data["median"]
     print_table(f"streamrl vs TRL GRPOTrainer, {data['max_steps']} steps, same samples, medians of {data['repeats']}",
-                ["system", "samples/s", "train wall s", f"s to eval ≥ {data['target']}", "final eval (64)",
-                 f"final held-out ({HELD_OUT})"],
-                [[side, m[side]["samples_per_s"], m[side]["wall_s"],
+                ["system", "samples/s", "steady samples/s", "train wall s", f"s to eval ≥ {data['target']}",
+                 "final eval (64)", f"final held-out ({HELD_OUT})"],
+                [[side, m[side]["samples_per_s"], m[side]["steady_samples_per_s"], m[side]["wall_s"],
                   f"{m[side]['time_to_target_s']:.0f} ({m[side]['reached_target']})", m[side]["eval_final"],
                   m[side]["held_out_final"]]
                  for side in ("streamrl", "trl")]
-                + [["streamrl / TRL", data["ratio"], "", "", "", ""]])
+                + [["streamrl / TRL", data["ratio"], data["steady_ratio"], "", "", "", ""]])
     json_path = write_json(out, "trl", data)
     fig, (ax,) = new_figure(1, "Samples/s on the quickstart task (same model, samples, machine)")
     ax.bar(["streamrl (async)", "TRL GRPOTrainer"], [m["streamrl"]["samples_per_s"], m["trl"]["samples_per_s"]])
