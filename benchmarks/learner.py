@@ -3,7 +3,9 @@
 Both sides run the same micro-batches (Karmarkar–Karp under the same token budget),
 the same forward, fp32 logprobs and clipped loss, backward and AdamW step; the
 difference is streamrl's framework (DeepSpeed engine, boundaries, statistics,
-non-finite guard). One process (a world of one, gloo), sides alternated per repeat.
+non-finite guard). streamrl runs twice: with ``learner.share_prompts=false`` (the same forward as
+the plain loop: the framework's cost alone) and by default (each group's prompt forwarded once per
+micro-batch). One process (a world of one, gloo), sides rotated per repeat.
 
     python -m benchmarks.learner [--quick]      (or: streamrl bench learner)
 """
@@ -64,42 +66,47 @@ def run(quick: bool) -> dict:
     groups, max_len, budget = (4, 256, 1024) if quick else (8, 512, 2048)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model(Path(tmp) / "model", **MODEL)
-        cfg = load_config(None, [f"model.path={model_dir}", "off_policy.correction=none", "learner.lr=1e-5"])
-        ours = PolicyEngine(cfg, model_dir)
+        base = [f"model.path={model_dir}", "off_policy.correction=none", "learner.lr=1e-5"]
+        ours = {"streamrl": PolicyEngine(load_config(None, base), model_dir),
+                "streamrl-unshared": PolicyEngine(load_config(None, [*base, "learner.share_prompts=false"]), model_dir)}
         plain = AutoModelForCausalLM.from_pretrained(model_dir).train()
         optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-5)
         loss_fn = PolicyLoss(correction="none")
         vocab = plain.config.vocab_size
         shard, n = make_shard(groups, max_len, vocab, budget)
-        plain_step(plain, optimizer, shard, n, loss_fn)  # warm-up both
-        ours.step(shard, n)
-        samples = {"streamrl": [], "plain": []}
+        plain_step(plain, optimizer, shard, n, loss_fn)  # warm-up every side
+        for engine in ours.values():
+            engine.step(shard, n)
+        sides = ["plain", *ours]
+        samples = {side: [] for side in sides}
         for r in range(repeats):
             shard, n = make_shard(groups, max_len, vocab, budget, seed=r + 1)
-            for side in ("plain", "streamrl") if r % 2 else ("streamrl", "plain"):
+            for side in sides[r % 3:] + sides[: r % 3]:
                 t0 = time.perf_counter()
                 if side == "plain":
                     plain_step(plain, optimizer, shard, n, loss_fn)
                 else:
-                    ours.step(shard, n)
+                    ours[side].step(shard, n)
                 samples[side].append(sum(len(s) for mb in shard for s in mb) / (time.perf_counter() - t0))
-            console.log(f"repeat {r + 1}/{repeats}: streamrl {samples['streamrl'][-1]:.0f} tok/s, "
-                        f"plain {samples['plain'][-1]:.0f} tok/s")
+            console.log(f"repeat {r + 1}/{repeats}: " + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in samples.items()))
     med = {k: median(v) for k, v in samples.items()}
     return {"study": "learner", "repeats": repeats, "model": MODEL, "groups": groups, "samples_per_group": 4,
             "max_len": max_len, "micro_batch_tokens": budget, "torch_threads": torch.get_num_threads(),
-            "tokens_per_s": samples, "median": med, "ratio": med["streamrl"] / med["plain"]}
+            "tokens_per_s": samples, "median": med, "ratio": med["streamrl"] / med["plain"],
+            "unshared_ratio": med["streamrl-unshared"] / med["plain"]}
 
 
 def report(data: dict, out: Path) -> None:
     print_table(f"Learner step tokens/s (fwd+bwd+AdamW), medians of {data['repeats']}",
                 ["side", "tokens/s", "vs plain"],
                 [["plain PyTorch loop", data["median"]["plain"], 1.0],
-                 ["streamrl (DeepSpeed)", data["median"]["streamrl"], data["ratio"]]])
+                 ["streamrl, share_prompts=false", data["median"]["streamrl-unshared"], data["unshared_ratio"]],
+                 ["streamrl (default: shared prompts)", data["median"]["streamrl"], data["ratio"]]])
     json_path = write_json(out, "learner", data)
     fig, (ax,) = new_figure(1, "Learner throughput, same model and micro-batches")
-    ax.boxplot([data["tokens_per_s"]["plain"], data["tokens_per_s"]["streamrl"]])
-    ax.set_xticks([1, 2], ["plain PyTorch", "streamrl"])
+    ax.boxplot([data["tokens_per_s"]["plain"], data["tokens_per_s"]["streamrl-unshared"],
+                data["tokens_per_s"]["streamrl"]])
+    ax.set_xticks([1, 2, 3], ["plain PyTorch", "streamrl, unshared", "streamrl"])
     ax.set_ylabel("tokens/s")
     save_figure(fig, out, "learner", json_path)
 

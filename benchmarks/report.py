@@ -39,7 +39,8 @@ def headlines(results: Path) -> list[str]:
                              f"(medians of {e2e['repeats']})")
     if trl := load("trl"):
         m = trl["median"]
-        lines.append(f"- **streamrl / TRL GRPOTrainer**: {trl['ratio']:.2f}× samples/s "
+        steady = f", steady state {trl['steady_ratio']:.2f}×" if "steady_ratio" in trl else ""
+        lines.append(f"- **streamrl / TRL GRPOTrainer**: {trl['ratio']:.2f}× samples/s{steady} "
                      f"({m['streamrl']['samples_per_s']:.0f} vs {m['trl']['samples_per_s']:.0f}; medians of "
                      f"{trl['repeats']})" + (f", final accuracy {m['streamrl']['held_out_final']:.2f} vs "
                                              f"{m['trl']['held_out_final']:.2f}" if "held_out_final" in m["trl"] else ""))

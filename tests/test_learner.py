@@ -319,8 +319,9 @@ def test_kl_in_the_reward_is_the_behaviour_minus_reference_logprob_sum(tiny_mode
 @pytest.mark.parametrize("agg, zero", [("token", 0), ("sequence", 0), ("token", 3)])
 def test_the_deepspeed_step_on_an_uneven_two_rank_split_equals_one_rank_on_the_whole_batch(tiny_model_dir, tmp_path,
                                                                                           agg, zero):
-    # the split gives rank 0 one sequence and rank 1 five that share a prompt: under ZeRO-3 the ranks must
-    # still run as many forwards (one rank sharing its prompt alone would hang the weight gathers)
+    # Rank 1 gets five short sequences that share a prompt worth forwarding once, rank 0 one long one, and
+    # one rank alone the six (not worth sharing beside the long reply): shared against plain forwards. Under
+    # ZeRO-3 the ranks must still run as many forwards (rank 1 sharing alone would hang the weight gathers).
     script = str(__import__("pathlib").Path(__file__).parent / "ddp_equivalence.py")
     for ranks in (1, 2):
         out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),

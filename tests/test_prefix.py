@@ -17,7 +17,7 @@ def _sequence(prompt, reply, rng) -> TrainSequence:
 
 def _micro_batch(rng) -> list[TrainSequence]:
     """Two groups with prompts of different lengths, a lone sequence, replies of different lengths, interleaved."""
-    short, long_, lone = rng.integers(3, 200, 4), rng.integers(3, 200, 11), rng.integers(3, 200, 7)
+    short, long_, lone = rng.integers(3, 200, 12), rng.integers(3, 200, 20), rng.integers(3, 200, 15)
     mb = []
     for i in range(3):
         mb.append(_sequence(short, rng.integers(3, 200, 1 + 3 * i), rng))
@@ -40,7 +40,7 @@ def test_a_shared_prompt_forward_gives_the_plain_forwards_logprobs_and_gradient(
     mb = _micro_batch(np.random.default_rng(0))
     batch = collate(mb)
     shared = prefix.layout(mb)
-    assert shared["prompt_ids"].shape == (3, 11)  # three distinct prompts, left-padded to the longest
+    assert shared["prompt_ids"].shape == (3, 20)  # three distinct prompts, left-padded to the longest
     assert shared["prompt_row"].tolist() == [0, 1, 2, 0, 1, 0, 1]
 
     plain_logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -54,11 +54,14 @@ def test_a_shared_prompt_forward_gives_the_plain_forwards_logprobs_and_gradient(
         assert torch.allclose(got, want, atol=1e-5 * scale)
 
 
-@pytest.mark.parametrize("case", ["distinct prompts", "no prompt"])
-def test_nothing_to_share_leaves_the_plain_forward(case):
+@pytest.mark.parametrize("case", ["distinct prompts", "no prompt", "long replies"])
+def test_nothing_worth_sharing_leaves_the_plain_forward(case):
     rng = np.random.default_rng(1)
     if case == "distinct prompts":
         mb = [_sequence(rng.integers(3, 200, 5), rng.integers(3, 200, 3), rng) for _ in range(3)]
+    elif case == "long replies":  # a shared prompt of 8 beside replies of 40: two forwards would cost more
+        prompt = rng.integers(3, 200, 8)
+        mb = [_sequence(prompt, rng.integers(3, 200, 40), rng) for _ in range(4)]
     else:  # a sequence whose first token is generated has no prompt to share
         mb = [_sequence([], rng.integers(3, 200, 3), rng), _sequence([], rng.integers(3, 200, 3), rng)]
     assert prefix.layout(mb) is None

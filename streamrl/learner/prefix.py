@@ -19,8 +19,13 @@ from streamrl.learner.batch import TrainSequence
 KEYS = ("prompt_ids", "prompt_mask", "prompt_row", "prompt_len", "rest_ids", "rest_mask")
 
 
+# Sharing runs two forwards instead of one: it must save at least this share of the padded tokens.
+MIN_SAVING = 0.25
+
+
 def layout(mb: list[TrainSequence]) -> dict[str, torch.Tensor] | None:
-    """Tensors for ``logits`` when some prompt is shared by two or more sequences, else None."""
+    """Tensors for ``logits`` when sharing prompts saves ``MIN_SAVING`` of the micro-batch's padded
+    tokens (shared prompts long beside their continuations), else None: the plain forward."""
     starts = [int(s.mask.argmax()) if s.mask.any() else 0 for s in mb]
     if min(starts) == 0:  # a sequence with nothing generated, or generated from its first token: no prompt
         return None
@@ -30,13 +35,14 @@ def layout(mb: list[TrainSequence]) -> dict[str, torch.Tensor] | None:
         return None
     firsts = {row: i for i, row in reversed(list(enumerate(rows)))}  # a sequence holding each prompt
     lengths = [starts[firsts[r]] for r in range(len(prompts))]
-    width = max(lengths)
+    width, rest = max(lengths), max(len(s) - p for s, p in zip(mb, starts))
+    if len(prompts) * width + len(mb) * rest > (1 - MIN_SAVING) * len(mb) * max(map(len, mb)):
+        return None
     prompt_ids = torch.zeros(len(prompts), width, dtype=torch.long)
     prompt_mask = torch.zeros(len(prompts), width, dtype=torch.long)
     for r, n in enumerate(lengths):  # left-padded: every prompt ends in the last column
         prompt_ids[r, width - n:] = torch.as_tensor(mb[firsts[r]].tokens[:n].astype("int64"))
         prompt_mask[r, width - n:] = 1
-    rest = max(len(s) - p for s, p in zip(mb, starts))
     rest_ids = torch.zeros(len(mb), rest, dtype=torch.long)
     rest_mask = torch.zeros(len(mb), rest, dtype=torch.long)
     for i, (s, p) in enumerate(zip(mb, starts)):
