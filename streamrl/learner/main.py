@@ -254,6 +254,11 @@ def launch(cfg: Config, steps: int | None = None, solo: bool = False) -> None:
         raise ValueError("model.path is not set: give a local Hugging Face model directory")
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "gloo":
+        # On CPU DeepSpeed compiles a shared-memory all-reduce op at start (30-60 s, again for every
+        # venv) that only its inference_all_reduce uses; training never does. DeepSpeed keeps edits
+        # to this table, and without the op it uses torch.distributed as it would anyway.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if solo:  # a world of one rendezvouses through a file: no port to race for
         import tempfile
 
