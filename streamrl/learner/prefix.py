@@ -16,11 +16,8 @@ import torch
 from streamrl.learner.batch import TrainSequence
 
 
-KEYS = ("prompt_ids", "prompt_mask", "prompt_row", "prompt_len", "rest_ids", "rest_mask")
-
-
-# Sharing runs two forwards instead of one: it must save at least this share of the padded tokens.
-MIN_SAVING = 0.25
+KEYS = ("prompt_ids", "prompt_mask", "prompt_row", "prompt_len", "rest_ids", "rest_mask")  # what layout adds
+MIN_SAVING = 0.25  # sharing runs two forwards instead of one: it must save this share of the padded tokens
 
 
 def layout(mb: list[TrainSequence]) -> dict[str, torch.Tensor] | None:
