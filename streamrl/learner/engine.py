@@ -103,7 +103,7 @@ class PolicyEngine:
         if self.cfg.learner.share_prompts:
             for mb, b in zip(shard, batches):
                 if b is not None and "prompt_ids" not in b:
-                    b.update({k: v.to(self.device) for k, v in (prefix.layout(mb) or {}).items()})
+                    b.update(prefix.layout(mb, self.device) or {})
             if self.cfg.learner.zero_stage == 3:
                 self._share_on_every_rank_or_none(batches)
         if self.cfg.off_policy.correction != "none" and self.random_forward:

@@ -20,33 +20,39 @@ KEYS = ("prompt_ids", "prompt_mask", "prompt_row", "prompt_len", "rest_ids", "re
 MIN_SAVING = 0.25  # sharing runs two forwards instead of one: it must save this share of the padded tokens
 
 
-def layout(mb: list[TrainSequence]) -> dict[str, torch.Tensor] | None:
-    """Tensors for ``logits`` when sharing prompts saves ``MIN_SAVING`` of the micro-batch's padded
-    tokens (shared prompts long beside their continuations), else None: the plain forward."""
+def layout(mb: list[TrainSequence], device: torch.device | str = "cpu") -> dict[str, torch.Tensor] | None:
+    """Tensors for ``logits`` (on ``device``) when sharing prompts saves ``MIN_SAVING`` of the micro-batch's
+    padded tokens (shared prompts long beside their continuations), else None: the plain forward."""
     starts = [int(s.mask.argmax()) if s.mask.any() else 0 for s in mb]
     if min(starts) == 0:  # a sequence with nothing generated, or generated from its first token: no prompt
         return None
-    prompts: dict[bytes, int] = {}
-    rows = [prompts.setdefault(s.tokens[:p].tobytes(), len(prompts)) for s, p in zip(mb, starts)]
-    if len(prompts) == len(mb):
+    prompts: dict[bytes, int] = {}  # prompt -> its row
+    holders, rows = [], []  # the first sequence holding each prompt; each sequence's prompt row
+    for i, (s, p) in enumerate(zip(mb, starts)):
+        key = s.tokens[:p].tobytes()
+        if key not in prompts:
+            prompts[key] = len(holders)
+            holders.append(i)
+        rows.append(prompts[key])
+    if len(holders) == len(mb):
         return None
-    firsts = {row: i for i, row in reversed(list(enumerate(rows)))}  # a sequence holding each prompt
-    lengths = [starts[firsts[r]] for r in range(len(prompts))]
+    lengths = [starts[i] for i in holders]
     width, rest = max(lengths), max(len(s) - p for s, p in zip(mb, starts))
-    if len(prompts) * width + len(mb) * rest > (1 - MIN_SAVING) * len(mb) * max(map(len, mb)):
+    if len(holders) * width + len(mb) * rest > (1 - MIN_SAVING) * len(mb) * max(map(len, mb)):
         return None
-    prompt_ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    prompt_mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for r, n in enumerate(lengths):  # left-padded: every prompt ends in the last column
-        prompt_ids[r, width - n:] = torch.as_tensor(mb[firsts[r]].tokens[:n].astype("int64"))
+    prompt_ids = torch.zeros(len(holders), width, dtype=torch.long)
+    prompt_mask = torch.zeros(len(holders), width, dtype=torch.long)
+    for r, (i, n) in enumerate(zip(holders, lengths)):  # left-padded: every prompt ends in the last column
+        prompt_ids[r, width - n:] = torch.as_tensor(mb[i].tokens[:n].astype("int64"))
         prompt_mask[r, width - n:] = 1
     rest_ids = torch.zeros(len(mb), rest, dtype=torch.long)
     rest_mask = torch.zeros(len(mb), rest, dtype=torch.long)
     for i, (s, p) in enumerate(zip(mb, starts)):
         rest_ids[i, : len(s) - p] = torch.as_tensor(s.tokens[p:].astype("int64"))
         rest_mask[i, : len(s) - p] = 1
-    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "prompt_row": torch.tensor(rows),
-            "prompt_len": torch.tensor(starts), "rest_ids": rest_ids, "rest_mask": rest_mask}
+    tensors = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "prompt_row": torch.tensor(rows),
+               "prompt_len": torch.tensor(starts), "rest_ids": rest_ids, "rest_mask": rest_mask}
+    return {k: v.to(device) for k, v in tensors.items()}
 
 
 def logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
