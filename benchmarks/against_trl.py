@@ -8,8 +8,8 @@ max staleness 2). Advantages: TRL's GRPO with ``scale_rewards="none"`` is ``r - 
 the same times n/(n-1). Time to the target eval accuracy counts only training: TRL's evaluation
 pauses its clock; streamrl's evaluator runs beside training (so it is charged to streamrl). Start-up
 is off both clocks: TRL's starts when its training loop starts (model loaded, trainer built, baseline
-evaluated); streamrl's when its rollout worker starts (every other part started, baseline evaluated;
-the worker's own start-up and the rest of the learner's are on the clock). "Steady" samples/s is
+evaluated); streamrl's when its rollout worker begins generating (every part started up, baseline
+evaluated; whatever is left of the learner's start-up is on the clock). "Steady" samples/s is
 streamrl's rate between the ends of step 2 and the last step, once its pipeline is full; TRL has no
 pipeline to fill, so its steady rate is its overall rate. After training, both
 final models are scored greedily on the same 512 held-out prompts, off the clock.
@@ -24,7 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import cli, console, new_figure, print_table, save_figure, write_json
+from benchmarks.common import (cli, console, new_figure, paired_difference, points, print_table, save_figure,
+                               write_json)
 from benchmarks.e2e import HELD_OUT, TARGET, greedy_accuracy, held_out_rows, medians, one_run, prepare_shared
 
 
@@ -79,8 +80,9 @@ def trl_run(prepared: Path, out: Path, *, steps: int, groups: int, n: int, lr: f
             "evals": evals, "settings": settings}
 
 
-def run(quick: bool) -> dict:
-    repeats, steps = (1, 12) if quick else (3, 20)
+def run(quick: bool, repeats: int | None = None) -> dict:
+    default_repeats, steps = (1, 12) if quick else (3, 20)
+    repeats = repeats or default_repeats
     results = {"streamrl": [], "trl": []}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -102,7 +104,9 @@ def run(quick: bool) -> dict:
             "streamrl_settings": {"config": "configs/quickstart.yaml", "mode": "async", "max_staleness": 2,
                                   "groups_per_step": groups, "n": n, "lr": lr},
             "runs": results, "median": med, "ratio": med["streamrl"]["samples_per_s"] / med["trl"]["samples_per_s"],
-            "steady_ratio": med["streamrl"]["steady_samples_per_s"] / med["trl"]["steady_samples_per_s"]}
+            "steady_ratio": med["streamrl"]["steady_samples_per_s"] / med["trl"]["steady_samples_per_s"],
+            "held_out_vs_trl": paired_difference([x["held_out_final"] for x in results["streamrl"]],
+                                                 [x["held_out_final"] for x in results["trl"]])}
 
 
 def report(data: dict, out: Path) -> None:
@@ -114,7 +118,7 @@ def report(data: dict, out: Path) -> None:
                   f"{m[side]['time_to_target_s']:.0f} ({m[side]['reached_target']})", m[side]["eval_final"],
                   m[side]["held_out_final"]]
                  for side in ("streamrl", "trl")]
-                + [["streamrl / TRL", data["ratio"], data["steady_ratio"], "", "", "", ""]])
+                + [["streamrl / TRL", data["ratio"], data["steady_ratio"], "", "", "", points(data["held_out_vs_trl"])]])
     json_path = write_json(out, "trl", data)
     fig, (ax,) = new_figure(1, "Samples/s on the quickstart task (same model, samples, machine)")
     ax.bar(["streamrl (async)", "TRL GRPOTrainer"], [m["streamrl"]["samples_per_s"], m["trl"]["samples_per_s"]])
@@ -122,8 +126,8 @@ def report(data: dict, out: Path) -> None:
     save_figure(fig, out, "trl", json_path)
 
 
-def main(quick: bool = False, out: Path = Path("benchmarks/results")) -> dict:
-    data = run(quick)
+def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None) -> dict:
+    data = run(quick, repeats)
     report(data, out)
     return data
 

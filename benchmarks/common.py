@@ -40,6 +40,29 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+# two-sided 95% quantiles of Student's t by degrees of freedom (beyond 30: the normal's 1.96)
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def paired_difference(a: list[float], b: list[float]) -> dict[str, float | int]:
+    """Mean of ``a[i] - b[i]`` over runs paired by seed, with the half-width of its 95% t interval
+    (``nan`` with fewer than two pairs): is a difference in final reward more than seed noise?"""
+    if len(a) != len(b):
+        raise ValueError(f"paired runs: {len(a)} against {len(b)}")
+    d = [x - y for x, y in zip(a, b)]
+    if len(d) < 2:
+        return {"mean": d[0] if d else float("nan"), "ci95": float("nan"), "pairs": len(d)}
+    t = _T95[len(d) - 2] if len(d) - 1 <= len(_T95) else 1.96
+    return {"mean": statistics.fmean(d), "ci95": t * statistics.stdev(d) / len(d) ** 0.5, "pairs": len(d)}
+
+
+def points(diff: dict) -> str:
+    """A paired difference in accuracy as percentage points: ``-1.2 ± 2.3 pts (3 pairs)``."""
+    ci = "" if diff["ci95"] != diff["ci95"] else f" ± {100 * diff['ci95']:.1f}"  # nan: one pair, no interval
+    return f"{100 * diff['mean']:+.1f}{ci} pts ({diff['pairs']} pair{'s' if diff['pairs'] != 1 else ''})"
+
+
 def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     cells = [[f"{v:,.2f}" if isinstance(v, float) else str(v) for v in row] for row in rows]
     table = Table(title=title)
@@ -113,9 +136,10 @@ def cli(main, doc: str) -> None:
     parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short run that still measures both sides")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    extra = {"--model": "HF model directory"} if "model" in main.__code__.co_varnames else {}
-    for flag, help_text in extra.items():
-        parser.add_argument(flag, help=help_text)
+    if "model" in main.__code__.co_varnames:
+        parser.add_argument("--model", help="HF model directory")
+    if "repeats" in main.__code__.co_varnames:
+        parser.add_argument("--repeats", type=int, help="runs of each arm (default: the study's own)")
     args = vars(parser.parse_args())
     settings["quick"] = args["quick"]
     main(**args)

@@ -7,9 +7,9 @@ Each run is a real ``streamrl up`` of the quickstart (every part its own process
   ~1 s of wall time, and a wrong reply gets feedback and a second try (``RetryWithFeedback``).
 
 Both modes train the same number of samples (``max_steps × groups_per_step × n``) from the same
-warm-started model. The clock starts when the rollout workers start — the last part to start, after
-the version-0 evaluation; the learner started first and may still be loading — and stops at the
-learner's last step.
+warm-started model. The clock starts when the rollout worker begins generating (its opening report) —
+the last part to start, after the version-0 evaluation; the learner started first and may still be
+loading, which stays on the clock — and stops at the learner's last step.
 Reported per run: that wall time, samples/s over it, steady-state samples/s (between the ends of
 step 2 and the last step, where the queue is as full at both ends), time to a target eval accuracy
 (with how many runs reached it), the staleness of every trained sample, the final online eval accuracy
@@ -36,7 +36,17 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from benchmarks.common import cli, console, median, new_figure, print_table, save_figure, write_json
+from benchmarks.common import (
+    cli,
+    console,
+    median,
+    new_figure,
+    paired_difference,
+    points,
+    print_table,
+    save_figure,
+    write_json,
+)
 from streamrl.buffer.redis_server import free_port
 from streamrl.config import load_config
 from streamrl.recipes.reverse import prepare
@@ -115,7 +125,7 @@ def summarise(run_path: Path) -> dict:
     cfg = load_config(run_path / "config.yaml")  # as the run saw it
     steps = [r for r in read_records(run_path / "metrics" / "learner.jsonl") if "loss" in r]
     evals = read_records(run_path / "metrics" / "eval.jsonl")
-    start = json.loads((run_path / "parts.json").read_text())["rollout-0"]["started_at"]
+    start = generation_began(run_path)
     n = cfg.rollout.sampling.n
     wall = steps[-1]["time"] - start
     samples = sum(r["groups"] for r in steps) * n
@@ -132,6 +142,12 @@ def summarise(run_path: Path) -> dict:
             "held_out_final": held_out_accuracy(run_path / "export" / f"version-{steps[-1]['step']}",
                                                 run_path / "prepared"),
             "stages": stage_speeds(run_path, steps, cfg)}
+
+
+def generation_began(run_path: Path) -> float:
+    """When the rollout worker began generating: the time of its opening report, written once it has
+    started up (imports, tokenizer, Redis) — as TRL's clock starts once its trainer is built."""
+    return read_records(run_path / "metrics" / "rollout-worker-0.jsonl")[0]["time"]
 
 
 def stage_speeds(run_path: Path, steps: list[dict], cfg) -> dict:
@@ -164,8 +180,9 @@ def async_mode(staleness: int) -> str:
     return "async" if staleness == STALENESS[0] else f"async-s{staleness}"
 
 
-def run(quick: bool) -> dict:
-    repeats, steps, bounds = (1, 12, STALENESS[:1]) if quick else (3, 40, STALENESS)
+def run(quick: bool, repeats: int | None = None) -> dict:
+    default_repeats, steps, bounds = (1, 12, STALENESS[:1]) if quick else (3, 40, STALENESS)
+    repeats = repeats or default_repeats
     modes = {"sync": 0, **{async_mode(k): k for k in bounds}}  # mode -> max staleness
     results: dict[str, dict[str, list[dict]]] = {w: {m: [] for m in modes} for w in WORKLOADS}
     with tempfile.TemporaryDirectory() as tmp:
@@ -187,7 +204,10 @@ def run(quick: bool) -> dict:
     for workload, by_mode in results.items():
         med = {m: medians(rows) for m, rows in by_mode.items()}
         ratios = {m: {"ratio": med[m]["samples_per_s"] / med["sync"]["samples_per_s"],
-                      "steady_ratio": med[m]["steady_samples_per_s"] / med["sync"]["steady_samples_per_s"]}
+                      "steady_ratio": med[m]["steady_samples_per_s"] / med["sync"]["steady_samples_per_s"],
+                      # repeat r runs every mode at seed r: the held-out difference is paired by seed
+                      "held_out_vs_sync": paired_difference([x["held_out_final"] for x in by_mode[m]],
+                                                            [x["held_out_final"] for x in by_mode["sync"]])}
                   for m in med if m != "sync"}
         summary[workload] = {**med, **ratios["async"], "ratios": ratios}
     return {"study": "e2e", "repeats": repeats, "max_steps": steps, "max_staleness": bounds[0],
@@ -206,8 +226,10 @@ def report(data: dict, out: Path) -> None:
                          f"{m['time_to_target_s']:.0f} ({m['reached_target']})", m["eval_final"],
                          m["held_out_final"]])
         for mode, r in s["ratios"].items():
-            rows.append([f"{workload}: {mode} / sync", r["ratio"], r["steady_ratio"], "", "", "", ""])
-    print_table(f"End to end, {data['max_steps']} steps, medians of {data['repeats']}",
+            rows.append([f"{workload}: {mode} / sync", r["ratio"], r["steady_ratio"], "", "", "",
+                         points(r["held_out_vs_sync"]) if "held_out_vs_sync" in r else ""])
+    print_table(f"End to end, {data['max_steps']} steps, medians of {data['repeats']}; held-out of a ratio row: "
+                "mean difference from sync over seed-paired runs, ± its 95% t interval",
                 ["run", "samples/s", "steady samples/s", "wall s", f"s to eval ≥ {data['target']} (runs)",
                  "final eval (64)", f"final held-out ({HELD_OUT})"], rows)
     json_path = write_json(out, "e2e", data)
@@ -230,8 +252,8 @@ def report(data: dict, out: Path) -> None:
     save_figure(fig, out, "e2e", json_path)
 
 
-def main(quick: bool = False, out: Path = Path("benchmarks/results")) -> dict:
-    data = run(quick)
+def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None) -> dict:
+    data = run(quick, repeats)
     report(data, out)
     return data
 

@@ -10,7 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
-from benchmarks.common import console
+from benchmarks.common import console, points
 
 TITLES = {"queue": "Replay stream", "partition": "Micro-batch partitioning", "generate": "Generation",
           "learner": "Learner", "weight_push": "Weight push", "e2e": "End to end: async vs sync",
@@ -34,16 +34,18 @@ def headlines(results: Path) -> list[str]:
             bounds = e2e.get("staleness_modes", {"async": e2e["max_staleness"]})
             for mode, r in s.get("ratios", {"async": s}).items():
                 final = " vs ".join(f"{s[m].get('held_out_final', s[m]['eval_final']):.2f}" for m in (mode, "sync"))
+                diff = f"; paired difference {points(r['held_out_vs_sync'])}" if "held_out_vs_sync" in r else ""
                 lines.append(f"- **async (max staleness {bounds[mode]}) / sync, {workload}**: {r['ratio']:.2f}× "
                              f"samples/s (steady state {r['steady_ratio']:.2f}×), final accuracy {final} "
-                             f"(medians of {e2e['repeats']})")
+                             f"(medians of {e2e['repeats']}{diff})")
     if trl := load("trl"):
         m = trl["median"]
         steady = f", steady state {trl['steady_ratio']:.2f}×" if "steady_ratio" in trl else ""
         lines.append(f"- **streamrl / TRL GRPOTrainer**: {trl['ratio']:.2f}× samples/s{steady} "
                      f"({m['streamrl']['samples_per_s']:.0f} vs {m['trl']['samples_per_s']:.0f}; medians of "
                      f"{trl['repeats']})" + (f", final accuracy {m['streamrl']['held_out_final']:.2f} vs "
-                                             f"{m['trl']['held_out_final']:.2f}" if "held_out_final" in m["trl"] else ""))
+                                             f"{m['trl']['held_out_final']:.2f}" if "held_out_final" in m["trl"] else "")
+                     + (f" (paired difference {points(trl['held_out_vs_trl'])})" if "held_out_vs_trl" in trl else ""))
     if soak := load("soak"):
         worst = max(soak["growth"].items(), key=lambda kv: kv[1]["growth"], default=None)
         if worst:

@@ -266,6 +266,8 @@ def bench(
     quick: Annotated[bool, typer.Option("--quick", help="A short run that still measures both sides.")] = False,
     out: Annotated[Path, typer.Option(help="Where JSON and PNG results go.")] = Path("benchmarks/results"),
     model: Annotated[Optional[Path], typer.Option(help="HF model directory, for studies that run a model.")] = None,
+    repeats: Annotated[Optional[int], typer.Option(help="Runs of each arm, for e2e and trl (default: the study's own).",
+                                                   min=1)] = None,
 ) -> None:
     """Throughput studies; each prints a table and writes JSON and a PNG plot."""
     from benchmarks import MODULES, run_suite
@@ -278,7 +280,13 @@ def bench(
     if suite not in MODULES:
         err.print(f"unknown benchmark {suite!r}; available: {', '.join(MODULES)}")
         raise typer.Exit(2)
-    run_suite(suite, quick=quick, out=out, **({"model": str(model)} if model else {}))
+    options = {"model": str(model)} if model else {}
+    if repeats:
+        if suite not in ("e2e", "trl"):
+            err.print(f"--repeats applies to e2e and trl, not {suite}")
+            raise typer.Exit(2)
+        options["repeats"] = repeats
+    run_suite(suite, quick=quick, out=out, **options)
 
 
 def main() -> None:

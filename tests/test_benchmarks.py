@@ -22,3 +22,18 @@ def test_partition_benchmark_quick(tmp_path):
     for case in data["cases"]:  # KK is never worse than a random equal-count split
         assert case["median"]["KK"] <= case["median"]["equal"]
     assert (tmp_path / "partition.png").exists() and (tmp_path / "partition.json").exists()
+
+
+def test_paired_difference_is_the_mean_difference_with_a_t_interval():
+    from benchmarks.common import paired_difference, points
+
+    d = paired_difference([1.0, 2.5, 3.0], [0.0, 0.5, 0.0])  # differences 1, 2, 3: mean 2, sd 1
+    assert d["mean"] == pytest.approx(2.0)
+    assert d["ci95"] == pytest.approx(4.303 / 3**0.5, rel=1e-3)  # t(0.975, 2 df) * sd / sqrt(n)
+    assert d["pairs"] == 3
+    assert points(paired_difference([0.92, 0.95], [0.93, 0.94])) == "+0.0 ± 12.7 pts (2 pairs)"
+    one = paired_difference([0.9], [0.8])
+    assert one["mean"] == pytest.approx(0.1) and one["ci95"] != one["ci95"]  # one pair: no interval
+    assert points(one) == "+10.0 pts (1 pair)"
+    with pytest.raises(ValueError, match="paired runs: 2 against 1"):
+        paired_difference([0.1, 0.2], [0.1])

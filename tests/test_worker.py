@@ -58,7 +58,9 @@ def test_groups_of_every_builtin_env_land_with_masks_logprobs_and_versions(fleet
             assert generated.any() and not generated[0]  # the prompt is not the policy's
             assert (s.versions[generated] == 0).all() and (s.logprobs[generated] < 0).all()
             assert s.env_info["turns"] >= 1 and len(s.turn_rewards) == s.env_info["turns"]
-    last = json.loads((fleet.run_path / "metrics" / "rollout-w0.jsonl").read_text().splitlines()[-1])
+    records = [json.loads(x) for x in (fleet.run_path / "metrics" / "rollout-w0.jsonl").read_text().splitlines()]
+    opening, last = records[0], records[-1]  # the opening report marks when generation began (benchmarks' clock)
+    assert opening.get("episodes", 0) == 0 and opening["ledger"]["accepted"] == 0
     assert last["ledger"]["accepted"] == 4
 
 

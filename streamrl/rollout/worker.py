@@ -113,6 +113,8 @@ class RolloutWorker:
         async with GenerateClient(self.router_url) as client:
             self.coalescer = Coalescer(client.generate_n, rollout.coalesce_ms / 1000)
             log.info("%s: generating through %s", self.name, self.router_url)
+            # an opening report: marks when generation began (start-up done), and the rates count from here
+            self.metrics.write(await asyncio.to_thread(self.admission.counters))
             started = 0
             while not self.stopping.is_set() and (max_groups is None or started < max_groups):
                 await groups_in_flight.acquire()
