@@ -1,6 +1,8 @@
-"""Run under torchrun: one PolicyEngine step on a fixed batch, split unevenly over the ranks; rank 0 saves the weights."""
+"""Run under torchrun: a PolicyEngine step skipped for a non-finite loss on one rank, then one step on a fixed
+batch split unevenly over the ranks; rank 0 saves the weights."""
 
 import sys
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -20,7 +22,7 @@ cfg = load_config(None, [f"model.path={model_dir}", "learner.optimizer=sgd", "le
                          "off_policy.correction=none", f"learner.loss_agg={agg}", f"learner.zero_stage={zero}"])
 engine = PolicyEngine(cfg, model_dir)
 rng = np.random.default_rng(0)
-lengths = [40, 6, 9, 7, 5, 8]  # one long sequence, five short ones
+lengths = [40, 6, 9, 7, 5, 8, 12]  # one long sequence, six short ones
 prompt = rng.integers(3, 200, 3)  # one group's samples share their prompt (forwarded once per micro-batch)
 samples = []
 for n in lengths:
@@ -30,9 +32,15 @@ for n in lengths:
                           reward=float(rng.random())))
 seqs = batching.sequences([Group("p", "e", samples)], version=0, algorithm="rloo")
 global_tokens = int(sum(s.mask.sum() for s in seqs))
-split = {1: [[0, 1, 2, 3, 4, 5]], 2: {0: [[0]], 1: [[1, 2, 3, 4, 5]]}}
+# two ranks: rank 0's second micro-batch is empty (fewer sequences than slots); under ZeRO-3 it must still
+# run a forward, as rank 1 does in its second micro-batch
+split = {1: [[0, 1, 2, 3, 4, 5, 6]], 2: {0: [[0], []], 1: [[1, 2, 3, 4, 5], [6]]}}
 mine = split[1] if world == 1 else split[2][rank]
-stats = engine.step([[seqs[i] for i in mb] for mb in mine], global_tokens, global_sequences=len(seqs))
+shard = [[seqs[i] for i in mb] for mb in mine]
+poisoned = [[replace(s, advantages=np.full_like(s.advantages, np.nan)) if i == 6 else s for i, s in zip(mb, ms)]
+            for mb, ms in zip(mine, shard)]  # a non-finite loss on the last rank only: every rank skips
+assert engine.step(poisoned, global_tokens, global_sequences=len(seqs))["skipped"] == 1.0
+stats = engine.step(shard, global_tokens, global_sequences=len(seqs))
 assert stats["skipped"] == 0.0
 with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=zero == "3"):  # every rank
     weights = {name: p.detach().clone() for name, p in engine.module.named_parameters()}

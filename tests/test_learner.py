@@ -319,9 +319,12 @@ def test_kl_in_the_reward_is_the_behaviour_minus_reference_logprob_sum(tiny_mode
 @pytest.mark.parametrize("agg, zero", [("token", 0), ("sequence", 0), ("token", 3)])
 def test_the_deepspeed_step_on_an_uneven_two_rank_split_equals_one_rank_on_the_whole_batch(tiny_model_dir, tmp_path,
                                                                                           agg, zero):
-    # Rank 1 gets five short sequences that share a prompt worth forwarding once, rank 0 one long one, and
-    # one rank alone the six (not worth sharing beside the long reply): shared against plain forwards. Under
-    # ZeRO-3 the ranks must still run as many forwards (rank 1 sharing alone would hang the weight gathers).
+    # Rank 1 gets five short sequences that share a prompt worth forwarding once, then one more; rank 0 one
+    # long one, then nothing; one rank alone the seven (not worth sharing beside the long reply): shared
+    # against plain forwards. Under ZeRO-3 the ranks must still run as many forwards (rank 1 sharing alone,
+    # or rank 0 skipping its empty micro-batch, would break the weight gathers). First a step whose loss is
+    # not finite on one rank only: skipped on every rank, weights untouched (under ZeRO-3 its stand-in zero
+    # must run back through the forward that gathered the weights).
     script = str(__import__("pathlib").Path(__file__).parent / "ddp_equivalence.py")
     for ranks in (1, 2):
         out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),

@@ -109,7 +109,10 @@ class PolicyEngine:
         if self.cfg.off_policy.correction != "none" and self.random_forward:
             # with dropout the training forward is not the weights' own distribution: a separate one
             for b in batches:
-                if b is not None and "proximal" not in b:
+                if b is None and self.cfg.learner.zero_stage == 3:
+                    with torch.no_grad():
+                        self._empty_loss()  # in step with the other ranks' forwards
+                elif b is not None and "proximal" not in b:
                     b["proximal"] = self.proximal([b])[0]
         by_sequence = self.cfg.learner.loss_agg == "sequence"
         if by_sequence:
@@ -128,9 +131,9 @@ class PolicyEngine:
             last = i == len(work) - 1
             self.engine.set_gradient_accumulation_boundary(last)
             with timer("forward_s"):
-                loss = self._zero_loss() if batch is None else loss_of(batch)
+                loss = self._empty_loss() if batch is None else loss_of(batch)
             if not torch.isfinite(loss):
-                bad, loss = True, self._zero_loss()  # keep the ranks' collectives in step
+                bad, loss = True, self._discarded(loss)
             with timer("backward_s"):
                 self.engine.backward(loss * weight)
             if not last:
@@ -228,8 +231,22 @@ class PolicyEngine:
         return float(t.item())
 
     def _zero_loss(self) -> torch.Tensor:
-        """A zero that still touches every parameter, for an empty or discarded micro-batch."""
+        """A zero that still touches every parameter, for an empty or discarded micro-batch (below ZeRO-3)."""
         return sum(p.sum() * 0.0 for p in self.engine.module.parameters())
+
+    def _discarded(self, loss: torch.Tensor) -> torch.Tensor:
+        """A zero in place of a non-finite loss, whose backward keeps the ranks' collectives in step (the step
+        is then skipped). Under ZeRO-3 it must run back through the forward that gathered the weights."""
+        return loss * 0.0 if self.cfg.learner.zero_stage == 3 else self._zero_loss()
+
+    def _empty_loss(self) -> torch.Tensor:
+        """The zero loss of an empty micro-batch. Under ZeRO-3 every forward gathers the weights from all
+        ranks, so a rank with nothing to train runs a forward of one token like the others' forwards
+        (skipping it breaks their weight gathers)."""
+        if self.cfg.learner.zero_stage != 3:
+            return self._zero_loss()
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        return self.engine(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.sum() * 0.0
 
     def _grads_finite(self) -> bool:
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
