@@ -75,6 +75,30 @@ def test_stop_kills_the_whole_tree_even_children_in_their_own_session(tmp_path):
     assert not [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
+def test_rollout_workers_stop_first_and_redis_last(tmp_path):
+    # each part records, when it is told to stop, which of the others are still running
+    code = ("import os, signal, sys, time\n"
+            "def bye(*_):\n"
+            "    os.remove(sys.argv[1] + '.up')\n"
+            "    time.sleep(0.3)  # parts told to stop at the same time are all down by now\n"
+            "    alive = [p for p in sys.argv[2:] if os.path.exists(p)]\n"
+            "    open(sys.argv[1], 'w').write(' '.join(os.path.basename(p) for p in alive))\n"
+            "    sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, bye)\n"
+            "open(sys.argv[1] + '.up', 'w').close()\n"
+            "time.sleep(120)\n")
+    sup = _supervisor(tmp_path)
+    names = ("redis", "server", "rollout")
+    for name in names:  # started in this order, as `streamrl up` does
+        others = [str(tmp_path / f"{o}.up") for o in names if o != name]
+        sup.start(Part(name, name, [sys.executable, "-c", code, str(tmp_path / name), *others],
+                       tmp_path / f"{name}.log", ready=lambda name=name: (tmp_path / f"{name}.up").exists()))
+    sup.stop(timeout_s=10)
+    assert (tmp_path / "rollout").read_text() == "redis.up server.up"  # the servers were still there
+    assert (tmp_path / "server").read_text() == "redis.up"
+    assert (tmp_path / "redis").read_text() == ""
+
+
 def test_news_with_brackets_from_a_log_tail_is_printed_as_text(tmp_path, capsys):
     from streamrl.config import load_config
     from streamrl.launch.display import Dashboard

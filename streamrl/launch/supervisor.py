@@ -169,9 +169,13 @@ class Supervisor:
                              f"{part.log_tail()}")
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """Stop every part together: SIGTERM, then SIGKILL for whatever is left of each tree; Redis last."""
+        """Stop every part: SIGTERM, then SIGKILL for whatever is left of each tree. Rollout workers go first,
+        so that the groups they have in flight finish through servers that are still up (a group is put
+        whole or not at all); then the rest together; Redis last, so that everyone's writes land."""
         started = [p for p in reversed(self.parts) if p.proc is not None]
-        for group in ([p for p in started if p.kind != "redis"], [p for p in started if p.kind == "redis"]):
+        stage = {"rollout": 0, "redis": 2}  # everything else: 1
+        for n in range(3):
+            group = [p for p in started if stage.get(p.kind, 1) == n]
             if group:
                 self.launcher.stop_all(group, timeout_s)
 
