@@ -1,8 +1,9 @@
 """streamrl against TRL's GRPOTrainer: same model, task, samples and machine.
 
 Both start from the quickstart's warm-started model and train on the same prompts (reverse a
-word, exact-match reward) for the same number of samples (steps × groups × n) with the same
-learning rate, no KL term and temperature 1.0. TRL (``pip install trl``; CPU, its own
+word, exact-match reward) for the same number of samples (steps × groups × n; 40 steps, the
+quickstart's length, by which both have converged) with the same learning rate, no KL term and
+temperature 1.0. TRL (``pip install trl``; CPU, its own
 ``model.generate``) generates a batch, then trains on it; streamrl runs ``streamrl up`` (async,
 max staleness 2). Advantages: TRL's GRPO with ``scale_rewards="none"`` is ``r - mean``, RLOO is
 the same times n/(n-1). Time to the target eval accuracy counts only training: TRL's evaluation
@@ -81,7 +82,7 @@ def trl_run(prepared: Path, out: Path, *, steps: int, groups: int, n: int, lr: f
 
 
 def run(quick: bool, repeats: int | None = None) -> dict:
-    default_repeats, steps = (1, 12) if quick else (3, 20)
+    default_repeats, steps = (1, 12) if quick else (3, 40)  # 40: the quickstart's length, as in e2e
     repeats = repeats or default_repeats
     results = {"streamrl": [], "trl": []}
     with tempfile.TemporaryDirectory() as tmp:
