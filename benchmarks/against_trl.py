@@ -25,9 +25,25 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import (cli, console, new_figure, paired_difference, points, print_table, save_figure,
-                               write_json)
-from benchmarks.e2e import HELD_OUT, TARGET, greedy_accuracy, held_out_rows, medians, one_run, prepare_shared
+from benchmarks.common import (
+    cli,
+    console,
+    new_figure,
+    paired_difference,
+    points,
+    print_table,
+    save_figure,
+    write_json,
+)
+from benchmarks.e2e import (
+    HELD_OUT,
+    TARGET,
+    greedy_accuracy,
+    held_out_rows,
+    medians,
+    one_run,
+    prepare_shared,
+)
 
 
 def trl_run(prepared: Path, out: Path, *, steps: int, groups: int, n: int, lr: float, eval_every: int,
