@@ -37,3 +37,16 @@ def test_paired_difference_is_the_mean_difference_with_a_t_interval():
     assert points(one) == "+10.0 pts (1 pair)"
     with pytest.raises(ValueError, match="paired runs: 2 against 1"):
         paired_difference([0.1, 0.2], [0.1])
+
+
+def test_learner_study_counts_the_padding_of_each_plan():
+    from benchmarks.learner import SHARD, make_sequences, padding, plans
+
+    seqs = make_sequences(SHARD["quick"], 200, seed=1)
+    by_plan = plans(seqs, SHARD["quick"]["budget"])
+    assert len({len(mbs) for mbs in by_plan.values()}) == 1  # every plan has as many micro-batches
+    for mbs in by_plan.values():
+        assert sorted(i for mb in mbs for i in mb) == list(range(len(seqs)))
+    waste = padding(seqs, by_plan)
+    assert 1.0 <= waste["length bands (streamrl)"] < waste["KK, whole batch"]
+    assert waste["length bands, shared prompts"] <= waste["length bands (streamrl)"]
