@@ -140,7 +140,7 @@ class LearnerConfig(Section):
     warmup_steps: int = Field(0, ge=0)
     max_steps: int = Field(100, ge=1)
     epochs: int = Field(1, ge=1, description="optimizer steps over each batch (PPO epochs)")
-    micro_batch_tokens: int = Field(8192, ge=1, description="token budget of one micro-batch")
+    micro_batch_tokens: int = Field(8192, ge=1, description="padded tokens (sequences × longest) of one micro-batch")
     share_prompts: bool = Field(True, description="forward each prompt once per micro-batch, not once per sample "
                                 "(off: for models whose forward cannot continue from a KV cache)")
     zero_stage: int = Field(0, ge=0, le=3)
