@@ -46,4 +46,9 @@ with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled
     weights = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
 if rank == 0:
     torch.save(weights, out)
+if zero == "3":  # PPO's critic under ZeRO-3, with rank 0's empty micro-batch: its forwards must keep step too
+    from streamrl.learner.critic import Critic
+
+    critic = Critic(cfg, model_dir)
+    assert critic.step(critic.prepare(shard), global_tokens)["value_loss"] >= 0
 dist.barrier()

@@ -14,6 +14,7 @@ import torch
 
 from streamrl.config import Config
 from streamrl.learner.batch import TrainSequence, collate
+from streamrl.learner.engine import deepspeed_config, empty_micro_batch_loss
 from streamrl.learner.losses import gae, normaliser
 
 
@@ -51,8 +52,6 @@ class Critic:
     def __init__(self, cfg: Config, path: str):
         import deepspeed
 
-        from streamrl.learner.engine import deepspeed_config
-
         self.cfg = cfg
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         model = ValueModel(path, dtype)
@@ -69,6 +68,9 @@ class Critic:
         out = []
         for mb in shard:
             if not mb:
+                if self.cfg.learner.zero_stage == 3:
+                    with torch.no_grad():
+                        empty_micro_batch_loss(self.engine, 3)  # in step with the other ranks' forwards
                 out.append(None)
                 continue
             batch = collate(mb, self.engine.device)
@@ -87,7 +89,7 @@ class Critic:
             last = i == len(batches) - 1
             self.engine.set_gradient_accumulation_boundary(last)
             if batch is None:
-                loss = sum(p.sum() * 0.0 for p in self.engine.module.parameters())
+                loss = empty_micro_batch_loss(self.engine, self.cfg.learner.zero_stage)
             else:
                 v = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
                 old, ret, mask = batch["old_values"], batch["returns"], batch["mask"]

@@ -48,6 +48,17 @@ def deepspeed_config(cfg: Config) -> dict[str, Any]:
     }
 
 
+def empty_micro_batch_loss(engine, zero_stage: int) -> torch.Tensor:
+    """The zero loss of a rank's empty micro-batch. Under ZeRO-3 every forward gathers the weights from all
+    ranks, so a rank with nothing to train runs a forward of one token like the others' forwards (skipping
+    it breaks their weight gathers); below it, a zero that touches every parameter."""
+    if zero_stage != 3:
+        return sum(p.sum() * 0.0 for p in engine.module.parameters())
+    ids = torch.zeros(1, 1, dtype=torch.long, device=engine.device)
+    out = engine(input_ids=ids, attention_mask=torch.ones_like(ids))
+    return getattr(out, "logits", out).sum() * 0.0
+
+
 class PolicyEngine:
     def __init__(self, cfg: Config, model_path: str):
         import deepspeed
@@ -240,13 +251,7 @@ class PolicyEngine:
         return loss * 0.0 if self.cfg.learner.zero_stage == 3 else self._zero_loss()
 
     def _empty_loss(self) -> torch.Tensor:
-        """The zero loss of an empty micro-batch. Under ZeRO-3 every forward gathers the weights from all
-        ranks, so a rank with nothing to train runs a forward of one token like the others' forwards
-        (skipping it breaks their weight gathers)."""
-        if self.cfg.learner.zero_stage != 3:
-            return self._zero_loss()
-        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        return self.engine(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.sum() * 0.0
+        return empty_micro_batch_loss(self.engine, self.cfg.learner.zero_stage)
 
     def _grads_finite(self) -> bool:
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
