@@ -28,8 +28,10 @@ def _installed(group: str) -> dict[str, EntryPoint]:
     return {ep.name: ep for ep in entry_points(group=group)}
 
 
+@functools.cache
 def load_plugin(name: str, group: str, what: str) -> Any:
-    """``module:attr``, or the entry point called ``name`` in ``group``; errors say what was looked for."""
+    """``module:attr``, or the entry point called ``name`` in ``group``; errors say what was looked for.
+    Resolved once per process (an env may look up its reward function in every episode)."""
     if ":" in name:
         module, _, attr = name.partition(":")
         try:
