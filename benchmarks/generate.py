@@ -3,8 +3,10 @@
 RL rollouts have very uneven output lengths. A static batch runs until its longest
 member finishes; continuous batching refills a slot as soon as a sequence ends.
 Both sides serve the same requests (prompts, sampled lengths) on the same model in
-the same run. Then the same load goes through sglang-router: to one server (router
-overhead) and to two servers.
+the same run: across concurrency at one length spread, then across spreads (log-normal
+sigma of the output lengths: 0 is every request the same length) at one concurrency.
+Then the same load goes through sglang-router: to one server (router overhead) and to
+two servers.
 
     python -m benchmarks.generate [--quick]      (or: streamrl bench generate)
 """
@@ -29,10 +31,13 @@ from streamrl.testing import make_tiny_model
 MODEL = {"hidden": 512, "layers": 8}  # ~21M parameters: compute-bound on a CPU, small enough to run in minutes
 
 
-def make_requests(n: int, vocab: int, max_len: int, seed: int) -> list[tuple[list[int], int]]:
-    """(prompt ids, output length): prompts of 16-64 tokens, long-tailed output lengths."""
+SPREADS = (0.0, 0.8, 1.5)  # log-normal sigma of output lengths; 0.8 is the concurrency sweep's
+
+
+def make_requests(n: int, vocab: int, max_len: int, seed: int, sigma: float = 0.8) -> list[tuple[list[int], int]]:
+    """(prompt ids, output length): prompts of 16-64 tokens, output lengths log-normal around max_len / 5."""
     rng = np.random.default_rng(seed)
-    lengths = np.clip(rng.lognormal(np.log(max_len / 5), 0.8, n), 8, max_len).astype(int)
+    lengths = np.clip(rng.lognormal(np.log(max_len / 5), sigma, n), 8, max_len).astype(int)
     return [(rng.integers(3, vocab, rng.integers(16, 65)).tolist(), int(k)) for k in lengths]
 
 
@@ -101,22 +106,28 @@ def run(quick: bool, model_dir: str | None = None) -> dict:
         model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
         vocab = model.config.vocab_size
         n_params = sum(p.numel() for p in model.parameters())
-        rows = []
         with servers(model_dir, 1) as (url,):
             asyncio.run(drive(url, make_requests(4, vocab, 8, 99), 4))  # warm-up
-            for c in concurrencies:
+
+            def side_by_side(model, c: int, sigma: float) -> dict:
                 samples = {"server": [], "static": []}
                 for r in range(repeats):
-                    reqs = make_requests(max(2 * c, 8 if quick else 16), vocab, max_len, seed=r)
+                    reqs = make_requests(max(2 * c, 8 if quick else 16), vocab, max_len, seed=r, sigma=sigma)
                     s, tok = drive_sync(url, reqs, c)
                     samples["server"].append(tok / s)
                     s, tok = static_batches(model, reqs, c)
                     samples["static"].append(tok / s)
-                rows.append({"concurrency": c, "samples": samples, "server_tok_s": median(samples["server"]),
-                             "static_tok_s": median(samples["static"]),
-                             "ratio": median(samples["server"]) / median(samples["static"])})
-                console.log(f"concurrency {c}: server {rows[-1]['server_tok_s']:.0f} tok/s, "
-                            f"static {rows[-1]['static_tok_s']:.0f} tok/s")
+                row = {"concurrency": c, "sigma": sigma, "samples": samples, "server_tok_s": median(samples["server"]),
+                       "static_tok_s": median(samples["static"]),
+                       "ratio": median(samples["server"]) / median(samples["static"])}
+                console.log(f"concurrency {c}, spread {sigma}: server {row['server_tok_s']:.0f} tok/s, "
+                            f"static {row['static_tok_s']:.0f} tok/s")
+                return row
+
+            rows = [side_by_side(model, c, 0.8) for c in concurrencies]
+            spread_at = 32
+            spreads = [next(r for r in rows if r["concurrency"] == spread_at) if sigma == 0.8
+                       else side_by_side(model, spread_at, sigma) for sigma in SPREADS]
             del model
             c = concurrencies[-1]
             reqs = make_requests(2 * c, vocab, max_len, seed=7)
@@ -130,7 +141,7 @@ def run(quick: bool, model_dir: str | None = None) -> dict:
                "router_2": median(two), "samples": {"direct_1": direct, "router_1": via_router, "router_2": two}}
     return {"study": "generate", "repeats": repeats, "max_new_tokens": max_len,
             "model": {"name": name, "params": n_params},
-            "torch_threads": torch.get_num_threads(), "concurrency": rows, "routing": routing}
+            "torch_threads": torch.get_num_threads(), "concurrency": rows, "spread": spreads, "routing": routing}
 
 
 def drive_sync(url, reqs, c):
@@ -147,6 +158,12 @@ def report(data: dict, out: Path) -> None:
     print_table(f"Generation tokens/s, {data['model']['name']} ({data['model']['params'] / 1e6:.0f}M), output lengths "
                 f"long-tailed up to {data['max_new_tokens']}, medians of {data['repeats']}",
                 ["concurrency", "server (continuous)", "model.generate (static)", "server/static"], rows)
+    if "spread" in data:
+        sp = data["spread"]
+        print_table(f"Generation tokens/s by output-length spread at concurrency {sp[0]['concurrency']} "
+                    f"(log-normal sigma; 0: every request the same length)",
+                    ["sigma", "server (continuous)", "model.generate (static)", "server/static"],
+                    [[r["sigma"], r["server_tok_s"], r["static_tok_s"], r["ratio"]] for r in sp])
     rt = data["routing"]
     print_table(f"Through sglang-router at concurrency {rt['concurrency']}",
                 ["path", "tokens/s", "vs direct"],
@@ -154,7 +171,7 @@ def report(data: dict, out: Path) -> None:
                  rt["router_1"] / rt["direct_1"]], ["2 servers, via router", rt["router_2"],
                  rt["router_2"] / rt["direct_1"]]])
     json_path = write_json(out, "generate", data)
-    fig, (ax1, ax2) = new_figure(2, "Rollout generation throughput (same model, same requests)")
+    fig, (ax1, ax3, ax2) = new_figure(3, "Rollout generation throughput (same model, same requests)")
     cs = [r["concurrency"] for r in data["concurrency"]]
     ax1.plot(cs, [r["server_tok_s"] for r in data["concurrency"]], "o-", label="streamrl server (continuous)")
     ax1.plot(cs, [r["static_tok_s"] for r in data["concurrency"]], "s--", label="model.generate (static batches)")
@@ -162,6 +179,14 @@ def report(data: dict, out: Path) -> None:
     ax1.set_xlabel("concurrency")
     ax1.set_ylabel("generated tokens/s")
     ax1.legend()
+    if "spread" in data:
+        sigmas = [str(r["sigma"]) for r in data["spread"]]
+        ax3.plot(sigmas, [r["server_tok_s"] for r in data["spread"]], "o-", label="server")
+        ax3.plot(sigmas, [r["static_tok_s"] for r in data["spread"]], "s--", label="static")
+        ax3.set_xlabel("output-length spread (log-normal sigma)")
+        ax3.set_ylabel("generated tokens/s")
+        ax3.set_title(f"concurrency {data['spread'][0]['concurrency']}")
+        ax3.legend()
     ax2.bar(["direct", "router, 1", "router, 2"], [rt["direct_1"], rt["router_1"], rt["router_2"]])
     ax2.set_ylabel("generated tokens/s")
     ax2.set_title(f"routing at concurrency {rt['concurrency']}")
