@@ -34,10 +34,10 @@ def headlines(results: Path) -> list[str]:
             bounds = e2e.get("staleness_modes", {"async": e2e["max_staleness"]})
             for mode, r in s.get("ratios", {"async": s}).items():
                 final = " vs ".join(f"{s[m].get('held_out_final', s[m]['eval_final']):.2f}" for m in (mode, "sync"))
-                diff = f"; paired difference {points(r['held_out_vs_sync'])}" if "held_out_vs_sync" in r else ""
+                diff = f", paired difference {points(r['held_out_vs_sync'])}" if "held_out_vs_sync" in r else ""
                 lines.append(f"- **async (max staleness {bounds[mode]}) / sync, {workload}**: {r['ratio']:.2f}× "
                              f"samples/s (steady state {r['steady_ratio']:.2f}×), final accuracy {final} "
-                             f"(medians of {e2e['repeats']}{diff})")
+                             f"(medians of {e2e['repeats']}){diff}")
     if trl := load("trl"):
         m = trl["median"]
         steady = f", steady state {trl['steady_ratio']:.2f}×" if "steady_ratio" in trl else ""
