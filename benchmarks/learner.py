@@ -90,17 +90,15 @@ def plain_step(model, optimizer, shard, global_tokens, loss_fn) -> None:
 
 
 def run(quick: bool) -> dict:
-    import deepspeed
     from transformers import AutoModelForCausalLM
 
     from streamrl.buffer.redis_server import free_port
     from streamrl.config import load_config
-    from streamrl.learner.engine import PolicyEngine
+    from streamrl.learner.engine import PolicyEngine, init_distributed
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu")
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # as the learner: never compiled on CPU
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed()
     repeats = 3 if quick else 7
     shape = SHARD["quick" if quick else "full"]
     budget = shape["budget"]

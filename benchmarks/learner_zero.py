@@ -30,16 +30,14 @@ def held_bytes(engine) -> dict[str, int]:
 
 
 def main(model_dir: str, stage: int, steps: int, out: Path, quick: bool) -> None:
-    import deepspeed
     import torch.distributed as dist
 
     from benchmarks.learner import SHARD, make_sequences
     from streamrl.config import load_config
-    from streamrl.learner.engine import PolicyEngine
+    from streamrl.learner.engine import PolicyEngine, init_distributed
     from streamrl.learner.partition import plan_micro_batches
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # as the learner: never compiled on CPU
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = load_config(None, [f"model.path={model_dir}", "off_policy.correction=none", "learner.lr=1e-5",
                              f"learner.zero_stage={stage}"])

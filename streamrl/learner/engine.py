@@ -48,6 +48,22 @@ def deepspeed_config(cfg: Config) -> dict[str, Any]:
     }
 
 
+def init_distributed(**kwargs) -> str:
+    """DeepSpeed's process group (NCCL on GPU, gloo on CPU); returns the backend. ``kwargs`` go to
+    ``deepspeed.init_distributed`` (rendezvous)."""
+    import deepspeed
+
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "gloo":
+        # On CPU DeepSpeed compiles a shared-memory all-reduce op at start (30-60 s, again for every
+        # venv) that only its inference_all_reduce uses; training never does. DeepSpeed keeps edits
+        # to this table, and without the op it uses torch.distributed as it would anyway.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend=backend, **kwargs)
+    return backend
+
+
 def empty_micro_batch_loss(engine, zero_stage: int) -> torch.Tensor:
     """The zero loss of a rank's empty micro-batch. Under ZeRO-3 every forward gathers the weights from all
     ranks, so a rank with nothing to train runs a forward of one token like the others' forwards (skipping

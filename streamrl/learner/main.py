@@ -9,7 +9,6 @@ steps; rank 0 bumps the policy version in Redis and writes a metrics line.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from streamrl.buffer import Admission, Ledger, Namespace, PolicyVersion, ReplayS
 from streamrl.config import Config
 from streamrl.learner import batch as batching
 from streamrl.learner import checkpoint
-from streamrl.learner.engine import PolicyEngine
+from streamrl.learner.engine import PolicyEngine, init_distributed
 from streamrl.learner.metrics import MetricsSink
 from streamrl.learner.push import WeightPusher
 from streamrl.learner.partition import plan_micro_batches
@@ -246,27 +245,17 @@ class Learner:
 
 def launch(cfg: Config, steps: int | None = None, solo: bool = False) -> None:
     """Process entry of ``streamrl launch-learner`` (under torchrun)."""
-    import deepspeed
-
     if not cfg.redis.url:
         raise ValueError("redis.url is not set: the learner reads the replay stream from a shared Redis")
     if not cfg.model.path:
         raise ValueError("model.path is not set: give a local Hugging Face model directory")
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "gloo":
-        # On CPU DeepSpeed compiles a shared-memory all-reduce op at start (30-60 s, again for every
-        # venv) that only its inference_all_reduce uses; training never does. DeepSpeed keeps edits
-        # to this table, and without the op it uses torch.distributed as it would anyway.
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if solo:  # a world of one rendezvouses through a file: no port to race for
         import tempfile
 
         rendezvous = Path(tempfile.mkdtemp(prefix="streamrl-rdzv-")) / "init"
-        deepspeed.init_distributed(dist_backend=backend, init_method=f"file://{rendezvous}", rank=0, world_size=1,
-                                   auto_mpi_discovery=False)
+        init_distributed(init_method=f"file://{rendezvous}", rank=0, world_size=1, auto_mpi_discovery=False)
     else:
-        deepspeed.init_distributed(dist_backend=backend)
+        init_distributed()
     learner = Learner(cfg, cfg.redis.url)
     target = steps if steps is not None else cfg.learner.max_steps
     while learner.version < target:

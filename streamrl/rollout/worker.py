@@ -113,8 +113,7 @@ class RolloutWorker:
         async with GenerateClient(self.router_url) as client:
             self.coalescer = Coalescer(client.generate_n, rollout.coalesce_ms / 1000)
             log.info("%s: generating through %s", self.name, self.router_url)
-            # an opening report: marks when generation began (start-up done), and the rates count from here
-            self.metrics.write(await asyncio.to_thread(self.admission.counters))
+            await self._report()  # an opening report: when generation began (start-up done); rates count from here
             started = 0
             while not self.stopping.is_set() and (max_groups is None or started < max_groups):
                 await groups_in_flight.acquire()
@@ -205,7 +204,10 @@ class RolloutWorker:
     async def _report_every(self, seconds: float) -> None:
         while True:
             await asyncio.sleep(seconds)
-            self.metrics.write(await asyncio.to_thread(self.admission.counters))
+            await self._report()
+
+    async def _report(self) -> None:
+        self.metrics.write(await asyncio.to_thread(self.admission.counters))
 
 
 def max_groups_in_flight(rollout: RolloutConfig) -> int:
