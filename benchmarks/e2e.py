@@ -4,7 +4,9 @@ Each run is a real ``streamrl up`` of the quickstart (every part its own process
 
 - ``single-turn`` — reverse a word; compute-bound (generation and training share the CPU);
 - ``env-latency`` — the same task as an agentic loop: every reply goes to a checker that takes
-  ~1 s of wall time, and a wrong reply gets feedback and a second try (``RetryWithFeedback``).
+  ~1 s of wall time, and a wrong reply gets feedback and a second try (``RetryWithFeedback``), whose
+  success pays half (``discount: 0.5``): at full pay the wrong first reply shares the episode's whole
+  reward, and the learner credits it.
 
 Both modes train the same number of samples (``max_steps × groups_per_step × n``) from the same
 warm-started model. The clock starts when the rollout worker begins generating (its opening report) —
@@ -13,8 +15,9 @@ loading, which stays on the clock — and stops at the learner's last step.
 Reported per run: that wall time, samples/s over it, steady-state samples/s (between the ends of
 step 2 and the last step, where the queue is as full at both ends), time to a target eval accuracy
 (with how many runs reached it), the staleness of every trained sample, the final online eval accuracy
-(64 prompts), and — off the clock — the final weights' greedy accuracy on all 512 held-out prompts,
-the finer measure of "no loss of final reward".
+(64 prompts), and — off the clock — the final weights' greedy scores on all 512 held-out prompts, the
+finer measure of "no loss of final reward": first-try accuracy, and the task's own reward (on the agentic
+workload a right second try counts at its discount; on single-turn the two are the same).
 The ratio is async samples/s over sync samples/s; who goes first rotates per repeat. Async runs at
 max staleness 4 (the headline), 2 and 1: staleness buys throughput and, on a task learnt in a few
 dozen steps, can cost final reward — both sides of the trade are in the table. Runs are 40 steps,
@@ -27,6 +30,7 @@ replays it to check the pipeline model.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -49,6 +53,7 @@ from benchmarks.common import (
 )
 from streamrl.buffer.redis_server import free_port
 from streamrl.config import load_config
+from streamrl.envs.retry import FEEDBACK
 from streamrl.recipes.reverse import prepare
 from streamrl.rollout.evaluate import read_records
 from streamrl.rollout.worker import max_groups_in_flight
@@ -59,7 +64,8 @@ STALENESS = (4, 2, 1)  # max staleness of the async runs: the headline one, then
 WORKLOADS = {
     "single-turn": [],
     "env-latency": ["rollout.env=streamrl.envs.retry:RetryWithFeedback",
-                    "rollout.env_args={env: single_turn, env_args: {reward: exact_match}, turns: 2, latency_s: 1.0}",
+                    ("rollout.env_args={env: single_turn, env_args: {reward: exact_match}, turns: 2, latency_s: 1.0, "
+                     "discount: 0.5}"),
                     "rollout.concurrency=256", "rollout.env_concurrency=256"],
 }
 
@@ -81,37 +87,73 @@ def one_run(run_dir: Path, prepared: Path, workload: str, mode: str, steps: int,
     return summarise(run_dir / name)
 
 
-def greedy_accuracy(model, tokenizer, rows: list[dict]) -> float:
-    """Exact-match accuracy of greedy replies to ``rows`` (the chat template, 12 new tokens)."""
+def greedy_replies(model, tokenizer, conversations: list[list[dict]]) -> list[str]:
+    """Greedy replies (12 new tokens) to each conversation, rendered with the chat template."""
     import torch
 
     was_training, side = model.training, tokenizer.padding_side
     model.eval()
     tokenizer.padding_side = "left"
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
-                                             add_generation_prompt=True) for r in rows]
+    prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
     batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.no_grad():
         out = model.generate(**batch, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id,
                              eos_token_id=tokenizer.eos_token_id)
     model.train(was_training)
     tokenizer.padding_side = side
-    texts = tokenizer.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
-    return sum(t.strip() == r["answer"] for t, r in zip(texts, rows)) / len(rows)
+    return [t.strip() for t in tokenizer.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)]
+
+
+def task_scores(reply, rows: list[dict], tries: int = 1, discount: float = 1.0) -> tuple[float, float]:
+    """(first-try accuracy, the task's reward) of ``reply(conversations) -> texts`` on ``rows``.
+
+    The reward plays ``RetryWithFeedback``'s episode: a wrong reply hears the feedback and the question
+    again, up to ``tries`` replies, and a right reply on try t (from 0) earns ``discount**t``.
+    """
+    conversations = [[{"role": "user", "content": r["prompt"]}] for r in rows]
+    reward, first_try, waiting = [0.0] * len(rows), 0.0, list(range(len(rows)))
+    for t in range(tries):
+        wrong = []
+        for i, text in zip(waiting, reply([conversations[i] for i in waiting])):
+            if text == rows[i]["answer"]:
+                reward[i] = discount**t
+            else:
+                conversations[i] += [{"role": "assistant", "content": text},
+                                     {"role": "user", "content": f"{FEEDBACK} {rows[i]['prompt']}"}]
+                wrong.append(i)
+        if t == 0:
+            first_try = (len(rows) - len(wrong)) / len(rows)
+        waiting = wrong
+    return first_try, sum(reward) / len(rows)
+
+
+def greedy_accuracy(model, tokenizer, rows: list[dict]) -> float:
+    """Exact-match accuracy of greedy replies to ``rows`` (one try)."""
+    return task_scores(functools.partial(greedy_replies, model, tokenizer), rows)[0]
 
 
 def held_out_rows(prepared: Path) -> list[dict]:
     return [json.loads(x) for x in (prepared / "eval.jsonl").read_text().splitlines()][:HELD_OUT]
 
 
-def held_out_accuracy(model_dir: Path, prepared: Path) -> float:
-    """The final weights' greedy accuracy on every held-out prompt: a finer final score than the online 64."""
+def held_out_scores(run_path: Path, version: int) -> dict:
+    """The final weights' greedy scores on every held-out prompt: finer than the online eval's 64.
+
+    ``held_out_final`` is first-try accuracy; ``held_out_reward`` the task's own reward, which on the
+    agentic workload counts a right second try at its discount (the same as accuracy on single-turn).
+    """
     from transformers import AutoModelForCausalLM
 
     from streamrl.models import load_tokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    return greedy_accuracy(model, load_tokenizer(prepared / "model"), held_out_rows(prepared))
+    cfg = load_config(run_path / "config.yaml")
+    retry = cfg.rollout.env.endswith("RetryWithFeedback")
+    args = cfg.rollout.env_args if retry else {}
+    model = AutoModelForCausalLM.from_pretrained(run_path / "export" / f"version-{version}")
+    reply = functools.partial(greedy_replies, model, load_tokenizer(run_path / "prepared" / "model"))
+    accuracy, reward = task_scores(reply, held_out_rows(run_path / "prepared"), tries=args.get("turns", 1),
+                                   discount=args.get("discount", 1.0))
+    return {"held_out_final": accuracy, "held_out_reward": reward}
 
 
 def prepare_shared(tmp: Path):
@@ -139,8 +181,7 @@ def summarise(run_path: Path) -> dict:
             "eval_first": evals[0]["eval/accuracy"], "eval_final": evals[-1]["eval/accuracy"],
             "staleness": {str(k): staleness[k] for k in sorted(staleness)},
             "train_reward_last5": sum(r["reward_mean"] for r in steps[-5:]) / len(steps[-5:]),
-            "held_out_final": held_out_accuracy(run_path / "export" / f"version-{steps[-1]['step']}",
-                                                run_path / "prepared"),
+            **held_out_scores(run_path, steps[-1]["step"]),
             "stages": stage_speeds(run_path, steps, cfg)}
 
 
@@ -170,7 +211,8 @@ def stage_speeds(run_path: Path, steps: list[dict], cfg) -> dict:
 def medians(rows: list[dict]) -> dict:
     """Medians over repeats; time to target over the runs that reached it, with their count."""
     out = {k: median([x[k] for x in rows])
-           for k in ("samples_per_s", "steady_samples_per_s", "wall_s", "eval_final", "held_out_final")}
+           for k in ("samples_per_s", "steady_samples_per_s", "wall_s", "eval_final", "held_out_final",
+                     "held_out_reward")}
     reached = [x["time_to_target_s"] for x in rows if x["time_to_target_s"] is not None]
     out.update(time_to_target_s=median(reached), reached_target=f"{len(reached)}/{len(rows)}")
     return out
@@ -206,8 +248,8 @@ def run(quick: bool, repeats: int | None = None) -> dict:
         ratios = {m: {"ratio": med[m]["samples_per_s"] / med["sync"]["samples_per_s"],
                       "steady_ratio": med[m]["steady_samples_per_s"] / med["sync"]["steady_samples_per_s"],
                       # repeat r runs every mode at seed r: the held-out difference is paired by seed
-                      "held_out_vs_sync": paired_difference([x["held_out_final"] for x in by_mode[m]],
-                                                            [x["held_out_final"] for x in by_mode["sync"]])}
+                      **{f"{k}_vs_sync": paired_difference([x[k] for x in by_mode[m]], [x[k] for x in by_mode["sync"]])
+                         for k in ("held_out_final", "held_out_reward")}}
                   for m in med if m != "sync"}
         summary[workload] = {**med, **ratios["async"], "ratios": ratios}
     return {"study": "e2e", "repeats": repeats, "max_steps": steps, "max_staleness": bounds[0],
@@ -224,14 +266,14 @@ def report(data: dict, out: Path) -> None:
             label = mode if mode == "sync" else f"async, max staleness {data['staleness_modes'][mode]}"
             rows.append([f"{workload} / {label}", m["samples_per_s"], m["steady_samples_per_s"], m["wall_s"],
                          f"{m['time_to_target_s']:.0f} ({m['reached_target']})", m["eval_final"],
-                         m["held_out_final"]])
+                         m["held_out_final"], m["held_out_reward"]])
         for mode, r in s["ratios"].items():
             rows.append([f"{workload}: {mode} / sync", r["ratio"], r["steady_ratio"], "", "", "",
-                         points(r["held_out_vs_sync"]) if "held_out_vs_sync" in r else ""])
+                         points(r["held_out_final_vs_sync"]), points(r["held_out_reward_vs_sync"])])
     print_table(f"End to end, {data['max_steps']} steps, medians of {data['repeats']}; held-out of a ratio row: "
                 "mean difference from sync over seed-paired runs, ± its 95% t interval",
                 ["run", "samples/s", "steady samples/s", "wall s", f"s to eval ≥ {data['target']} (runs)",
-                 "final eval (64)", f"final held-out ({HELD_OUT})"], rows)
+                 "final eval (64)", f"held-out first try ({HELD_OUT})", "held-out reward"], rows)
     json_path = write_json(out, "e2e", data)
     fig, (ax1, ax2) = new_figure(2, "Async vs sync, same samples (quickstart task)")
     names = list(data["summary"])

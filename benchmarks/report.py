@@ -33,11 +33,13 @@ def headlines(results: Path) -> list[str]:
         for workload, s in e2e["summary"].items():
             bounds = e2e.get("staleness_modes", {"async": e2e["max_staleness"]})
             for mode, r in s.get("ratios", {"async": s}).items():
-                final = " vs ".join(f"{s[m].get('held_out_final', s[m]['eval_final']):.2f}" for m in (mode, "sync"))
-                diff = f", paired difference {points(r['held_out_vs_sync'])}" if "held_out_vs_sync" in r else ""
-                lines.append(f"- **async (max staleness {bounds[mode]}) / sync, {workload}**: {r['ratio']:.2f}× "
-                             f"samples/s (steady state {r['steady_ratio']:.2f}×), final accuracy {final} "
-                             f"(medians of {e2e['repeats']}){diff}")
+                line = (f"- **async (max staleness {bounds[mode]}) / sync, {workload}**: {r['ratio']:.2f}× samples/s "
+                        f"(steady state {r['steady_ratio']:.2f}×), medians of {e2e['repeats']}")
+                for key, what in (("held_out_final", "final first-try accuracy"), ("held_out_reward", "final reward")):
+                    if key in s[mode] and (key == "held_out_final" or s[mode][key] != s[mode]["held_out_final"]):
+                        diff = f" (paired difference {points(r[key + '_vs_sync'])})" if key + "_vs_sync" in r else ""
+                        line += f"; {what} {s[mode][key]:.3f} vs {s['sync'][key]:.3f}{diff}"
+                lines.append(line)
     if trl := load("trl"):
         m = trl["median"]
         steady = f", steady state {trl['steady_ratio']:.2f}×" if "steady_ratio" in trl else ""

@@ -50,3 +50,22 @@ def test_learner_study_counts_the_padding_of_each_plan():
     waste = padding(seqs, by_plan)
     assert 1.0 <= waste["length bands (streamrl)"] < waste["KK, whole batch"]
     assert waste["length bands, shared prompts"] <= waste["length bands (streamrl)"]
+
+
+def test_task_scores_play_the_retry_episode_first_try_accuracy_and_discounted_reward():
+    from benchmarks.e2e import task_scores
+
+    rows = [{"prompt": "Reverse: ab", "answer": "ba"}, {"prompt": "Reverse: cd", "answer": "dc"},
+            {"prompt": "Reverse: ef", "answer": "fe"}]
+    seen = []
+
+    def reply(conversations):  # right first on row 0, right second on row 1, never on row 2
+        seen.append(conversations)
+        return [{"Reverse: ab": "ba", "Reverse: cd": "cd" if len(c) == 1 else "dc"}.get(c[0]["content"], "x")
+                for c in conversations]
+
+    assert task_scores(reply, rows, tries=2, discount=0.5) == (1 / 3, (1 + 0.5 + 0) / 3)
+    assert [len(batch) for batch in seen] == [3, 2]  # only the wrong ones try again
+    assert seen[1][0][1:] == [{"role": "assistant", "content": "cd"},
+                              {"role": "user", "content": "That is not right. Reverse: cd"}]
+    assert task_scores(reply, rows) == (1 / 3, 1 / 3)  # one try: the reward is the accuracy

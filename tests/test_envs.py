@@ -144,9 +144,9 @@ def test_retry_gives_a_wrong_reply_feedback_and_another_try_after_the_checker_s_
     from streamrl.envs.base import Action
     from streamrl.envs.retry import RetryWithFeedback
 
-    async def play(replies):
+    async def play(replies, discount=1.0):
         env = RetryWithFeedback(env="single_turn", env_args={"reward": "exact_match"}, turns=2, latency_s=0.05,
-                                jitter=0.0)
+                                jitter=0.0, discount=discount)
         first = await env.reset({"prompt": "Reverse: abc", "answer": "cba"})
         assert first.messages[-1]["content"] == "Reverse: abc"
         results = []
@@ -165,3 +165,9 @@ def test_retry_gives_a_wrong_reply_feedback_and_another_try_after_the_checker_s_
     assert retried[0].observation.messages == [{"role": "user", "content": "That is not right. Reverse: abc"}]
     wrong = asyncio.run(play(["abc", "abc", "cba"]))
     assert [(r.reward, r.done) for r in wrong] == [(0.0, False), (0.0, True)]  # two tries, then it ends
+    assert (retried[-1].info["tries"], retried[-1].info["correct"], wrong[-1].info["correct"]) == (2, True, False)
+    # a discount pays a right second try less than a right first one; the first try is not discounted
+    assert [r.reward for r in asyncio.run(play(["abc", "cba"], discount=0.5))] == [0.0, 0.5]
+    assert [r.reward for r in asyncio.run(play(["cba"], discount=0.5))] == [1.0]
+    with pytest.raises(ValueError, match="0 < discount <= 1; got .*discount=0"):
+        RetryWithFeedback(discount=0)
