@@ -4,8 +4,10 @@ batch split unevenly over the ranks; rank 0 saves the weights."""
 import sys
 from dataclasses import replace
 
+import deepspeed
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from streamrl.config import load_config
 from streamrl.learner import batch as batching
@@ -13,9 +15,6 @@ from streamrl.learner.engine import PolicyEngine
 from streamrl.protocol import Group, Sample
 
 model_dir, out, agg, zero = sys.argv[1:5]
-import deepspeed
-import torch.distributed as dist
-
 deepspeed.init_distributed(dist_backend="gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 cfg = load_config(None, [f"model.path={model_dir}", "learner.optimizer=sgd", "learner.lr=1.0", "learner.grad_clip=1e9",
@@ -51,4 +50,7 @@ if zero == "3":  # PPO's critic under ZeRO-3, with rank 0's empty micro-batch: i
 
     critic = Critic(cfg, model_dir)
     assert critic.step(critic.prepare(shard), global_tokens)["value_loss"] >= 0
+    # a model with dropout gets a separate proximal forward per micro-batch: rank 0's empty one included
+    engine.random_forward, engine.cfg.off_policy.correction = True, "decoupled"
+    assert engine.step(shard, global_tokens, global_sequences=len(seqs))["skipped"] == 0.0
 dist.barrier()
