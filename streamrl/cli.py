@@ -6,7 +6,7 @@ import logging
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -25,14 +25,14 @@ err = Console(stderr=True)
 
 @app.callback()
 def _root(
-    local_rank: Annotated[Optional[int], typer.Option("--local_rank", "--local-rank", hidden=True,
-                                                      help="Set by the deepspeed launcher; LOCAL_RANK is read.")] = None,
+    local_rank: Annotated[int | None, typer.Option("--local_rank", "--local-rank", hidden=True,
+                                                   help="Set by the deepspeed launcher; LOCAL_RANK is read.")] = None,
 ) -> None:
     """Fully asynchronous, off-policy, streaming RL for LLMs."""
 
 
-ConfigArg = Annotated[Optional[Path], typer.Argument(help="YAML config file (defaults when omitted).")]
-OverridesArg = Annotated[Optional[list[str]], typer.Argument(help="Overrides such as learner.lr=1e-5.")]
+ConfigArg = Annotated[Path | None, typer.Argument(help="YAML config file (defaults when omitted).")]
+OverridesArg = Annotated[list[str] | None, typer.Argument(help="Overrides such as learner.lr=1e-5.")]
 
 
 def _load(config: Path | None, overrides: list[str] | None) -> Config:
@@ -51,7 +51,7 @@ def up(
     config: ConfigArg = None,
     overrides: OverridesArg = None,
     fresh: Annotated[bool, typer.Option("--fresh", help="Delete the run directory first (else: resume it).")] = False,
-    ray: Annotated[Optional[str], typer.Option(help="Place the parts on Ray: a cluster address ('auto', "
+    ray: Annotated[str | None, typer.Option(help="Place the parts on Ray: a cluster address ('auto', "
                                                     "ray://...) or 'local' for a local cluster.")] = None,
 ) -> None:
     """Run everything on this machine: Redis, router, servers, rollout workers, evaluator, learner."""
@@ -90,7 +90,7 @@ def evaluate(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
 def serve(
     config: ConfigArg = None,
     overrides: OverridesArg = None,
-    port: Annotated[Optional[int], typer.Option(help="Port (default: server.base_port).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default: server.base_port).")] = None,
 ) -> None:
     """Start one rollout server (an inference engine behind SGLang's HTTP API)."""
     from streamrl.rollout.serve import serve as run_server
@@ -120,7 +120,7 @@ def serve_reward(config: ConfigArg = None, overrides: OverridesArg = None) -> No
 def launch_router(
     config: ConfigArg = None,
     overrides: OverridesArg = None,
-    worker: Annotated[Optional[list[str]], typer.Option(help="A server URL to route to besides the registry's.")] = None,
+    worker: Annotated[list[str] | None, typer.Option(help="A server URL to route to besides the registry's.")] = None,
 ) -> None:
     """Start sglang-router and keep its worker set in step with the server registry."""
     import threading
@@ -164,7 +164,7 @@ def launch_rollout(
     overrides: OverridesArg = None,
     name: Annotated[str, typer.Option(help="Worker name; a restart under the same name resumes its prompts.")]
     = "worker-0",
-    groups: Annotated[Optional[int], typer.Option(help="Stop after starting this many groups.")] = None,
+    groups: Annotated[int | None, typer.Option(help="Stop after starting this many groups.")] = None,
 ) -> None:
     """Start a rollout worker that streams groups of trajectories into the replay stream."""
     from streamrl.rollout.dataset import DatasetError
@@ -183,7 +183,7 @@ def launch_rollout(
 def launch_learner(
     config: ConfigArg = None,
     overrides: OverridesArg = None,
-    steps: Annotated[Optional[int], typer.Option(help="Train until the policy version reaches this "
+    steps: Annotated[int | None, typer.Option(help="Train until the policy version reaches this "
                                                       "(default: learner.max_steps).")] = None,
 ) -> None:
     """Start a learner rank: `torchrun --nproc_per_node N -m streamrl launch-learner CONFIG` (alone: one rank)."""
@@ -265,8 +265,8 @@ def bench(
                                                 "or 'report' to gather results into docs/benchmarks.md.")],
     quick: Annotated[bool, typer.Option("--quick", help="A short run that still measures both sides.")] = False,
     out: Annotated[Path, typer.Option(help="Where JSON and PNG results go.")] = Path("benchmarks/results"),
-    model: Annotated[Optional[Path], typer.Option(help="HF model directory, for studies that run a model.")] = None,
-    repeats: Annotated[Optional[int], typer.Option(help="Runs of each arm, for e2e and trl (default: the study's own).",
+    model: Annotated[Path | None, typer.Option(help="HF model directory, for studies that run a model.")] = None,
+    repeats: Annotated[int | None, typer.Option(help="Runs of each arm, for e2e and trl (default: the study's own).",
                                                    min=1)] = None,
 ) -> None:
     """Throughput studies; each prints a table and writes JSON and a PNG plot."""

@@ -50,7 +50,7 @@ class RedisConfig(Section):
         return {"retries": self.retries, "retry_cap_s": self.retry_cap_s}
 
     @model_validator(mode="after")
-    def _url_scheme(self) -> "RedisConfig":
+    def _url_scheme(self) -> RedisConfig:
         if self.url and not self.url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"url must start with redis://, rediss:// or unix://, got {self.url!r}")
         return self
@@ -236,7 +236,7 @@ class Config(Section):
     ray: RayConfig = Field(default_factory=RayConfig)
 
     @model_validator(mode="after")
-    def _pushes_keep_up_with_staleness(self) -> "Config":
+    def _pushes_keep_up_with_staleness(self) -> Config:
         # tokens carry the version of the last *pushed* weights; if pushes are rarer than the staleness
         # bound allows, every group is too old on arrival, is dropped, and the run stalls
         every, bound = self.weight_sync.sync_every, self.off_policy.max_staleness

@@ -50,15 +50,15 @@ def show(report: LedgerReport, console: Console) -> None:
     table = Table(title="ledger", show_header=True)
     table.add_column("groups")
     table.add_column("count", justify="right")
-    r, l = report.rollout, report.learner
+    r, learned = report.rollout, report.learner
     rows = [("started (admitted by a worker)", r["admitted"]), ("pushed into the replay stream", r["accepted"]),
             *((f"  {k.replace('abandoned:', 'abandoned: ')}", v) for k, v in r.items() if k.startswith("abandoned:")),
             ("  lease expired (worker died mid-group)", r["expired"]), ("  pushed after its lease expired", r.get("late", 0)),
             ("  still being generated", report.running),
-            ("trained", l["trained"]), ("dropped: stale", l["dropped:stale"]), ("dropped: dead-lettered", l["dropped:dead"]),
-            ("dropped: step skipped (non-finite)", l["dropped:skipped"]),
-            ("  trained or dropped, settled by a checkpoint", l["settled"]),
-            ("pending after the learner's cursor", report.pending), ("recorded twice", l["twice"]), ("undecodable stream entries", r["dead"])]
+            ("trained", learned["trained"]), ("dropped: stale", learned["dropped:stale"]), ("dropped: dead-lettered", learned["dropped:dead"]),
+            ("dropped: step skipped (non-finite)", learned["dropped:skipped"]),
+            ("  trained or dropped, settled by a checkpoint", learned["settled"]),
+            ("pending after the learner's cursor", report.pending), ("recorded twice", learned["twice"]), ("undecodable stream entries", r["dead"])]
     for name, value in rows:
         table.add_row(name, str(value))
     console.print(table)

@@ -2,7 +2,6 @@
 
 import asyncio
 
-
 from streamrl.rollout.coalesce import Coalescer
 from streamrl.rollout.engines.base import Completion, SamplingParams
 

@@ -92,8 +92,8 @@ def test_on_policy_every_correction_is_plain_ppo_with_ratio_one():
         (g,) = torch.autograd.grad(loss.sum(), logits, retain_graph=True)
         grads.append(g)
         losses.append(loss.detach())
-    for g, l in zip(grads[1:], losses[1:]):
-        assert torch.allclose(g, grads[0]) and torch.allclose(l, losses[0])
+    for g, loss_i in zip(grads[1:], losses[1:]):
+        assert torch.allclose(g, grads[0]) and torch.allclose(loss_i, losses[0])
     assert torch.allclose(losses[0], -adv * mask)
 
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 def _served(url: str) -> float:
     text = httpx.get(url + "/metrics").text
-    line = next((l for l in text.splitlines() if l.startswith('streamrl_requests_total{status="ok"}')), None)
+    line = next((x for x in text.splitlines() if x.startswith('streamrl_requests_total{status="ok"}')), None)
     return float(line.split()[-1]) if line else 0.0
 
 
@@ -79,7 +79,7 @@ def test_n_samples_of_one_context_come_back_through_the_router_from_one_request(
 def _latency_count(url: str) -> float:
     """Requests the server answered (its latency histogram observes each request once)."""
     text = httpx.get(url + "/metrics").text
-    line = next((l for l in text.splitlines() if l.startswith("streamrl_request_latency_seconds_count")), None)
+    line = next((x for x in text.splitlines() if x.startswith("streamrl_request_latency_seconds_count")), None)
     return float(line.split()[-1]) if line else 0.0
 
 

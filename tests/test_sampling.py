@@ -30,5 +30,8 @@ def test_seeded_rows_are_reproducible_and_unseeded_rows_follow_the_distribution(
     tokens, _ = sample_batch(logits, params, [None] * 4000)
     freq = torch.bincount(torch.tensor(tokens), minlength=3).float() / 4000
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
-    draw = lambda: sample_batch(logits[:5], params[:5], [torch.Generator().manual_seed(3) for _ in range(5)])[0]
+
+    def draw():
+        return sample_batch(logits[:5], params[:5], [torch.Generator().manual_seed(3) for _ in range(5)])[0]
+
     assert draw() == draw()

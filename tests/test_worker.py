@@ -113,7 +113,6 @@ def test_a_raising_env_is_counted_not_fatal(fleet):
 
 def test_rlhf_groups_are_scored_by_a_reward_model_server(fleet, reward_dir, tmp_path):
     from streamrl.buffer.redis_server import free_port
-
     from streamrl.rollout.client import wait_healthy
 
     port = free_port()

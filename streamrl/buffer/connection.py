@@ -51,7 +51,7 @@ class Namespace:
     url: str  # for messages; password redacted
 
     @classmethod
-    def open(cls, url: str, run: str, *, retries: int = 8, retry_cap_s: float = 2.0) -> "Namespace":
+    def open(cls, url: str, run: str, *, retries: int = 8, retry_cap_s: float = 2.0) -> Namespace:
         return cls(connect(url, retries=retries, retry_cap_s=retry_cap_s), run, redacted(url))
 
     def key(self, name: str) -> str:

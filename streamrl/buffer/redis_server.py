@@ -163,7 +163,7 @@ class EmbeddedRedis:
             self.proc.kill()
             self.proc.wait()
 
-    def __enter__(self) -> "EmbeddedRedis":
+    def __enter__(self) -> EmbeddedRedis:
         self.start()
         return self
 

@@ -22,8 +22,8 @@ from streamrl.learner import batch as batching
 from streamrl.learner import checkpoint
 from streamrl.learner.engine import PolicyEngine, init_distributed
 from streamrl.learner.metrics import MetricsSink
-from streamrl.learner.push import WeightPusher
 from streamrl.learner.partition import plan_micro_batches
+from streamrl.learner.push import WeightPusher
 from streamrl.models import load_tokenizer
 
 log = logging.getLogger("streamrl.learner")

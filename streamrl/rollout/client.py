@@ -86,7 +86,7 @@ class GenerateClient:
             await self._http.close()
             self._http = None
 
-    async def __aenter__(self) -> "GenerateClient":
+    async def __aenter__(self) -> GenerateClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -37,7 +37,7 @@ class RewardModel:
         self.tokenizer.truncation_side = "left"  # keep the response, cut the oldest context
 
     @classmethod
-    def from_pretrained(cls, path: str, **kw) -> "RewardModel":
+    def from_pretrained(cls, path: str, **kw) -> RewardModel:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         return cls(AutoModelForSequenceClassification.from_pretrained(path), AutoTokenizer.from_pretrained(path), **kw)

@@ -59,7 +59,7 @@ class HFEngine:
         self._thread.start()
 
     @classmethod
-    def from_pretrained(cls, path: str, *, dtype: str = "float32", tokenizer=None, **kw) -> "HFEngine":
+    def from_pretrained(cls, path: str, *, dtype: str = "float32", tokenizer=None, **kw) -> HFEngine:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
         return cls(model, tokenizer=tokenizer, **kw)
 
@@ -305,7 +305,7 @@ class _SlackLayer(DynamicLayer):
     """
 
     @classmethod
-    def of(cls, keys: torch.Tensor, values: torch.Tensor, slack: int = 64) -> "_SlackLayer":
+    def of(cls, keys: torch.Tensor, values: torch.Tensor, slack: int = 64) -> _SlackLayer:
         layer = cls()
         layer.dtype, layer.device, layer.is_initialized = keys.dtype, keys.device, True
         b, h, t, d = keys.shape
