@@ -6,6 +6,7 @@ Reads ``benchmarks/results/NAME.json`` (the tables each study printed are saved 
 
 from __future__ import annotations
 
+import ast
 import json
 import shutil
 from pathlib import Path
@@ -15,6 +16,15 @@ from benchmarks.common import console, points
 TITLES = {"queue": "Replay stream", "partition": "Micro-batch partitioning", "generate": "Generation",
           "learner": "Learner", "weight_push": "Weight push", "e2e": "End to end: async vs sync",
           "trl": "Against TRL", "simulate": "Simulated fleets", "soak": "Soak: memory over a long run"}
+MODULES = {"queue": "replay_stream", "trl": "against_trl"}  # a study's module, where not its own name
+
+
+def about(name: str) -> str:
+    """What a study measures and how: its module's docstring, in Markdown, without the usage line."""
+    path = Path(__file__).parent / f"{MODULES.get(name, name)}.py"
+    text = ast.get_docstring(ast.parse(path.read_text())) or ""
+    lines = [line for line in text.splitlines() if not line.lstrip().startswith("python -m benchmarks")]
+    return "\n".join(lines).strip().replace("``", "`") + "\n"
 
 
 def markdown_table(table: dict) -> str:
@@ -75,6 +85,7 @@ def build(results: Path, page: Path) -> Path:
         m = data["machine"]
         parts.append(f"Run {m['time']} on {m['cpu_count']} CPU cores"
                      + (" (quick setting: fewer repeats and sizes)" if data.get("quick") else "") + ".\n")
+        parts.append(about(name))
         parts.extend(markdown_table(t) for t in data.get("tables", []))
         png = results / f"{name}.png"
         if png.is_file():

@@ -69,3 +69,12 @@ def test_task_scores_play_the_retry_episode_first_try_accuracy_and_discounted_re
     assert seen[1][0][1:] == [{"role": "assistant", "content": "cd"},
                               {"role": "user", "content": "That is not right. Reverse: cd"}]
     assert task_scores(reply, rows) == (1 / 3, 1 / 3)  # one try: the reward is the accuracy
+
+
+def test_the_report_says_what_each_study_measures_from_its_module_docstring():
+    from benchmarks import report
+
+    for name in report.TITLES:
+        text = report.about(name)
+        assert len(text) > 100 and "python -m benchmarks" not in text and "``" not in text, name
+    assert "discount: 0.5" in report.about("e2e") and "XADD" in report.about("queue")
