@@ -182,8 +182,18 @@ def summarise(run_path: Path) -> dict:
             "eval_first": evals[0]["eval/accuracy"], "eval_final": evals[-1]["eval/accuracy"],
             "staleness": {str(k): staleness[k] for k in sorted(staleness)},
             "train_reward_last5": sum(r["reward_mean"] for r in steps[-5:]) / len(steps[-5:]),
+            **episode_shape(run_path),
             **held_out_scores(run_path, steps[-1]["step"]),
             "stages": stage_speeds(run_path, steps, cfg)}
+
+
+def episode_shape(run_path: Path) -> dict:
+    """Mean turns per episode, and mean policy versions an episode's tokens span (weights that changed
+    between its turns), over every episode the rollout worker played."""
+    reports = [r for r in read_records(run_path / "metrics" / "rollout-worker-0.jsonl") if r.get("turns_mean")]
+    episodes = sum(r["episodes"] for r in reports)
+    return {k: sum(r[k] * r["episodes"] for r in reports) / episodes if episodes else None
+            for k in ("turns_mean", "version_span_mean")}
 
 
 def generation_began(run_path: Path) -> float:

@@ -1,9 +1,12 @@
 import json
+from dataclasses import replace
 
 import httpx
+import numpy as np
 import pytest
 
 from streamrl.buffer.redis_server import free_port
+from streamrl.protocol import Sample
 from streamrl.rollout.dataset import DatasetError, Prompts, load_rows
 from streamrl.rollout.worker import EnvFault, WorkerMetrics
 
@@ -63,11 +66,20 @@ def test_worker_metrics_go_to_jsonl_and_prometheus(tmp_path):
     metrics.failure(EnvFault("boom"))
     metrics.pushed(staleness=1, seconds=0.5)
     metrics.pushed(staleness=3, seconds=1.5)
+    one_turn = Sample(tokens=np.arange(4), loss_mask=np.array([0, 0, 1, 1]), logprobs=np.zeros(4),
+                      versions=np.array([-1, -1, 5, 5]), reward=1.0, env_info={"turns": 1})
+    # two turns, the second generated after a weight update (versions 5 then 7)
+    two_turns = replace(one_turn, versions=np.array([-1, 5, -1, 7]), loss_mask=np.array([0, 1, 0, 1]),
+                        reward=0.0, env_info={"turns": 2})
+    metrics.episode(one_turn)
+    metrics.episode(two_turns)
     metrics.write({"accepted": 2})
     metrics.write({"accepted": 2})  # a report covers only what happened since the last one
     first, second = map(json.loads, (tmp_path / "m.jsonl").read_text().splitlines())
     assert first["failed_env"] == 1 and first["groups_pushed"] == 2 and first["ledger"] == {"accepted": 2}
     assert first["group_s_mean"] == 1.0 and first["group_s_std"] == 0.5 and first["staleness_mean"] == 2.0 and first["staleness_max"] == 3
-    assert second["group_s_mean"] is None and "groups_pushed" not in second
+    assert first["episodes"] == 2 and first["reward_mean"] == 0.5 and first["tokens_per_s"] > 0
+    assert first["turns_mean"] == 1.5 and first["version_span_mean"] == 1.0
+    assert second["group_s_mean"] is None and "groups_pushed" not in second and second["turns_mean"] is None
     text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
     assert 'streamrl_rollout_events_total{event="failed_env"} 1.0' in text

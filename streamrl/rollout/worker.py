@@ -241,7 +241,7 @@ class WorkerMetrics:
         self.rewards: list[float] = []
         self.staleness: list[int] = []
         self.group_s: list[float] = []  # a group's first episode starting to its put: its rollout latency
-        self.tokens = 0
+        self.tokens = self.turns = self.version_span = 0  # sums over the episodes since the last report
         self.env_s = self.generate_s = 0.0
         self.since = time.time()
 
@@ -263,6 +263,9 @@ class WorkerMetrics:
         self.env_s += sample.timings.get("env_s", 0.0)
         self.generate_s += sample.timings.get("generate_s", 0.0)
         self.env_latency.observe(sample.timings.get("env_s", 0.0))
+        self.turns += int(sample.env_info.get("turns", 1))
+        versions = sample.versions[sample.versions >= 0]  # a weight update between turns spans versions
+        self.version_span += int(versions.max() - versions.min()) if versions.size else 0
 
     def pushed(self, staleness: int, seconds: float) -> None:
         self.count("groups_pushed")
@@ -280,6 +283,8 @@ class WorkerMetrics:
             "reward_mean": sum(self.rewards) / len(self.rewards) if self.rewards else None,
             "env_s_per_episode": self.env_s / episodes if episodes else None,
             "generate_s_per_episode": self.generate_s / episodes if episodes else None,
+            "turns_mean": self.turns / episodes if episodes else None,
+            "version_span_mean": self.version_span / episodes if episodes else None,
             "group_s_mean": statistics.fmean(self.group_s) if self.group_s else None,
             "group_s_std": statistics.pstdev(self.group_s) if self.group_s else None,
             "staleness_mean": sum(self.staleness) / len(self.staleness) if self.staleness else None,
@@ -293,7 +298,8 @@ class WorkerMetrics:
         self.rewards.clear()
         self.staleness.clear()
         self.group_s.clear()
-        self.tokens, self.env_s, self.generate_s, self.since = 0, 0.0, 0.0, now
+        self.tokens = self.turns = self.version_span = 0
+        self.env_s, self.generate_s, self.since = 0.0, 0.0, now
 
 
 def launch(cfg: Config, name: str, max_groups: int | None = None) -> None:
