@@ -2,8 +2,7 @@
 
 Each run is a real ``streamrl up`` of the quickstart (every part its own process) on two workloads:
 
-- ``single-turn`` — reverse a word; compute-bound: asynchronous, generation and training share the
-  cores; synchronous, they take turns and each has all of them (``streamrl up`` sets torch threads so);
+- ``single-turn`` — reverse a word; compute-bound (generation and training share the CPU);
 - ``env-latency`` — the same task as an agentic loop: every reply goes to a checker that takes
   ~1 s of wall time, and a wrong reply gets feedback and a second try (``RetryWithFeedback``), whose
   success pays half (``discount: 0.5``): at full pay the wrong first reply shares the episode's whole

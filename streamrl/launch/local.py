@@ -56,17 +56,14 @@ def _has_eval(cfg: Config, step: int) -> bool:
     return any(r.get("step") == step for r in read_records(cfg.run.path / "metrics" / "eval.jsonl"))
 
 
-def _threads(cfg: Config, kind: str) -> dict[str, str]:
-    """Torch threads of a server or learner rank: the cores shared among the parts computing at once.
+def _threads(cfg: Config) -> dict[str, str]:
+    """Torch threads per server and learner rank: the cores shared among the parts that compute.
 
-    Asynchronous, every server and rank computes at once. Synchronous, generation and training take
-    turns, so the servers share the cores among themselves, and so do the ranks.
+    Sync mode too, though its generation and training take turns: on two cores, giving each phase both
+    made the quickstart's sync run 1.3× slower (median of 4 side-by-side pairs, 1.07–1.52×; a small model's ops
+    gain less from a second thread than they lose waiting on it beside the other processes).
     """
-    if cfg.mode == "async":
-        sharing = cfg.server.count + cfg.learner.nproc
-    else:
-        sharing = cfg.server.count if kind == "server" else cfg.learner.nproc
-    n = cfg.supervise.threads or max(1, (os.cpu_count() or 1) // sharing)
+    n = cfg.supervise.threads or max(1, (os.cpu_count() or 1) // (cfg.server.count + cfg.learner.nproc))
     return {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)}
 
 
@@ -84,13 +81,13 @@ def parts(cfg: Config, config_file: Path, redis: EmbeddedRedis | None = None) ->
         learner = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(cfg.learner.nproc),
                    "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "streamrl",
                    "launch-learner", cfg_arg]
-    out.append(Part("learner", "learner", learner, logs / "learner.log", env=_threads(cfg, "learner")))
+    out.append(Part("learner", "learner", learner, logs / "learner.log", env=_threads(cfg)))
     out.append(Part("router", "router", [*me, "launch-router", cfg_arg], logs / "router.log",
                     ready=lambda: _healthy(router_url)))
     for i in range(cfg.server.count):
         url = f"http://{cfg.server.host}:{cfg.server.base_port + i}"
         out.append(Part(f"server-{i}", "server", [*me, "serve", cfg_arg, "--port", str(cfg.server.base_port + i)],
-                        logs / f"server-{i}.log", env=_threads(cfg, "server"), ready=lambda url=url: _healthy(url)))
+                        logs / f"server-{i}.log", env=_threads(cfg), ready=lambda url=url: _healthy(url)))
     if cfg.eval.dataset:
         out.append(Part("evaluator", "evaluator", [*me, "evaluate", cfg_arg], logs / "evaluator.log",
                         env={"OMP_NUM_THREADS": "1"}, ready=lambda: _has_eval(cfg, 0)))
