@@ -53,7 +53,8 @@ from benchmarks.common import (
 )
 from streamrl.buffer.redis_server import free_port
 from streamrl.config import load_config
-from streamrl.envs.retry import FEEDBACK
+from streamrl.envs.registry import env_class
+from streamrl.envs.retry import FEEDBACK, RetryWithFeedback
 from streamrl.recipes.reverse import prepare
 from streamrl.rollout.evaluate import read_records
 from streamrl.rollout.worker import max_groups_in_flight
@@ -147,8 +148,7 @@ def held_out_scores(run_path: Path, version: int) -> dict:
     from streamrl.models import load_tokenizer
 
     cfg = load_config(run_path / "config.yaml")
-    retry = cfg.rollout.env.endswith("RetryWithFeedback")
-    args = cfg.rollout.env_args if retry else {}
+    args = cfg.rollout.env_args if issubclass(env_class(cfg.rollout.env), RetryWithFeedback) else {}
     model = AutoModelForCausalLM.from_pretrained(run_path / "export" / f"version-{version}")
     reply = functools.partial(greedy_replies, model, load_tokenizer(run_path / "prepared" / "model"))
     accuracy, reward = task_scores(reply, held_out_rows(run_path / "prepared"), tries=args.get("turns", 1),
