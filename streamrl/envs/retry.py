@@ -49,7 +49,8 @@ class RetryWithFeedback(Env):
         self.turn += 1
         if result.reward >= 1.0 or self.turn >= self.max_turns or not self.question:
             reward = result.reward * self.discount ** (self.turn - 1)
-            return StepResult(reward=reward, done=True, info={"correct": result.reward >= 1.0, **result.info, "tries": self.turn})
+            info = {"correct": result.reward >= 1.0, **result.info, "tries": self.turn}
+            return StepResult(reward=reward, done=True, info=info)
         await self.inner.reset(self.item)  # the wrapped env scores the next reply afresh
         retry = f"{FEEDBACK} {self.question[0]['content']}"
         return StepResult(reward=0.0, done=False, observation=Observation(messages=[{"role": "user", "content": retry}]))
