@@ -13,6 +13,9 @@ def test_truncate_top_k_and_top_p_by_hand():
     assert truncate(x, -1, 0.5).tolist() == [-math.inf, 3.0, -math.inf, -math.inf]
     assert truncate(x, -1, 0.85).tolist() == [-math.inf, 3.0, 2.0, -math.inf]
     assert torch.equal(truncate(x, -1, 1.0), x)
+    # a top_p too small for float32 (it rounds to 0) still keeps the likeliest token: found by the fuzz test
+    assert truncate(x, -1, 2e-284).tolist() == [-math.inf, 3.0, -math.inf, -math.inf]
+    assert truncate(x, 27, 2e-284).tolist() == [-math.inf, 3.0, -math.inf, -math.inf]
 
 
 def test_logprob_is_under_the_tempered_untruncated_distribution():

@@ -48,6 +48,7 @@ def truncate(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         drop[top_k:] = True
     if top_p < 1.0:
         probs = torch.softmax(sorted_logits, -1)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        # keep the smallest prefix whose mass reaches top_p
         drop |= (probs.cumsum(-1) - probs) >= top_p
+    drop[0] = False  # the likeliest token always stays (a top_p below float32's range compares as 0)
     return scaled.masked_fill(torch.empty_like(drop).scatter_(0, order, drop), float("-inf"))
