@@ -137,7 +137,7 @@ def held_out_rows(prepared: Path) -> list[dict]:
     return [json.loads(x) for x in (prepared / "eval.jsonl").read_text().splitlines()][:HELD_OUT]
 
 
-def held_out_scores(run_path: Path, version: int) -> dict:
+def held_out_scores(run_path: Path, cfg, version: int) -> dict:
     """The final weights' greedy scores on every held-out prompt: finer than the online eval's 64.
 
     ``held_out_final`` is first-try accuracy; ``held_out_reward`` the task's own reward, which on the
@@ -147,7 +147,6 @@ def held_out_scores(run_path: Path, version: int) -> dict:
 
     from streamrl.models import load_tokenizer
 
-    cfg = load_config(run_path / "config.yaml")
     args = cfg.rollout.env_args if issubclass(env_class(cfg.rollout.env), RetryWithFeedback) else {}
     model = AutoModelForCausalLM.from_pretrained(run_path / "export" / f"version-{version}")
     reply = functools.partial(greedy_replies, model, load_tokenizer(run_path / "prepared" / "model"))
@@ -167,7 +166,10 @@ def summarise(run_path: Path) -> dict:
     cfg = load_config(run_path / "config.yaml")  # as the run saw it
     steps = [r for r in read_records(run_path / "metrics" / "learner.jsonl") if "loss" in r]
     evals = read_records(run_path / "metrics" / "eval.jsonl")
-    start = generation_began(run_path)
+    worker = read_records(run_path / "metrics" / "rollout-worker-0.jsonl")
+    # the clock starts at the worker's opening report, written once it has started up (imports, tokenizer,
+    # Redis) and begins generating — as TRL's clock starts once its trainer is built
+    start = worker[0]["time"]
     n = cfg.rollout.sampling.n
     wall = steps[-1]["time"] - start
     samples = sum(r["groups"] for r in steps) * n
@@ -181,31 +183,25 @@ def summarise(run_path: Path) -> dict:
             "eval_first": evals[0]["eval/accuracy"], "eval_final": evals[-1]["eval/accuracy"],
             "staleness": {str(k): staleness[k] for k in sorted(staleness)},
             "train_reward_last5": sum(r["reward_mean"] for r in steps[-5:]) / len(steps[-5:]),
-            **episode_shape(run_path),
-            **held_out_scores(run_path, steps[-1]["step"]),
-            "stages": stage_speeds(run_path, steps, cfg)}
+            **episode_shape(worker),
+            **held_out_scores(run_path, cfg, steps[-1]["step"]),
+            "stages": stage_speeds(worker, steps, cfg)}
 
 
-def episode_shape(run_path: Path) -> dict:
+def episode_shape(worker: list[dict]) -> dict:
     """Mean turns per episode, and mean policy versions an episode's tokens span (weights that changed
-    between its turns), over every episode the rollout worker played."""
-    reports = [r for r in read_records(run_path / "metrics" / "rollout-worker-0.jsonl") if r.get("turns_mean")]
+    between its turns), over every episode the rollout worker reported."""
+    reports = [r for r in worker if r.get("turns_mean")]
     episodes = sum(r["episodes"] for r in reports)
     return {k: sum(r[k] * r["episodes"] for r in reports) / episodes if episodes else None
             for k in ("turns_mean", "version_span_mean")}
 
 
-def generation_began(run_path: Path) -> float:
-    """When the rollout worker began generating: the time of its opening report, written once it has
-    started up (imports, tokenizer, Redis) — as TRL's clock starts once its trainer is built."""
-    return read_records(run_path / "metrics" / "rollout-worker-0.jsonl")[0]["time"]
-
-
-def stage_speeds(run_path: Path, steps: list[dict], cfg) -> dict:
+def stage_speeds(worker: list[dict], steps: list[dict], cfg) -> dict:
     """What each stage took in this run — the learner over steps 3 on, a group's latency over the whole run:
     the simulator replays the run from these."""
     steady = steps[2:]
-    reports = [r for r in read_records(run_path / "metrics" / "rollout-worker-0.jsonl") if r.get("group_s_mean")]
+    reports = [r for r in worker if r.get("group_s_mean")]
     pushed = sum(r["groups_pushed"] for r in reports)
     mean = sum(r["group_s_mean"] * r["groups_pushed"] for r in reports) / pushed if pushed else None
     square = sum((r.get("group_s_std", 0.0) ** 2 + r["group_s_mean"] ** 2) * r["groups_pushed"] for r in reports)
