@@ -180,3 +180,17 @@ def test_torch_threads_share_the_cores_among_servers_and_learner_ranks(tmp_path,
     assert threads == {"learner": each, "router": None, "server-0": each, "server-1": each, "rollout-0": "1"}
     cfg.supervise.threads = 3
     assert {p.env.get("OMP_NUM_THREADS") for p in local.parts(cfg, tmp_path / "c.yaml") if p.kind == "server"} == {"3"}
+
+
+def test_the_display_shows_no_generation_rate_until_a_worker_reports_past_its_opening(tmp_path):
+    from streamrl.config import load_config
+    from streamrl.launch.display import Dashboard
+
+    cfg = load_config("configs/quickstart.yaml", [f"run.dir={tmp_path}", "supervise.display=plain"])
+    worker = tmp_path / "quickstart" / "metrics" / "rollout-worker-0.jsonl"
+    worker.parent.mkdir(parents=True)
+    worker.write_text(json.dumps({"time": 1.0, "episodes": 0, "tokens_per_s": 0.0}) + "\n")
+    assert "gen_tok_s" not in Dashboard(cfg).stats()  # shown as "–", not a false 0 tok/s
+    with worker.open("a") as f:
+        f.write(json.dumps({"time": 11.0, "episodes": 64, "tokens_per_s": 350.0}) + "\n")
+    assert Dashboard(cfg).stats()["gen_tok_s"] == 350.0

@@ -61,8 +61,9 @@ class Dashboard:
         learner = [r for r in lines if "loss" in r]
         pushes = [r for r in lines if "push_s" in r]
         evals = read_records(run / "metrics" / "eval.jsonl")
+        # a worker's first report only marks its start (no rates yet): show a rate from its second on
         workers = [rs[-1] for rs in (read_records(p) for p in sorted((run / "metrics").glob("rollout-*.jsonl")))
-                   if rs]
+                   if len(rs) > 1]
         out: dict[str, Any] = {"elapsed": time.time() - self.started}
         try:
             out["version"] = self.version.get()
