@@ -75,6 +75,31 @@ def test_stop_kills_the_whole_tree_even_children_in_their_own_session(tmp_path):
     assert not [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
+def test_stop_signals_every_process_of_a_part_once(tmp_path, monkeypatch):
+    # a second SIGTERM can land inside a handler still busy with the first (it made the test below flaky)
+    from streamrl.launch import supervisor
+
+    code = ("import subprocess, sys, time; "
+            "[subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=s) "
+            "for s in (False, True)]; time.sleep(120)")
+    sup = _supervisor(tmp_path)
+    part = sup.start(Part("server", "server", [sys.executable, "-c", code], tmp_path / "s.log"))
+    deadline = time.monotonic() + 10
+    while len(psutil.Process(part.pid).children()) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    tree = [part.pid, *(c.pid for c in psutil.Process(part.pid).children())]
+    terms = []
+    real_signal, real_killpg = supervisor._signal, os.killpg
+    monkeypatch.setattr(supervisor, "_signal", lambda proc, sig: (sig != signal.SIGTERM or terms.append(proc.pid),
+                                                                 real_signal(proc, sig)))
+    monkeypatch.setattr(os, "killpg", lambda pgid, sig: (
+        sig != signal.SIGTERM or terms.extend(p for p in tree if psutil.pid_exists(p) and os.getpgid(p) == pgid),
+        real_killpg(pgid, sig)))
+    sup.stop(timeout_s=5)
+    assert sorted(terms) == sorted(tree)
+
+
 def test_rollout_workers_stop_first_and_redis_last(tmp_path):
     # each part records, when it is told to stop, which of the others are still running
     code = ("import os, signal, sys, time\n"

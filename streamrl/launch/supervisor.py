@@ -91,12 +91,23 @@ def _part_tree(part: Part) -> list[psutil.Process]:
 
 
 def _signal_part(part: Part, tree: list[psutil.Process], sig: int) -> None:
+    """Signal each process of a part once: its process group in one call (which also reaches members whose
+    parent is gone, so no longer in the tree), and one by one the descendants that left the group.
+    Once matters: a second SIGTERM can land inside a handler still busy with the first."""
     for proc in tree:
-        _signal(proc, sig)
-    try:  # members of the part's process group whose parent is gone (no longer in the tree)
+        if _group(proc) != part.proc.pid:
+            _signal(proc, sig)
+    try:
         os.killpg(part.proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _group(proc: psutil.Process) -> int | None:
+    try:
+        return os.getpgid(proc.pid)
+    except ProcessLookupError:
+        return None
 
 
 def kill_tree(pid: int, timeout_s: float) -> None:
