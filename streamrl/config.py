@@ -134,6 +134,11 @@ class OffPolicyConfig(Section):
 class LearnerConfig(Section):
     nproc: int = Field(1, ge=1, description="data-parallel ranks")
     algorithm: Literal["rloo", "grpo", "ppo"] = "rloo"
+    credit: Literal["episode", "turn"] = Field("episode", description="rloo/grpo on multi-turn episodes: one "
+                                               "advantage per episode, or one per turn (see turn_lam)")
+    turn_gamma: float = Field(1.0, ge=0, le=1, description="credit=turn: discount from one turn to the next")
+    turn_lam: float = Field(1.0, ge=0, le=1, description="credit=turn: 1 scores a turn by its own episode's "
+                            "later rewards, 0 by the group's mean of them (a lucky retry vouches less)")
     groups_per_step: int = Field(8, ge=1)
     lr: float = Field(1e-5, gt=0)
     optimizer: Literal["adamw", "sgd"] = "adamw"
@@ -245,6 +250,13 @@ class Config(Section):
         if self.off_policy.stale == "drop" and every > bound + 1:
             raise ValueError(f"weight_sync.sync_every: {every} > off_policy.max_staleness + 1 = {bound + 1}; data "
                              "would be too stale to train on; push more often or allow more staleness")
+        return self
+
+    @model_validator(mode="after")
+    def _turn_credit_needs_a_group_estimator(self) -> Config:
+        if self.learner.credit == "turn" and self.learner.algorithm == "ppo":
+            raise ValueError("learner.credit: 'turn' is for rloo and grpo; ppo's critic already scores every "
+                             "token (learner.gamma, learner.lam)")
         return self
 
     def redacted(self) -> dict[str, Any]:

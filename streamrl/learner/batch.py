@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from streamrl.learner import losses
-from streamrl.protocol import Group
+from streamrl.protocol import Group, Sample
 
 
 @dataclass
@@ -41,25 +41,61 @@ def stale(group: Group, version: int, max_staleness: int) -> bool:
     return oldest >= 0 and version - oldest > max_staleness
 
 
-def sequences(groups: list[Group], version: int, algorithm: str,
-              penalties: list[np.ndarray] | None = None) -> list[TrainSequence]:
-    """Every sequence of every sample, with its sample's advantage on each of its tokens.
+@dataclass(frozen=True)
+class TurnCredit:
+    """``learner.credit: turn``: each turn of an episode gets its own advantage (``losses.turn_advantages``)."""
+    gamma: float = 1.0
+    lam: float = 1.0
+
+
+def sequences(groups: list[Group], version: int, algorithm: str, penalties: list[np.ndarray] | None = None,
+              turns: TurnCredit | None = None) -> list[TrainSequence]:
+    """Every sequence of every sample, with its advantage on each of its tokens: the sample's, or with
+    ``turns`` that of the turn that generated the token.
 
     ``penalties[g][i]`` is subtracted from sample i of group g's reward first (KL in the reward).
     """
     out = []
     for g, group in enumerate(groups):
-        rewards = np.array([s.reward for s in group.samples])
+        rewards = np.array([s.reward for s in group.samples], np.float64)
         if penalties is not None:
             rewards = rewards - penalties[g]
-        adv = advantages(rewards, algorithm)
-        for i, (sample, a) in enumerate(zip(group.samples, adv)):
+        if turns is None:
+            per_token = [np.full(s.num_tokens, a, np.float32)
+                         for s, a in zip(group.samples, advantages(rewards, algorithm))]
+        else:
+            per_token = _by_turn(group, rewards, algorithm, turns)
+        for sample, reward, adv in zip(group.samples, rewards, per_token):
             oldest = int(sample.generated_versions.min())
-            for part in sample.sequences():
-                out.append(TrainSequence(
-                    tokens=sample.tokens[part], mask=sample.loss_mask[part], logprobs=sample.logprobs[part],
-                    advantages=np.full(part.stop - part.start, a, np.float32), staleness=version - oldest,
-                    reward=float(sample.reward - (penalties[g][i] if penalties is not None else 0.0))))
+            out.extend(TrainSequence(tokens=sample.tokens[part], mask=sample.loss_mask[part],
+                                     logprobs=sample.logprobs[part], advantages=adv[part],
+                                     staleness=version - oldest, reward=float(reward))
+                       for part in sample.sequences())
+    return out
+
+
+def turn_spans(sample: Sample) -> list[slice] | None:
+    """The token ranges each turn generated (a turn is one run of the loss mask), or None where they do
+    not match the env's turns one to one (a turn that generated nothing)."""
+    edges = np.diff(np.concatenate([[0], sample.loss_mask.astype(np.int8), [0]]))
+    spans = [slice(a, b) for a, b in zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1))]
+    return spans if sample.turn_rewards is not None and len(sample.turn_rewards) == len(spans) else None
+
+
+def _by_turn(group: Group, rewards: np.ndarray, algorithm: str, turns: TurnCredit) -> list[np.ndarray]:
+    """Per-token advantages from turn-level credit. What of a sample's reward its turn rewards do not account
+    for (a KL penalty) counts at its last turn; a sample whose turns cannot be told apart is one turn."""
+    spans = [turn_spans(s) for s in group.samples]
+    per_turn = [[r] if sp is None else [*s.turn_rewards[:-1], s.turn_rewards[-1] + r - sum(s.turn_rewards)]
+                for s, r, sp in zip(group.samples, rewards, spans)]
+    estimator = {"rloo": losses.rloo, "grpo": losses.grpo}[algorithm]
+    out = []
+    for sample, sp, adv in zip(group.samples, spans,
+                               losses.turn_advantages(per_turn, estimator, turns.gamma, turns.lam)):
+        tokens = np.full(sample.num_tokens, float(adv[0]), np.float32)
+        for span, a in zip(sp or [], adv.tolist()):
+            tokens[span] = a
+        out.append(tokens)
     return out
 
 

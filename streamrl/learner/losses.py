@@ -8,6 +8,7 @@ gives exactly the full batch's gradient (see ``normaliser``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,6 +47,44 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -
         running = delta + gamma * lam * running
         advantages[t] = running
     return advantages, advantages + values
+
+
+def turn_advantages(turn_rewards: list[list[float]], estimator: Callable[[torch.Tensor], torch.Tensor],
+                    gamma: float = 1.0, lam: float = 1.0) -> list[torch.Tensor]:
+    """Turn-level credit over one group of multi-turn episodes: ``[episode][turn]`` advantages.
+
+    Turn k of episode i is scored by its lambda-return (0 past the episode's last turn)
+
+        G_ik = r_ik + gamma * ((1 - lam) * V_k+1 + lam * G_i,k+1)
+
+    where ``V_k``, the value of reaching turn k, is the mean return-to-go from turn k over the episodes
+    that reached it; ``estimator`` (rloo, grpo) then compares G_ik across those episodes only.
+    lam = 1 credits a turn with what followed it in its own episode (with gamma = 1 turn 0 gets
+    exactly the episode-level advantage); lam = 0 with what follows such a turn on average in the
+    group, so a lucky later turn does not vouch for the turn before it.
+    """
+    n_turns = max(len(r) for r in turn_rewards)
+    to_go = [_returns(r, gamma, lam=1.0, values=None) for r in turn_rewards]
+    values = [sum(g[k] for g in to_go if len(g) > k) / sum(len(g) > k for g in to_go) for k in range(n_turns)]
+    scored = [_returns(r, gamma, lam, values) for r in turn_rewards]
+    out = [torch.zeros(len(r)) for r in turn_rewards]
+    for k in range(n_turns):
+        reached = [i for i, r in enumerate(turn_rewards) if len(r) > k]
+        for i, a in zip(reached, estimator(torch.tensor([scored[i][k] for i in reached]))):
+            out[i][k] = a
+    return out
+
+
+def _returns(rewards: list[float], gamma: float, lam: float, values: list[float] | None) -> list[float]:
+    out, following = [0.0] * len(rewards), 0.0
+    for k in reversed(range(len(rewards))):
+        if k + 1 < len(rewards):
+            bootstrap = (1 - lam) * values[k + 1] if values is not None else 0.0
+            out[k] = rewards[k] + gamma * (bootstrap + lam * following)
+        else:
+            out[k] = rewards[k]
+        following = out[k]
+    return out
 
 
 # --------------------------------------------------------------------------- KL to a reference

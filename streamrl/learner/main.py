@@ -140,7 +140,11 @@ class Learner:
                 penalties = batching.kl_penalties(groups, self.reference, self.cfg.learner.kl_coef,
                                                   self.cfg.rollout.sampling.temperature, self.cfg.learner.kl_estimator)
                 info["kl_penalty_mean"] = float(np.mean(np.concatenate(penalties)))
-            seqs = batching.sequences(groups, self.version, self.cfg.learner.algorithm, penalties)
+            learner = self.cfg.learner
+            turns = batching.TurnCredit(learner.turn_gamma, learner.turn_lam) if learner.credit == "turn" else None
+            seqs = batching.sequences(groups, self.version, learner.algorithm, penalties, turns)
+            if turns is not None:  # samples whose turns could not be told apart were scored as one turn
+                info["turn_credit_fallbacks"] = sum(batching.turn_spans(s) is None for g in groups for s in g.samples)
             plan = plan_micro_batches([len(s) for s in seqs], self.world, self.cfg.learner.micro_batch_tokens)
             global_tokens = int(sum(s.mask.sum() for s in seqs))
             loads = [sum(len(seqs[i]) for i in mb) for rank in plan.ranks for mb in rank]
