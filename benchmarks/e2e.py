@@ -14,7 +14,8 @@ the last part to start, after the version-0 evaluation; the learner started firs
 loading, which stays on the clock — and stops at the learner's last step.
 Reported per run: that wall time, samples/s over it, steady-state samples/s (between the ends of
 step 2 and the last step, where the queue is as full at both ends), time to a target eval accuracy
-(with how many runs reached it), the staleness of every trained sample, the final online eval accuracy
+(with how many runs reached it), the staleness of every trained sample, the share of finished groups the
+learner dropped as past the staleness bound (generated, then thrown away), the final online eval accuracy
 (64 prompts), and — off the clock — the final weights' greedy scores on all 512 held-out prompts, the
 finer measure of "no loss of final reward": first-try accuracy, and the task's own reward (on the agentic
 workload a right second try counts at its discount; on single-turn the two are the same).
@@ -178,10 +179,13 @@ def summarise(run_path: Path) -> dict:
     for r in steps:
         staleness.update({int(k): v for k, v in r["staleness_hist"].items()})
     reached = [e for e in evals if e["eval/accuracy"] >= TARGET]
+    dropped = sum(r.get("dropped_stale", 0) for r in steps)
     return {"wall_s": wall, "samples": samples, "samples_per_s": samples / wall, "steady_samples_per_s": steady,
             "time_to_target_s": reached[0]["time"] - start if reached else None,
             "eval_first": evals[0]["eval/accuracy"], "eval_final": evals[-1]["eval/accuracy"],
             "staleness": {str(k): staleness[k] for k in sorted(staleness)},
+            # generated, finished and then dropped by the learner as past the bound: work the run threw away
+            "dropped_stale": dropped, "dropped_fraction": dropped / (dropped + sum(r["groups"] for r in steps)),
             "train_reward_last5": sum(r["reward_mean"] for r in steps[-5:]) / len(steps[-5:]),
             **episode_shape(worker),
             **held_out_scores(run_path, cfg, steps[-1]["step"]),
@@ -216,9 +220,9 @@ def stage_speeds(worker: list[dict], steps: list[dict], cfg) -> dict:
 
 def medians(rows: list[dict]) -> dict:
     """Medians over repeats; time to target over the runs that reached it, with their count."""
-    out = {k: median([x[k] for x in rows])
+    out = {k: median([x[k] for x in rows if x.get(k) is not None])
            for k in ("samples_per_s", "steady_samples_per_s", "wall_s", "eval_final", "held_out_final",
-                     "held_out_reward")}
+                     "held_out_reward", "dropped_fraction")}
     reached = [x["time_to_target_s"] for x in rows if x["time_to_target_s"] is not None]
     out.update(time_to_target_s=median(reached), reached_target=f"{len(reached)}/{len(rows)}")
     return out
@@ -272,14 +276,14 @@ def report(data: dict, out: Path) -> None:
             label = mode if mode == "sync" else f"async, max staleness {data['staleness_modes'][mode]}"
             rows.append([f"{workload} / {label}", m["samples_per_s"], m["steady_samples_per_s"], m["wall_s"],
                          f"{m['time_to_target_s']:.0f} ({m['reached_target']})", m["eval_final"],
-                         m["held_out_final"], m["held_out_reward"]])
+                         m["held_out_final"], m["held_out_reward"], _percent(m.get("dropped_fraction"))])
         for mode, r in s["ratios"].items():
             rows.append([f"{workload}: {mode} / sync", r["ratio"], r["steady_ratio"], "", "", "",
-                         points(r["held_out_final_vs_sync"]), points(r["held_out_reward_vs_sync"])])
+                         points(r["held_out_final_vs_sync"]), points(r["held_out_reward_vs_sync"]), ""])
     print_table(f"End to end, {data['max_steps']} steps, medians of {data['repeats']}; held-out of a ratio row: "
                 "mean difference from sync over seed-paired runs, ± its 95% t interval",
                 ["run", "samples/s", "steady samples/s", "wall s", f"s to eval ≥ {data['target']} (runs)",
-                 "final eval (64)", f"held-out first try ({HELD_OUT})", "held-out reward"], rows)
+                 "final eval (64)", f"held-out first try ({HELD_OUT})", "held-out reward", "dropped stale"], rows)
     json_path = write_json(out, "e2e", data)
     fig, (ax1, ax2) = new_figure(2, "Async vs sync, same samples (quickstart task)")
     names = list(data["summary"])
@@ -298,6 +302,10 @@ def report(data: dict, out: Path) -> None:
     ax2.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
     ax2.legend(loc="upper center", ncol=2, fontsize=8)
     save_figure(fig, out, "e2e", json_path)
+
+
+def _percent(fraction: float | None) -> str:
+    return "" if fraction is None or fraction != fraction else f"{100 * fraction:.0f}%"  # NaN: not recorded
 
 
 def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None) -> dict:
