@@ -12,7 +12,9 @@ Model (every assumption is a parameter):
   ``k = 0`` with the learner waiting for its push is the synchronous baseline.
 - Learner: a step trains ``G`` groups at ``ranks × rank_tokens_per_s × dp_efficiency`` tokens/s,
   then pushes for ``push_s`` (in flight: the engines keep going; the learner is busy).
-- Staleness of a trained group: the learner's version minus the version it was started at.
+- Staleness of a trained group: the learner's version minus the version it was started at. As the
+  learner does, a group past ``max_staleness`` when the learner takes it is dropped, and its slot freed:
+  groups finish out of order (a slow one is overtaken by later ones), so some are generated in vain.
 
 Calibration and check: the model is first run on this machine's own measured end-to-end runs
 (``benchmarks/results/e2e.json``, from ``streamrl bench e2e``). Each run recorded its stages' speeds
@@ -73,7 +75,7 @@ def simulate(f: Fleet, max_staleness: int, steps: int, seed: int = 0) -> dict:
     events: list[tuple[float, int, str, tuple]] = []
     free_slots, running, accepted, version, now, seq = f.engines * f.slots, 0, 0, 0, 0.0, 0
     ready: list[tuple[int, float]] = []  # (version at start, tokens) of finished groups
-    learner_busy, learner_time, stale, step_ends = False, 0.0, [], []
+    learner_busy, learner_time, stale, step_ends, dropped = False, 0.0, [], [], 0
 
     def push(t: float, kind: str, data: tuple = ()) -> None:
         nonlocal seq
@@ -89,8 +91,14 @@ def simulate(f: Fleet, max_staleness: int, steps: int, seed: int = 0) -> dict:
             push(now + max(lengths) / seq_rate + env, "group", (version, sum(lengths)))
 
     def try_step() -> None:
-        nonlocal learner_busy, learner_time
-        if learner_busy or len(ready) < f.groups_per_step:
+        nonlocal learner_busy, learner_time, accepted, dropped
+        if learner_busy:
+            return
+        late = sum(version - v > max_staleness for v, _ in ready)
+        if late:  # the learner's guard; as in the admission count, they no longer hold slots
+            ready[:] = [(v, tok) for v, tok in ready if version - v <= max_staleness]
+            accepted, dropped = accepted - late, dropped + late
+        if len(ready) < f.groups_per_step:
             return
         batch = [ready.pop(0) for _ in range(f.groups_per_step)]
         stale.extend(version - v for v, _ in batch)
@@ -115,6 +123,7 @@ def simulate(f: Fleet, max_staleness: int, steps: int, seed: int = 0) -> dict:
     return {"samples_per_s": samples / now, "steady_samples_per_s": steady, "seconds": now,
             "learner_busy": learner_time / now,
             "staleness_mean": sum(stale) / len(stale), "staleness_max": max(stale),
+            "dropped_fraction": dropped / (dropped + len(stale)),
             "bottleneck": "learner" if learner_time / now > 0.9 else "rollout"}
 
 
@@ -152,7 +161,10 @@ def check_against(e2e_path: Path) -> list[dict]:
                          "measured": median([r["steady_samples_per_s"] for r in runs]),
                          "predicted": median([p["steady_samples_per_s"] for p in predicted]),
                          "measured_staleness": median([mean_staleness(r["staleness"]) for r in runs]),
-                         "predicted_staleness": median([p["staleness_mean"] for p in predicted])})
+                         "predicted_staleness": median([p["staleness_mean"] for p in predicted]),
+                         # runs recorded before e2e counted drops have no measured share
+                         "measured_dropped": median([r["dropped_fraction"] for r in runs if "dropped_fraction" in r]),
+                         "predicted_dropped": median([p["dropped_fraction"] for p in predicted])})
     return rows
 
 
@@ -197,9 +209,10 @@ def report(data: dict, out: Path) -> None:
     if data["check"]:
         print_table("The model replaying this machine's e2e runs from their measured stage speeds (medians)",
                     ["workload / mode", "runs", "measured steady samples/s", "model", "model / measured",
-                     "measured mean staleness", "model"],
+                     "measured mean staleness", "model", "measured dropped stale", "model"],
                     [[f"{r['workload']} / {r['mode']}", r["runs"], r["measured"], r["predicted"],
-                      r["predicted"] / r["measured"], r["measured_staleness"], r["predicted_staleness"]]
+                      r["predicted"] / r["measured"], r["measured_staleness"], r["predicted_staleness"],
+                      r.get("measured_dropped", float("nan")), r.get("predicted_dropped", float("nan"))]
                      for r in data["check"]])
     else:
         console.log("no e2e results with stage speeds beside: run `streamrl bench e2e` to check the model")

@@ -36,6 +36,15 @@ def test_async_with_slow_rollout_is_bound_by_groups_in_flight():
     assert sync["steady_samples_per_s"] == pytest.approx(128 / 2.6)
 
 
+def test_groups_overtaken_past_the_staleness_bound_are_dropped_not_trained():
+    # group latencies spread wide: slow groups finish after later ones, too old for the learner
+    spread = Fleet(**{**fleet(group_s=0.01, train_s=0.5, push_s=0.1, slots=32).__dict__, "env_s": 2.0,
+                      "env_sigma": 1.0})
+    out = simulate(spread, max_staleness=1, steps=40)
+    assert out["staleness_max"] <= 1 and 0 < out["dropped_fraction"] < 0.5
+    assert simulate(spread, max_staleness=0, steps=10)["dropped_fraction"] == 0  # sync: nothing outruns a step
+
+
 def stages(mode: str, **kw) -> dict:
     return {"mode": mode, "max_staleness": 4, "n": 8, "groups_per_step": 16, "groups_in_flight": 16,
             "tokens_per_sample": 6.0, "group_s": 2.0, "learner_step_s": 0.5, "push_s": 0.1, **kw}
