@@ -13,10 +13,12 @@ class RecordingSend:
 
     def __init__(self, fail: bool = False):
         self.calls: list[tuple[tuple[int, ...], int]] = []
+        self.priorities: list[int] = []
         self.fail = fail
 
-    async def __call__(self, input_ids, params, n):
+    async def __call__(self, input_ids, params, n, priority=0):
         self.calls.append((tuple(input_ids), n))
+        self.priorities.append(priority)
         await asyncio.sleep(0.01)
         if self.fail:
             raise RuntimeError("router down")
@@ -35,6 +37,17 @@ def test_identical_contexts_within_the_window_share_one_request():
     assert sorted(send.calls) == [((1, 2), 1), ((1, 2), 5), ((3,), 1)]
     same = [tuple(o.output_ids) for o in outs[:5]]
     assert len(set(same)) == 5 and len({s[0] for s in same}) == 1  # five distinct samples of one request
+
+
+def test_requests_of_different_priority_stay_apart_and_keep_theirs():
+    send = RecordingSend()
+
+    async def main():
+        co = Coalescer(send, window_s=0.02)
+        await asyncio.gather(co.generate([1], P, priority=-3), co.generate([1], P, priority=-3), co.generate([1], P))
+
+    asyncio.run(main())
+    assert sorted(zip(send.priorities, send.calls)) == [(-3, ((1,), 2)), (0, ((1,), 1))]
 
 
 def test_a_request_after_the_window_goes_separately():

@@ -108,6 +108,25 @@ def test_abort_finishes_running_and_waiting_requests(engine):
     assert all(o.finish_reason["type"] == "abort" for o in outs)
 
 
+def test_waiting_requests_join_by_priority_then_arrival(model):
+    one = HFEngine(model, max_batch_size=1)  # one at a time: the order they join is the order they finish
+    try:
+        one.pause()  # nothing joins until all are queued
+        done = []
+        futures = {rid: one.submit(rid, [1, 2, 3], SamplingParams(max_new_tokens=3, ignore_eos=True), priority=p)
+                   for rid, p in (("a", 0), ("b", 5), ("c", 0), ("d", 5), ("e", -1))}
+        for rid, future in futures.items():
+            future.add_done_callback(lambda _, rid=rid: done.append(rid))
+        one.abort("c")  # leaves the others their places
+        assert futures["c"].result(10).finish_reason["type"] == "abort"
+        one.resume()
+        for future in futures.values():
+            future.result(30)
+        assert done == ["c", "b", "d", "a", "e"]
+    finally:
+        one.shutdown()
+
+
 def test_weight_swap_between_steps_tags_later_tokens_with_the_new_version(model, engine):
     future = engine.submit("long", [1, 2, 3], SamplingParams(max_new_tokens=400, temperature=1.0, ignore_eos=True))
     time.sleep(0.2)

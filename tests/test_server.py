@@ -27,7 +27,7 @@ def _gen(client, **body):
 def test_generate_from_input_ids_returns_sglang_shape(served):
     client, model, _, _ = served
     r = _gen(client, input_ids=[3, 4, 5], sampling_params={"max_new_tokens": 6, "temperature": 0.8, "ignore_eos": True},
-             return_logprob=True, rid="abc", stream=False, log_metrics=True, model=None)
+             return_logprob=True, rid="abc", stream=False, log_metrics=True, model=None, priority=3)
     assert r.status_code == 200, r.text
     body = r.json()
     meta = body["meta_info"]
@@ -89,6 +89,7 @@ def test_stop_strings_stop_and_are_trimmed_from_text(served):
         ({"input_ids": [1], "sampling_params": {"top_k": 0}}, "top_k"),
         ({"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens"),
         ({"input_ids": [1], "stream": True}, "stream=true is not supported"),
+        ({"input_ids": [1], "priority": "soon"}, "priority"),
     ],
 )
 def test_bad_generate_requests_get_400_with_a_reason(served, body, message):

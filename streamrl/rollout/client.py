@@ -39,18 +39,22 @@ class GenerateClient:
         self._limit = max_connections
         self._http: aiohttp.ClientSession | None = None
 
-    async def generate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None) -> Completion:
-        return (await self.generate_n(input_ids, params, 1, rid))[0]
+    async def generate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
+                       priority: int = 0) -> Completion:
+        return (await self.generate_n(input_ids, params, 1, rid, priority))[0]
 
     async def generate_n(self, input_ids: list[int], params: SamplingParams, n: int,
-                         rid: str | None = None) -> list[Completion]:
-        """``n`` independent samples continuing ``input_ids``, in one request."""
+                         rid: str | None = None, priority: int = 0) -> list[Completion]:
+        """``n`` independent samples continuing ``input_ids``, in one request; larger ``priority`` is
+        served sooner by a busy server."""
         sampling = asdict(params)
         sampling.update(stop_token_ids=list(params.stop_token_ids), stop=list(params.stop), n=n,
                         sampling_seed=sampling.pop("seed"))
         body = {"input_ids": list(input_ids), "sampling_params": sampling, "return_logprob": True, "stream": False}
         if rid is not None:
             body["rid"] = rid
+        if priority:
+            body["priority"] = priority
         reply = await self._post("/generate", body)
         replies = reply if isinstance(reply, list) else [reply]
         if len(replies) != n:

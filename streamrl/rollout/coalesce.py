@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 
 from streamrl.rollout.engines.base import Completion, SamplingParams
 
-SendN = Callable[[list[int], SamplingParams, int], Awaitable[list[Completion]]]
+SendN = Callable[..., Awaitable[list[Completion]]]  # (input_ids, params, n, priority=...)
 
 
 class Coalescer:
@@ -23,11 +23,11 @@ class Coalescer:
         self._pending: dict[tuple, list[asyncio.Future]] = {}
         self._sending: set[asyncio.Task] = set()
 
-    async def generate(self, input_ids: list[int], params: SamplingParams) -> Completion:
+    async def generate(self, input_ids: list[int], params: SamplingParams, priority: int = 0) -> Completion:
         if self.window_s <= 0:
-            return (await self.send_n(input_ids, params, 1))[0]
+            return (await self.send_n(input_ids, params, 1, priority=priority))[0]
         loop = asyncio.get_running_loop()
-        key = (tuple(input_ids), params)
+        key = (tuple(input_ids), params, priority)
         waiter = loop.create_future()
         if key in self._pending:
             self._pending[key].append(waiter)
@@ -44,9 +44,9 @@ class Coalescer:
             task.add_done_callback(self._sending.discard)
 
     async def _send(self, key: tuple, waiters: list[asyncio.Future]) -> None:
-        input_ids, params = key
+        input_ids, params, priority = key
         try:
-            outs = await self.send_n(list(input_ids), params, len(waiters))
+            outs = await self.send_n(list(input_ids), params, len(waiters), priority=priority)
         except BaseException as e:  # every sibling gets the error (and retries or fails its sample)
             for w in waiters:
                 if not w.done():

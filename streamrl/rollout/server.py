@@ -62,6 +62,7 @@ class GenerateIn(BaseModel):
     return_logprob: bool = False
     rid: str | None = None
     stream: bool = False
+    priority: int = Field(0, description="larger joins the batch sooner while requests wait (SGLang's order)")
 
 
 class AbortIn(BaseModel):
@@ -172,7 +173,8 @@ def create_app(engine: Engine, *, model_path: str, tokenizer: Any = None, token:
         rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
         start = time.perf_counter()
         try:
-            outs = await asyncio.gather(*(engine.generate(r, input_ids, _nth(params, i)) for i, r in enumerate(rids)))
+            outs = await asyncio.gather(*(engine.generate(r, input_ids, _nth(params, i), req.priority)
+                                         for i, r in enumerate(rids)))
         except ValueError as e:
             metrics.requests.labels("bad_request").inc()
             raise HTTPException(400, str(e)) from None

@@ -10,6 +10,7 @@ put of its group, or taken over after a crash); the atomic put keeps it single
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -150,7 +151,9 @@ class RolloutWorker:
 
     async def _group(self, group_id: str, index: int) -> None:
         item, started = self.prompts[index], time.perf_counter()
-        results = await asyncio.gather(*(self._episode(item) for _ in range(self.cfg.rollout.sampling.n)),
+        # a group that waits behind younger ones at a busy server may be too old to train when it is done
+        priority = -(await self._redis(self.version.get)) if self.cfg.rollout.oldest_first else 0
+        results = await asyncio.gather(*(self._episode(item, priority) for _ in range(self.cfg.rollout.sampling.n)),
                                        return_exceptions=True)
         good = [r for r in results if isinstance(r, Sample)]
         for r in results:
@@ -187,19 +190,20 @@ class RolloutWorker:
                 await asyncio.sleep(delay)
                 delay = min(30.0, delay * 2)
 
-    async def _episode(self, item: dict[str, Any]) -> Sample:
+    async def _episode(self, item: dict[str, Any], priority: int) -> Sample:
         env = GuardedEnv(self.make_env(), self.env_gate, self.cfg.rollout.env_timeout_s)
         try:
-            sample = await run_episode(env, item, generate=self._generate, renderer=self.renderer,
-                                       params=self.params, max_context=self.cfg.rollout.max_context)
+            sample = await run_episode(env, item, generate=functools.partial(self._generate, priority=priority),
+                                       renderer=self.renderer, params=self.params,
+                                       max_context=self.cfg.rollout.max_context)
         finally:
             await env.close()
         self.metrics.episode(sample)
         return sample
 
-    async def _generate(self, input_ids: list[int], params: SamplingParams) -> Completion:
+    async def _generate(self, input_ids: list[int], params: SamplingParams, priority: int = 0) -> Completion:
         async with self.generation_gate:
-            return await self.coalescer.generate(input_ids, params)
+            return await self.coalescer.generate(input_ids, params, priority)
 
     async def _report_every(self, seconds: float) -> None:
         while True:

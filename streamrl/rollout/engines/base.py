@@ -58,7 +58,10 @@ class Engine(Protocol):
 
     version: int
 
-    async def generate(self, rid: str, input_ids: list[int], params: SamplingParams) -> Completion: ...
+    async def generate(self, rid: str, input_ids: list[int], params: SamplingParams,
+                       priority: int = 0) -> Completion:
+        """Larger ``priority`` is served sooner when requests wait for room in the batch (SGLang's order)."""
+        ...
 
     def abort(self, rid: str | None = None) -> None: ...
 

@@ -10,6 +10,7 @@ attention mask and explicit positions, so sequences of any length share a forwar
 from __future__ import annotations
 
 import asyncio
+import itertools
 import queue
 import threading
 from collections.abc import Callable
@@ -33,6 +34,7 @@ class _Sequence:
     generator: torch.Generator | None
     out: Completion = field(default_factory=Completion)
     aborted: bool = False
+    priority: int = 0
 
 
 class HFEngine:
@@ -46,7 +48,9 @@ class HFEngine:
         eos = config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else []
         self.eos_token_ids = tuple(eos_token_ids) or tuple(eos)
         self.version = 0
-        self._waiting: queue.Queue[_Sequence] = queue.Queue()
+        # larger priority first, then first come first served
+        self._waiting: queue.PriorityQueue[tuple[int, int, _Sequence]] = queue.PriorityQueue()
+        self._arrivals = itertools.count()
         self._control: queue.Queue[Callable[[], None]] = queue.Queue()
         self._running: list[_Sequence] = []
         self._cache: DynamicCache | None = None
@@ -65,8 +69,9 @@ class HFEngine:
 
     # ------------------------------------------------------------------ public, any thread
 
-    def submit(self, rid: str, input_ids: list[int], params: SamplingParams) -> Future:
-        """Queue a request; the future resolves to its ``Completion``."""
+    def submit(self, rid: str, input_ids: list[int], params: SamplingParams, priority: int = 0) -> Future:
+        """Queue a request; the future resolves to its ``Completion``. While requests wait for room in the
+        batch, larger ``priority`` joins first."""
         if not input_ids:
             raise ValueError("input_ids is empty")
         if params.stop and self.tokenizer is None:
@@ -78,13 +83,14 @@ class HFEngine:
             raise ValueError(f"{len(input_ids)} prompt tokens + max_new_tokens {params.max_new_tokens} exceed the "
                              f"model's context of {self.max_length} tokens")
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        seq = _Sequence(rid, list(input_ids), params, Future(), generator)
-        self._waiting.put(seq)
+        seq = _Sequence(rid, list(input_ids), params, Future(), generator, priority=priority)
+        self._waiting.put((-priority, next(self._arrivals), seq))
         self._wake.set()
         return seq.future
 
-    async def generate(self, rid: str, input_ids: list[int], params: SamplingParams) -> Completion:
-        return await asyncio.wrap_future(self.submit(rid, input_ids, params))
+    async def generate(self, rid: str, input_ids: list[int], params: SamplingParams,
+                       priority: int = 0) -> Completion:
+        return await asyncio.wrap_future(self.submit(rid, input_ids, params, priority))
 
     def abort(self, rid: str | None = None) -> None:
         """Finish matching requests (all when ``rid`` is None) with finish reason ``abort``."""
@@ -168,7 +174,7 @@ class HFEngine:
         joining = []
         while len(self._running) + len(joining) < self.max_batch_size:
             try:
-                joining.append(self._waiting.get_nowait())
+                joining.append(self._waiting.get_nowait()[-1])
             except queue.Empty:
                 break
         if not joining:
@@ -286,14 +292,14 @@ class HFEngine:
                 self._finished(seq)
         pending = []
         while not self._waiting.empty():
-            seq = self._waiting.get_nowait()
-            if rid is None or seq.rid == rid:
-                seq.aborted = True
-                self._finished(seq)
+            entry = self._waiting.get_nowait()
+            if rid is None or entry[-1].rid == rid:
+                entry[-1].aborted = True
+                self._finished(entry[-1])
             else:
-                pending.append(seq)
-        for seq in pending:
-            self._waiting.put(seq)
+                pending.append(entry)  # with its place in the order
+        for entry in pending:
+            self._waiting.put(entry)
 
 
 class _SlackLayer(DynamicLayer):

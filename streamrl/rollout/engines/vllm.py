@@ -75,7 +75,7 @@ class VLLMEngine:
                                         daemon=True)
         self._thread.start()
         args = {"model": model_path, "dtype": dtype, "max_num_seqs": max_batch_size,
-                "logprobs_mode": "processed_logprobs",
+                "logprobs_mode": "processed_logprobs", "scheduling_policy": "priority",
                 "worker_extension_cls": f"{__name__}.VLLMWorkerExtension", **engine_kwargs}
         try:
             self._llm = self._call(self._start(args))
@@ -90,13 +90,13 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ Engine protocol
 
-    async def generate(self, rid: str, input_ids: list[int],
-                       params: SamplingParams) -> Completion:
+    async def generate(self, rid: str, input_ids: list[int], params: SamplingParams,
+                       priority: int = 0) -> Completion:
         if not input_ids:
             raise ValueError("input_ids is empty")
         if min(input_ids) < 0 or max(input_ids) >= self._vocab:
             raise ValueError(f"input_ids must be in [0, {self._vocab})")
-        return await self._on_loop(self._generate(rid, list(input_ids), params))
+        return await self._on_loop(self._generate(rid, list(input_ids), params, priority))
 
     def abort(self, rid: str | None = None) -> None:
         """Finish matching requests (every tracked one when ``rid`` is None) as ``abort``."""
@@ -128,12 +128,13 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ engine loop
 
-    async def _generate(self, rid: str, input_ids: list[int], params: SamplingParams) -> Completion:
+    async def _generate(self, rid: str, input_ids: list[int], params: SamplingParams, priority: int) -> Completion:
         out = Completion()
         self._tokens[rid] = len(input_ids)
         prompt = self._v.TokensPrompt(prompt_token_ids=input_ids)
         try:
-            async for step in self._llm.generate(prompt, self._sampling(params), rid):
+            # vLLM's priority policy serves smaller values first: ours is SGLang's order, larger first
+            async for step in self._llm.generate(prompt, self._sampling(params), rid, priority=-priority):
                 delta = step.outputs[0]
                 ids = list(delta.token_ids)
                 # DELTA mode slices logprobs to the new tokens, except that [-0:] is everything
