@@ -8,7 +8,8 @@ from pathlib import Path
 # study name -> module with main(quick, out)
 MODULES = {"queue": "benchmarks.replay_stream", "generate": "benchmarks.generate", "partition": "benchmarks.partition",
            "learner": "benchmarks.learner", "weight-push": "benchmarks.weight_push", "e2e": "benchmarks.e2e",
-           "simulate": "benchmarks.simulate", "trl": "benchmarks.against_trl", "soak": "benchmarks.soak"}
+           "simulate": "benchmarks.simulate", "trl": "benchmarks.against_trl", "soak": "benchmarks.soak",
+           "ablation": "benchmarks.ablation"}
 
 
 def run_suite(name: str, *, quick: bool, out: Path, **options) -> dict:

@@ -63,6 +63,11 @@ def points(diff: dict) -> str:
     return f"{100 * diff['mean']:+.1f}{ci} pts ({diff['pairs']} pair{'s' if diff['pairs'] != 1 else ''})"
 
 
+def percent(fraction: float | None) -> str:
+    """``14%``; empty for a figure not recorded (None, or the NaN median of none)."""
+    return "" if fraction is None or fraction != fraction else f"{100 * fraction:.0f}%"
+
+
 def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     cells = [[f"{v:,.2f}" if isinstance(v, float) else str(v) for v in row] for row in rows]
     table = Table(title=title)
@@ -140,6 +145,8 @@ def cli(main, doc: str) -> None:
         parser.add_argument("--model", help="HF model directory")
     if "repeats" in main.__code__.co_varnames:
         parser.add_argument("--repeats", type=int, help="runs of each arm (default: the study's own)")
+    if "study" in main.__code__.co_varnames:
+        parser.add_argument("--study", help="one of the module's studies (default: all)")
     args = vars(parser.parse_args())
     settings["quick"] = args["quick"]
     main(**args)

@@ -47,6 +47,7 @@ from benchmarks.common import (
     median,
     new_figure,
     paired_difference,
+    percent,
     points,
     print_table,
     save_figure,
@@ -73,7 +74,7 @@ WORKLOADS = {
 
 
 def one_run(run_dir: Path, prepared: Path, workload: str, mode: str, steps: int, staleness: int,
-            seed: int = 0) -> dict:
+            seed: int = 0, overrides: tuple[str, ...] = ()) -> dict:
     name = f"{workload}-{mode}"
     shutil.rmtree(run_dir / name, ignore_errors=True)
     shutil.copytree(prepared, run_dir / name / "prepared")
@@ -82,7 +83,7 @@ def one_run(run_dir: Path, prepared: Path, workload: str, mode: str, steps: int,
             f"off_policy.max_staleness={staleness}", f"router.port={free_port()}",
             f"router.prometheus_port={free_port()}", f"server.base_port={free_port()}", "supervise.display=plain",
             f"run.seed={seed}",
-            *WORKLOADS[workload]]
+            *WORKLOADS[workload], *overrides]
     out = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
     if out.returncode != 0:
         raise RuntimeError(f"{name} failed ({out.returncode}):\n{out.stdout[-3000:]}")
@@ -276,7 +277,7 @@ def report(data: dict, out: Path) -> None:
             label = mode if mode == "sync" else f"async, max staleness {data['staleness_modes'][mode]}"
             rows.append([f"{workload} / {label}", m["samples_per_s"], m["steady_samples_per_s"], m["wall_s"],
                          f"{m['time_to_target_s']:.0f} ({m['reached_target']})", m["eval_final"],
-                         m["held_out_final"], m["held_out_reward"], _percent(m.get("dropped_fraction"))])
+                         m["held_out_final"], m["held_out_reward"], percent(m.get("dropped_fraction"))])
         for mode, r in s["ratios"].items():
             rows.append([f"{workload}: {mode} / sync", r["ratio"], r["steady_ratio"], "", "", "",
                          points(r["held_out_final_vs_sync"]), points(r["held_out_reward_vs_sync"]), ""])
@@ -302,10 +303,6 @@ def report(data: dict, out: Path) -> None:
     ax2.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
     ax2.legend(loc="upper center", ncol=2, fontsize=8)
     save_figure(fig, out, "e2e", json_path)
-
-
-def _percent(fraction: float | None) -> str:
-    return "" if fraction is None or fraction != fraction else f"{100 * fraction:.0f}%"  # NaN: not recorded
 
 
 def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None) -> dict:

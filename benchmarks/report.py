@@ -15,7 +15,8 @@ from benchmarks.common import console, points
 
 TITLES = {"queue": "Replay stream", "partition": "Micro-batch partitioning", "generate": "Generation",
           "learner": "Learner", "weight_push": "Weight push", "e2e": "End to end: async vs sync",
-          "trl": "Against TRL", "simulate": "Simulated fleets", "soak": "Soak: memory over a long run"}
+          "ablation": "Ablations on the agentic workload", "trl": "Against TRL", "simulate": "Simulated fleets",
+          "soak": "Soak: memory over a long run"}
 MODULES = {"queue": "replay_stream", "trl": "against_trl"}  # a study's module, where not its own name
 
 

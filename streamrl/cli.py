@@ -261,13 +261,15 @@ def show_config(config: ConfigArg = None, overrides: OverridesArg = None) -> Non
 
 @app.command()
 def bench(
-    suite: Annotated[str, typer.Argument(help="Study to run: queue, partition, generate, learner, weight-push, e2e, trl, simulate; "
+    suite: Annotated[str, typer.Argument(help="Study to run: queue, partition, generate, learner, weight-push, e2e, "
+                                                "ablation, trl, simulate; "
                                                 "or 'report' to gather results into docs/benchmarks.md.")],
     quick: Annotated[bool, typer.Option("--quick", help="A short run that still measures both sides.")] = False,
     out: Annotated[Path, typer.Option(help="Where JSON and PNG results go.")] = Path("benchmarks/results"),
     model: Annotated[Path | None, typer.Option(help="HF model directory, for studies that run a model.")] = None,
-    repeats: Annotated[int | None, typer.Option(help="Runs of each arm, for e2e and trl (default: the study's own).",
-                                                   min=1)] = None,
+    repeats: Annotated[int | None, typer.Option(help="Runs of each arm, for e2e, ablation and trl (default: the "
+                                                   "study's own).", min=1)] = None,
+    study: Annotated[str | None, typer.Option(help="ablation: one of its studies (default: all).")] = None,
 ) -> None:
     """Throughput studies; each prints a table and writes JSON and a PNG plot."""
     from benchmarks import MODULES, run_suite
@@ -282,10 +284,15 @@ def bench(
         raise typer.Exit(2)
     options = {"model": str(model)} if model else {}
     if repeats:
-        if suite not in ("e2e", "trl"):
-            err.print(f"--repeats applies to e2e and trl, not {suite}")
+        if suite not in ("e2e", "ablation", "trl"):
+            err.print(f"--repeats applies to e2e, ablation and trl, not {suite}")
             raise typer.Exit(2)
         options["repeats"] = repeats
+    if study:
+        if suite != "ablation":
+            err.print(f"--study applies to ablation, not {suite}")
+            raise typer.Exit(2)
+        options["study"] = study
     run_suite(suite, quick=quick, out=out, **options)
 
 

@@ -78,3 +78,31 @@ def test_the_report_says_what_each_study_measures_from_its_module_docstring():
         text = report.about(name)
         assert len(text) > 100 and "python -m benchmarks" not in text and "``" not in text, name
     assert "discount: 0.5" in report.about("e2e") and "XADD" in report.about("queue")
+
+
+def test_ablation_pairs_arms_by_seed_and_writes_table_json_and_plot(tmp_path, capsys):
+    from benchmarks import ablation
+
+    arms = {"base": ("sync", 0, (), ()), "change": ("async", 2, ("learner.credit=turn",), ("base",))}
+
+    def run(seed, samples_per_s, held_out):
+        return {"seed": seed, "samples_per_s": samples_per_s, "dropped_fraction": 0.1 * seed,
+                "held_out_final": held_out, "held_out_reward": held_out - 0.01}
+
+    rows = {"base": [run(0, 10.0, 0.90), run(1, 12.0, 0.95), run(2, 11.0, 0.92)],
+            "change": [run(2, 30.0, 0.93), run(0, 33.0, 0.90), run(1, 36.0, 0.93)]}  # in any order: paired by seed
+    summary = ablation.summarise(arms, rows)
+    against = summary["change"]["against"]["base"]
+    assert against["ratio"] == pytest.approx(33.0 / 11.0)
+    assert against["held_out_final"]["mean"] == pytest.approx((0.0 - 0.02 + 0.01) / 3)
+    assert against["held_out_final"]["pairs"] == 3 and summary["base"]["against"] == {}
+    assert summary["change"]["dropped_fraction"] == pytest.approx(0.1)
+    ablation.report({"study": "ablation", "studies": {"credit": {"max_steps": 40, "arms": summary, "runs": rows}}},
+                    tmp_path)
+    saved = json.loads((tmp_path / "ablation.json").read_text())
+    assert [row[0].strip() for row in saved["tables"][0]["rows"]] == ["base", "change", "change / base"]
+    assert saved["tables"][0]["rows"][2][1] == "3.00×" and "Ablation `credit`" in capsys.readouterr().out
+    assert saved["studies"]["credit"]["arms"]["change"]["against"]["base"]["ratio"] == pytest.approx(3.0)
+    assert (tmp_path / "ablation.png").stat().st_size > 10_000
+    with pytest.raises(SystemExit, match="unknown study 'nope'"):
+        ablation.main(out=tmp_path, study="nope")
