@@ -9,10 +9,12 @@ of median samples/s, and the seed-paired held-out difference ± its 95% t interv
 
 - `credit`: every token of an episode gets the episode's advantage (`learner.credit=episode`), or each
   turn gets its own (`learner.credit=turn`, `learner.turn_lam=0`), in sync and async training.
-- `oldest-first`: at max staleness 2, busy servers serve the requests of groups admitted at older
-  policy versions first (`rollout.oldest_first`), or first come first served.
+- `late-groups`: groups that finish past the staleness bound (a slow group is overtaken by younger
+  ones). At max staleness 2: busy servers serve the requests of groups admitted at older policy versions
+  first (`rollout.oldest_first`) or first come first served; and the learner drops late groups
+  (`off_policy.stale=drop`) or trains them with the decoupled correction (`keep`). All with turn credit.
 
-    python -m benchmarks.ablation [--quick] [--repeats N] [--study credit|oldest-first]
+    python -m benchmarks.ablation [--quick] [--repeats N] [--study credit|late-groups]
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from benchmarks.common import (
 
 TURN = ("learner.credit=turn", "learner.turn_lam=0")
 FIFO = ("rollout.oldest_first=false",)
+KEEP = ("off_policy.stale=keep",)
 # study -> arm -> (mode, max staleness, overrides, the arms it is compared with)
 STUDIES: dict[str, dict[str, tuple[str, int, tuple[str, ...], tuple[str, ...]]]] = {
     "credit": {
@@ -46,10 +49,11 @@ STUDIES: dict[str, dict[str, tuple[str, int, tuple[str, ...], tuple[str, ...]]]]
         "staleness 2, turn credit": ("async", 2, TURN, ("sync, turn credit", "staleness 2")),
         "staleness 4, turn credit": ("async", 4, TURN, ("sync, turn credit",)),
     },
-    "oldest-first": {
+    "late-groups": {
         "sync": ("sync", 0, TURN, ()),
         "staleness 2, first come first served": ("async", 2, TURN + FIFO, ("sync",)),
         "staleness 2, oldest first": ("async", 2, TURN, ("sync", "staleness 2, first come first served")),
+        "staleness 2, oldest first, keep late": ("async", 2, TURN + KEEP, ("sync", "staleness 2, oldest first")),
         "staleness 4, oldest first": ("async", 4, TURN, ("sync",)),
     },
 }
