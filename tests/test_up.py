@@ -194,3 +194,17 @@ def test_the_display_shows_no_generation_rate_until_a_worker_reports_past_its_op
     with worker.open("a") as f:
         f.write(json.dumps({"time": 11.0, "episodes": 64, "tokens_per_s": 350.0}) + "\n")
     assert Dashboard(cfg).stats()["gen_tok_s"] == 350.0
+
+
+def test_the_summary_counts_stale_drops_and_says_what_to_do_when_many(tmp_path, capsys):
+    from streamrl.config import load_config
+    from streamrl.launch.display import Dashboard
+
+    board = Dashboard(load_config("configs/quickstart.yaml", [f"run.dir={tmp_path}", "supervise.display=plain"]))
+    board.final = {"step": 40, "dropped_stale": 2, "accepted": 100}
+    board.summary(60.0, 0)
+    out = capsys.readouterr().out
+    assert "2 of 100 finished" in out and "off_policy.stale=keep" not in out
+    board.final = {"step": 40, "dropped_stale": 14, "accepted": 100}
+    board.summary(60.0, 0)
+    assert "14% of the finished groups were dropped as stale" in capsys.readouterr().out

@@ -25,6 +25,9 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
     return "–" if value is None else format(value, spec)
 
 
+STALE_WARNING = 0.05  # share of finished groups dropped as stale past which the summary says what to do
+
+
 class Dashboard:
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -158,6 +161,12 @@ class Dashboard:
         table.add_row("steps", str(s.get("step", 0)))
         table.add_row("train reward first → last", f"{_fmt(s.get('first_reward'))} → {_fmt(s.get('reward'))}")
         table.add_row("max staleness seen (bound)", f"{s.get('staleness_max', '–')} ({self.cfg.off_policy.max_staleness})")
-        table.add_row("groups dropped as stale", str(s.get("dropped_stale", "–")))
+        dropped, finished = s.get("dropped_stale"), s.get("accepted")
+        table.add_row("groups dropped as stale", f"{dropped} of {finished} finished" if finished else str(dropped or "–"))
         table.add_row("run directory", str(self.cfg.run.path))
         self.console.print(table)
+        if finished and dropped / finished > STALE_WARNING:  # generated in vain, and not at random: the slow ones
+            bound = self.cfg.off_policy.max_staleness
+            self.say(f"{100 * dropped / finished:.0f}% of the finished groups were dropped as stale: episodes "
+                     f"outlasted {bound} learner step{'s' if bound != 1 else ''}. Raise off_policy.max_staleness, "
+                     "or train late groups with the correction (off_policy.stale=keep)")
