@@ -53,6 +53,15 @@ def headlines(results: Path) -> list[str]:
                         diff = f" (paired difference {points(r[key + '_vs_sync'])})" if key + "_vs_sync" in r else ""
                         line += f"; {what} {s[mode][key]:.3f} vs {s['sync'][key]:.3f}{diff}"
                 lines.append(line)
+    if ablation := load("ablation"):
+        for study, result in ablation["studies"].items():
+            arms = result["arms"]
+            for arm, s in arms.items():
+                for base, a in s["against"].items():
+                    if s["mode"] != "sync" and arms[base]["mode"] == "sync":  # the async/sync trade, side by side
+                        lines.append(f"- **ablation `{study}`, {arm} / {base}**: {a['ratio']:.2f}× samples/s; final "
+                                     f"first-try accuracy {s['held_out_final']:.3f} vs {arms[base]['held_out_final']:.3f}"
+                                     f" (paired difference {points(a['held_out_final'])})")
     if trl := load("trl"):
         m = trl["median"]
         steady = f", steady state {trl['steady_ratio']:.2f}×" if "steady_ratio" in trl else ""
