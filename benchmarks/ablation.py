@@ -38,7 +38,7 @@ from benchmarks.common import (
 )
 
 TURN = ("learner.credit=turn", "learner.turn_lam=0")
-FIFO = ("rollout.oldest_first=false",)
+OLDEST = ("rollout.oldest_first=true",)
 KEEP = ("off_policy.stale=keep",)
 # study -> arm -> (mode, max staleness, overrides, the arms it is compared with)
 STUDIES: dict[str, dict[str, tuple[str, int, tuple[str, ...], tuple[str, ...]]]] = {
@@ -51,10 +51,10 @@ STUDIES: dict[str, dict[str, tuple[str, int, tuple[str, ...], tuple[str, ...]]]]
     },
     "late-groups": {
         "sync": ("sync", 0, TURN, ()),
-        "staleness 2, first come first served": ("async", 2, TURN + FIFO, ("sync",)),
-        "staleness 2, oldest first": ("async", 2, TURN, ("sync", "staleness 2, first come first served")),
-        "staleness 2, oldest first, keep late": ("async", 2, TURN + KEEP, ("sync", "staleness 2, oldest first")),
-        "staleness 4, oldest first": ("async", 4, TURN, ("sync",)),
+        "staleness 2": ("async", 2, TURN, ("sync",)),
+        "staleness 2, oldest first": ("async", 2, TURN + OLDEST, ("sync", "staleness 2")),
+        "staleness 2, oldest first, keep late": ("async", 2, TURN + OLDEST + KEEP, ("sync", "staleness 2")),
+        "staleness 4, oldest first": ("async", 4, TURN + OLDEST, ("sync",)),
     },
 }
 MEASURES = ("samples_per_s", "dropped_fraction", "held_out_final", "held_out_reward")
@@ -117,6 +117,7 @@ def report(data: dict, out: Path) -> None:
             ax.scatter(s["samples_per_s"], s["held_out_final"], s=40)
             ax.annotate(arm, (s["samples_per_s"], s["held_out_final"]), fontsize=7, xytext=(4, 4),
                         textcoords="offset points")
+        ax.margins(x=0.35, y=0.15)  # room for the labels
         ax.set_title(study, fontsize=10)
         ax.set_xlabel("samples/s")
         ax.set_ylabel(f"held-out first-try accuracy ({e2e.HELD_OUT})")

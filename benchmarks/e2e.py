@@ -211,7 +211,7 @@ def stage_speeds(worker: list[dict], steps: list[dict], cfg) -> dict:
     mean = sum(r["group_s_mean"] * r["groups_pushed"] for r in reports) / pushed if pushed else None
     square = sum((r.get("group_s_std", 0.0) ** 2 + r["group_s_mean"] ** 2) * r["groups_pushed"] for r in reports)
     n = cfg.rollout.sampling.n
-    return {"mode": cfg.mode, "max_staleness": cfg.off_policy.max_staleness, "n": n,
+    return {"mode": cfg.mode, "max_staleness": cfg.off_policy.max_staleness, "stale": cfg.off_policy.stale, "n": n,
             "groups_per_step": cfg.learner.groups_per_step, "groups_in_flight": max_groups_in_flight(cfg.rollout),
             "learner_step_s": median([r["train_s"] for r in steady]),
             "push_s": median([r.get("push_s", 0.0) for r in steady]),

@@ -14,7 +14,8 @@ Model (every assumption is a parameter):
   then pushes for ``push_s`` (in flight: the engines keep going; the learner is busy).
 - Staleness of a trained group: the learner's version minus the version it was started at. As the
   learner does, a group past ``max_staleness`` when the learner takes it is dropped, and its slot freed:
-  groups finish out of order (a slow one is overtaken by later ones), so some are generated in vain.
+  groups finish out of order (a slow one is overtaken by later ones), so some are generated in vain
+  (with ``off_policy.stale=keep`` they are trained instead).
 
 Calibration and check: the model is first run on this machine's own measured end-to-end runs
 (``benchmarks/results/e2e.json``, from ``streamrl bench e2e``). Each run recorded its stages' speeds
@@ -63,8 +64,9 @@ class Fleet:
     env_sigma: float = 0.0       # its log-normal spread (0: every group the same)
 
 
-def simulate(f: Fleet, max_staleness: int, steps: int, seed: int = 0) -> dict:
-    """Run ``steps`` learner steps; return throughput, staleness and where the time went."""
+def simulate(f: Fleet, max_staleness: int, steps: int, seed: int = 0, keep_late: bool = False) -> dict:
+    """Run ``steps`` learner steps; return throughput, staleness and where the time went. ``keep_late``:
+    the learner trains groups past the bound instead of dropping them (``off_policy.stale=keep``)."""
     rng = random.Random(seed)
     if not f.groups_per_step:
         f = Fleet(**{**f.__dict__, "groups_per_step": f.engines * f.slots})
@@ -94,7 +96,7 @@ def simulate(f: Fleet, max_staleness: int, steps: int, seed: int = 0) -> dict:
         nonlocal learner_busy, learner_time, accepted, dropped
         if learner_busy:
             return
-        late = sum(version - v > max_staleness for v, _ in ready)
+        late = 0 if keep_late else sum(version - v > max_staleness for v, _ in ready)
         if late:  # the learner's guard; as in the admission count, they no longer hold slots
             ready[:] = [(v, tok) for v, tok in ready if version - v <= max_staleness]
             accepted, dropped = accepted - late, dropped + late
@@ -142,7 +144,8 @@ def replay(stages: dict, steps: int) -> dict:
                   env_sigma=math.sqrt(math.log(1 + cv**2)),
                   rank_tokens_per_s=groups * n * length / stages["learner_step_s"], dp_efficiency=1.0,
                   push_s=stages["push_s"])
-    return simulate(fleet, 0 if stages["mode"] == "sync" else stages["max_staleness"], steps)
+    return simulate(fleet, 0 if stages["mode"] == "sync" else stages["max_staleness"], steps,
+                    keep_late=stages.get("stale") == "keep")
 
 
 def check_against(e2e_path: Path) -> list[dict]:

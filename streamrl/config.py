@@ -100,8 +100,8 @@ class RolloutConfig(Section):
     coalesce_ms: float = Field(2.0, ge=0, description="how long a generation waits for sibling episodes with the "
                                "same context, to go out together as one /generate with n (0: never)")
     env_concurrency: int = Field(64, ge=1, description="env steps in flight per worker")
-    oldest_first: bool = Field(True, description="a busy server serves the requests of groups admitted at older "
-                               "policy versions first: their data goes stale first (off: first come first served)")
+    oldest_first: bool = Field(False, description="a busy server serves the requests of groups admitted at older "
+                               "policy versions first, as their data goes stale first (off: first come first served)")
     env_timeout_s: float = Field(60.0, gt=0, description="longest an env reset or step may take")
     max_context: int = Field(2048, ge=8, description="longest trajectory context in tokens")
     min_group: int = Field(2, ge=1, description="fewest good samples a group needs to be pushed")

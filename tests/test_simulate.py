@@ -43,6 +43,8 @@ def test_groups_overtaken_past_the_staleness_bound_are_dropped_not_trained():
     out = simulate(spread, max_staleness=1, steps=40)
     assert out["staleness_max"] <= 1 and 0 < out["dropped_fraction"] < 0.5
     assert simulate(spread, max_staleness=0, steps=10)["dropped_fraction"] == 0  # sync: nothing outruns a step
+    kept = simulate(spread, max_staleness=1, steps=40, keep_late=True)  # off_policy.stale=keep
+    assert kept["dropped_fraction"] == 0 and kept["staleness_max"] > 1
 
 
 def stages(mode: str, **kw) -> dict:
