@@ -60,21 +60,18 @@ STUDIES: dict[str, dict[str, tuple[str, int, tuple[str, ...], tuple[str, ...]]]]
 MEASURES = ("samples_per_s", "dropped_fraction", "held_out_final", "held_out_reward")
 
 
-def run_study(arms: dict, repeats: int, steps: int) -> dict[str, list[dict]]:
+def run_study(arms: dict, repeats: int, steps: int, prepared: Path, run_dir: Path) -> dict[str, list[dict]]:
     """Every arm once per seed, the order rotating; e2e's runs, so the same clock and scores."""
     rows: dict[str, list[dict]] = {arm: [] for arm in arms}
     names = list(arms)
-    with tempfile.TemporaryDirectory() as tmp:
-        console.log("warm start (once, shared by every run)")
-        _, prepared = e2e.prepare_shared(Path(tmp))
-        for seed in range(repeats):
-            for arm in names[seed % len(names):] + names[:seed % len(names)]:
-                mode, staleness, overrides, _ = arms[arm]
-                row = e2e.one_run(Path(tmp) / "runs", prepared, "env-latency", mode, steps, max(staleness, 1),
-                                  seed=seed, overrides=overrides)
-                rows[arm].append({**row, "seed": seed})
-                console.log(f"{arm}, seed {seed}: {row['samples_per_s']:.1f} samples/s, "
-                            f"dropped {100 * row['dropped_fraction']:.0f}%, held-out {row['held_out_final']:.3f}")
+    for seed in range(repeats):
+        for arm in names[seed % len(names):] + names[:seed % len(names)]:
+            mode, staleness, overrides, _ = arms[arm]
+            row = e2e.one_run(run_dir, prepared, "env-latency", mode, steps, max(staleness, 1), seed=seed,
+                              overrides=overrides)
+            rows[arm].append({**row, "seed": seed})
+            console.log(f"{arm}, seed {seed}: {row['samples_per_s']:.1f} samples/s, "
+                        f"dropped {100 * row['dropped_fraction']:.0f}%, held-out {row['held_out_final']:.3f}")
     return rows
 
 
@@ -131,9 +128,12 @@ def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: i
     steps, repeats = (12, repeats or 1) if quick else (40, repeats or 5)
     path = out / "ablation.json"  # a study run alone keeps the others' results
     data = {"study": "ablation", "studies": json.loads(path.read_text())["studies"] if path.is_file() else {}}
-    for name in [study] if study else list(STUDIES):
-        rows = run_study(STUDIES[name], repeats, steps)
-        data["studies"][name] = {"max_steps": steps, "arms": summarise(STUDIES[name], rows), "runs": rows}
+    with tempfile.TemporaryDirectory() as tmp:
+        console.log("warm start (once, shared by every run)")
+        _, prepared = e2e.prepare_shared(Path(tmp))
+        for name in [study] if study else list(STUDIES):
+            rows = run_study(STUDIES[name], repeats, steps, prepared, Path(tmp) / "runs")
+            data["studies"][name] = {"max_steps": steps, "arms": summarise(STUDIES[name], rows), "runs": rows}
     report(data, out)
     return data
 
