@@ -25,15 +25,15 @@ class TrainSequence:
         return int(self.tokens.shape[0])
 
 
+ESTIMATORS = {"rloo": losses.rloo, "grpo": losses.grpo}  # group baselines, per episode or per turn
+
+
 def advantages(rewards: np.ndarray, algorithm: str) -> np.ndarray:
-    r = torch.as_tensor(rewards, dtype=torch.float32)
-    if algorithm == "rloo":
-        return losses.rloo(r).numpy()
-    if algorithm == "grpo":
-        return losses.grpo(r).numpy()
     if algorithm == "ppo":  # the critic computes per-token advantages on each rank
         return np.zeros(len(rewards), np.float32)
-    raise ValueError(f"unknown algorithm {algorithm!r}; expected rloo, grpo or ppo")
+    if algorithm not in ESTIMATORS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; expected rloo, grpo or ppo")
+    return ESTIMATORS[algorithm](torch.as_tensor(rewards, dtype=torch.float32)).numpy()
 
 
 def stale(group: Group, version: int, max_staleness: int) -> bool:
@@ -88,10 +88,9 @@ def _by_turn(group: Group, rewards: np.ndarray, algorithm: str, turns: TurnCredi
     spans = [turn_spans(s) for s in group.samples]
     per_turn = [[r] if sp is None else [*s.turn_rewards[:-1], s.turn_rewards[-1] + r - sum(s.turn_rewards)]
                 for s, r, sp in zip(group.samples, rewards, spans)]
-    estimator = {"rloo": losses.rloo, "grpo": losses.grpo}[algorithm]
     out = []
     for sample, sp, adv in zip(group.samples, spans,
-                               losses.turn_advantages(per_turn, estimator, turns.gamma, turns.lam)):
+                               losses.turn_advantages(per_turn, ESTIMATORS[algorithm], turns.gamma, turns.lam)):
         tokens = np.full(sample.num_tokens, float(adv[0]), np.float32)
         for span, a in zip(sp or [], adv.tolist()):
             tokens[span] = a

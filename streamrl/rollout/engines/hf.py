@@ -34,7 +34,6 @@ class _Sequence:
     generator: torch.Generator | None
     out: Completion = field(default_factory=Completion)
     aborted: bool = False
-    priority: int = 0
 
 
 class HFEngine:
@@ -83,7 +82,7 @@ class HFEngine:
             raise ValueError(f"{len(input_ids)} prompt tokens + max_new_tokens {params.max_new_tokens} exceed the "
                              f"model's context of {self.max_length} tokens")
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        seq = _Sequence(rid, list(input_ids), params, Future(), generator, priority=priority)
+        seq = _Sequence(rid, list(input_ids), params, Future(), generator)
         self._waiting.put((-priority, next(self._arrivals), seq))
         self._wake.set()
         return seq.future
