@@ -46,10 +46,18 @@ from benchmarks.e2e import (
 )
 
 
+def require_trl() -> None:
+    """Fail before any run, not after streamrl's: TRL is an optional dependency."""
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None:
+        raise SystemExit("`streamrl bench trl` needs TRL: pip install 'streamrl[bench]'")
+
+
 def trl_run(prepared: Path, out: Path, *, steps: int, groups: int, n: int, lr: float, eval_every: int,
             seed: int) -> dict:
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(prepared / "model", padding_side="left")
@@ -83,6 +91,7 @@ def trl_run(prepared: Path, out: Path, *, steps: int, groups: int, n: int, lr: f
                       report_to=[], logging_steps=1, save_strategy="no", seed=seed, disable_tqdm=True)
     trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=args, train_dataset=data,
                           processing_class=tokenizer, callbacks=[Evaluate()])
+    trainer.remove_callback(PrinterCallback)  # a dict per step on stdout would bury the benchmark's own log
     before = greedy_accuracy(model, tokenizer, held_out)
     trainer.train()
     wall = time.perf_counter() - start[0] - paused[0]
@@ -144,6 +153,7 @@ def report(data: dict, out: Path) -> None:
 
 
 def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None) -> dict:
+    require_trl()
     data = run(quick, repeats)
     report(data, out)
     return data

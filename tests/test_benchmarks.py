@@ -106,3 +106,15 @@ def test_ablation_pairs_arms_by_seed_and_writes_table_json_and_plot(tmp_path, ca
     assert (tmp_path / "ablation.png").stat().st_size > 10_000
     with pytest.raises(SystemExit, match="unknown study 'nope'"):
         ablation.main(out=tmp_path, study="nope")
+
+
+def test_trl_study_stops_before_any_run_when_trl_is_missing(monkeypatch):
+    import importlib.util
+
+    from benchmarks import against_trl
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl" else real(name, *a))
+    monkeypatch.setattr(against_trl, "run", lambda *a, **k: pytest.fail("ran without TRL"))
+    with pytest.raises(SystemExit, match=r"streamrl\[bench\]"):
+        against_trl.main(quick=True)
