@@ -13,8 +13,12 @@ of median samples/s, and the seed-paired held-out difference ± its 95% t interv
   ones). At max staleness 2: busy servers serve the requests of groups admitted at older policy versions
   first (`rollout.oldest_first`) or first come first served; and the learner drops late groups
   (`off_policy.stale=drop`) or trains them with the decoupled correction (`keep`). All with turn credit.
+- `is-weights`: at max staleness 4, the decoupled correction's weights pi_prox / pi_behav as they are
+  (one optimizer step per batch makes the PPO ratio 1, so nothing bounds them: up to ~13 were seen),
+  truncated at 2 (`off_policy.correction=tis`), or with tokens above 5 left out
+  (`off_policy.behav_weight_cap=5`, AReaL's rule). All with turn credit.
 
-    python -m benchmarks.ablation [--quick] [--repeats N] [--study credit|late-groups]
+    python -m benchmarks.ablation [--quick] [--repeats N] [--study credit|late-groups|is-weights]
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from benchmarks.common import (
 TURN = ("learner.credit=turn", "learner.turn_lam=0")
 OLDEST = ("rollout.oldest_first=true",)
 KEEP = ("off_policy.stale=keep",)
+TRUNCATE = ("off_policy.correction=tis", "off_policy.tis_cap=2")
+MASK = ("off_policy.behav_weight_cap=5",)
 # study -> arm -> (mode, max staleness, overrides, the arms it is compared with)
 STUDIES: dict[str, dict[str, tuple[str, int, tuple[str, ...], tuple[str, ...]]]] = {
     "credit": {
@@ -55,6 +61,12 @@ STUDIES: dict[str, dict[str, tuple[str, int, tuple[str, ...], tuple[str, ...]]]]
         "staleness 2, oldest first": ("async", 2, TURN + OLDEST, ("sync", "staleness 2")),
         "staleness 2, oldest first, keep late": ("async", 2, TURN + OLDEST + KEEP, ("sync", "staleness 2")),
         "staleness 4, oldest first": ("async", 4, TURN + OLDEST, ("sync",)),
+    },
+    "is-weights": {
+        "sync": ("sync", 0, TURN, ()),
+        "staleness 4": ("async", 4, TURN, ("sync",)),
+        "staleness 4, truncated at 2": ("async", 4, TURN + TRUNCATE, ("sync", "staleness 4")),
+        "staleness 4, masked above 5": ("async", 4, TURN + MASK, ("sync", "staleness 4")),
     },
 }
 MEASURES = ("samples_per_s", "dropped_fraction", "held_out_final", "held_out_reward")
