@@ -20,6 +20,7 @@ final models are scored greedily on the same 512 held-out prompts, off the clock
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import tempfile
 import time
@@ -100,6 +101,7 @@ def trl_run(prepared: Path, out: Path, *, steps: int, groups: int, n: int, lr: f
     settings = {k: getattr(args, k) for k in ("per_device_train_batch_size", "num_generations",
                                               "max_completion_length", "learning_rate", "max_steps", "beta",
                                               "temperature", "scale_rewards", "loss_type", "num_iterations")}
+    settings["versions"] = {name: importlib.metadata.version(name) for name in ("trl", "transformers", "torch")}
     return {"wall_s": wall, "samples": samples, "samples_per_s": samples / wall, "steady_samples_per_s": samples / wall,
             "eval_first": before, "held_out_final": greedy_accuracy(model, tokenizer, held_out_rows(prepared)),
             "eval_final": evals[-1]["accuracy"], "time_to_target_s": reached[0]["train_s"] if reached else None,

@@ -1,7 +1,9 @@
 """``streamrl bench report``: every study's results as one Markdown page with its plots.
 
 Reads ``benchmarks/results/NAME.json`` (the tables each study printed are saved in it) and
-``NAME.png``, copies the plots next to the page, and writes ``docs/benchmarks.md``.
+``NAME.png``, copies the plots next to the page, and writes ``docs/benchmarks.md``. A study with no
+results file keeps its section and headlines from the page as it was (each section states the date
+it ran), so the studies can be rerun one at a time.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ TITLES = {"queue": "Replay stream", "partition": "Micro-batch partitioning", "ge
           "ablation": "Ablations on the agentic workload", "trl": "Against TRL", "simulate": "Simulated fleets",
           "soak": "Soak: memory over a long run"}
 MODULES = {"queue": "replay_stream", "trl": "against_trl"}  # a study's module, where not its own name
+HEADLINES = {"e2e": "- **async (", "ablation": "- **ablation `", "trl": "- **streamrl / TRL", "soak": "- **soak**"}
 
 
 def about(name: str) -> str:
@@ -31,6 +34,19 @@ def about(name: str) -> str:
 def markdown_table(table: dict) -> str:
     head = "| " + " | ".join(table["columns"]) + " |\n|" + "---|" * len(table["columns"]) + "\n"
     return f"*{table['title']}*\n\n" + head + "".join("| " + " | ".join(row) + " |\n" for row in table["rows"])
+
+
+def heading(name: str) -> str:
+    return f"## {TITLES[name]} (`streamrl bench {name.replace('_', '-')}`)"
+
+
+def previous(page: Path) -> tuple[dict[str, str], list[str]]:
+    """The page as it was: each study's section by name, and its headline lines."""
+    text = page.read_text() if page.is_file() else ""
+    chunks = ["## " + c for c in text.split("\n## ")[1:]]
+    sections = {name: c.rstrip("\n") + "\n" for name in TITLES for c in chunks if c.startswith(heading(name) + "\n")}
+    lines = [line for c in chunks if c.startswith("## Headlines\n") for line in c.splitlines() if line.startswith("- ")]
+    return sections, lines
 
 
 def headlines(results: Path) -> list[str]:
@@ -75,13 +91,15 @@ def headlines(results: Path) -> list[str]:
         if worst:
             lines.append(f"- **soak**: {soak['minutes']:.0f} min; largest memory growth after warm-up "
                          f"{worst[1]['growth']:+.1%} ({worst[0]})")
-    return ["## Headlines\n", "\n".join(lines) + "\n"] if lines else []
+    return lines
 
 
 def build(results: Path, page: Path) -> Path:
     found = [(name, results / f"{name}.json") for name in TITLES if (results / f"{name}.json").is_file()]
     if not found:
         raise FileNotFoundError(f"no study results in {results}: run `streamrl bench NAME` first")
+    kept, old_headlines = previous(page)
+    rerun = {name for name, _ in found}
     plots = page.parent / "benchmarks"
     plots.mkdir(parents=True, exist_ok=True)
     machine = json.loads(found[0][1].read_text())["machine"]
@@ -90,10 +108,18 @@ def build(results: Path, page: Path) -> Path:
              f"({'CUDA' if machine['cuda'] else 'no GPU'}). Every figure stands beside a baseline measured in the "
              "same run on the same machine; figures are medians of the repeats each table names. "
              "Regenerate with `streamrl bench NAME` for each study, then `streamrl bench report`.\n"]
-    parts.extend(headlines(results))
-    for name, path in found:
-        data = json.loads(path.read_text())
-        parts.append(f"## {TITLES[name]} (`streamrl bench {name.replace('_', '-')}`)\n")
+    new_headlines = headlines(results)
+    lines = [line for name, prefix in HEADLINES.items() for line in (new_headlines if name in rerun else old_headlines)
+             if line.startswith(prefix)]
+    if lines:
+        parts.extend(["## Headlines\n", "\n".join(lines) + "\n"])
+    for name in TITLES:
+        if name not in rerun:
+            if name in kept:
+                parts.append(kept[name])
+            continue
+        data = json.loads((results / f"{name}.json").read_text())
+        parts.append(heading(name) + "\n")
         m = data["machine"]
         parts.append(f"Run {m['time']} on {m['cpu_count']} CPU cores"
                      + (" (quick setting: fewer repeats and sizes)" if data.get("quick") else "") + ".\n")
@@ -104,7 +130,7 @@ def build(results: Path, page: Path) -> Path:
             shutil.copy(png, plots / png.name)
             parts.append(f"![{TITLES[name]}](benchmarks/{png.name})\n")
     page.write_text("\n".join(parts))
-    console.print(f"wrote {page} ({len(found)} studies)")
+    console.print(f"wrote {page} ({len(found)} studies from {results}, {len(kept.keys() - rerun)} kept from the page)")
     return page
 
 

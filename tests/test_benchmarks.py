@@ -118,3 +118,25 @@ def test_trl_study_stops_before_any_run_when_trl_is_missing(monkeypatch):
     monkeypatch.setattr(against_trl, "run", lambda *a, **k: pytest.fail("ran without TRL"))
     with pytest.raises(SystemExit, match=r"streamrl\[bench\]"):
         against_trl.main(quick=True)
+
+
+def test_the_report_keeps_the_sections_and_headlines_of_studies_not_rerun(tmp_path):
+    from benchmarks import report
+
+    page = tmp_path / "docs" / "benchmarks.md"
+    page.parent.mkdir()
+    page.write_text("# Benchmarks\n\nold intro\n\n## Headlines\n\n- **async (max staleness 2) / sync, x**: 3.00×\n"
+                    "- **streamrl / TRL GRPOTrainer**: 1.10× samples/s\n\n"
+                    "## Replay stream (`streamrl bench queue`)\n\nold queue table\n\n"
+                    "## Against TRL (`streamrl bench trl`)\n\nold trl table\n")
+    results = tmp_path / "results"
+    results.mkdir()
+    machine = {"platform": "test", "cpu_count": 2, "torch": "x", "cuda": False, "time": "today"}
+    (results / "trl.json").write_text(json.dumps({
+        "machine": machine, "repeats": 3, "ratio": 1.34, "steady_ratio": 1.43,
+        "median": {"streamrl": {"samples_per_s": 579.0}, "trl": {"samples_per_s": 432.0}},
+        "tables": [{"title": "new trl", "columns": ["a"], "rows": [["1"]]}]}))
+    text = report.build(results, page).read_text()
+    assert "old queue table" in text and "old trl table" not in text and "*new trl*" in text
+    assert "3.00×" in text and "1.10×" not in text and "1.34× samples/s" in text
+    assert text.index("3.00×") < text.index("1.34×") < text.index("## Replay stream") < text.index("## Against TRL")
