@@ -21,6 +21,7 @@ final models are scored greedily on the same 512 held-out prompts, off the clock
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import tempfile
 import time
@@ -49,8 +50,6 @@ from benchmarks.e2e import (
 
 def require_trl() -> None:
     """Fail before any run, not after streamrl's: TRL is an optional dependency."""
-    import importlib.util
-
     if importlib.util.find_spec("trl") is None:
         raise SystemExit("`streamrl bench trl` needs TRL: pip install 'streamrl[bench]'")
 

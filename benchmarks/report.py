@@ -95,14 +95,13 @@ def headlines(results: Path) -> list[str]:
 
 
 def build(results: Path, page: Path) -> Path:
-    found = [(name, results / f"{name}.json") for name in TITLES if (results / f"{name}.json").is_file()]
-    if not found:
+    rerun = [name for name in TITLES if (results / f"{name}.json").is_file()]
+    if not rerun:
         raise FileNotFoundError(f"no study results in {results}: run `streamrl bench NAME` first")
     kept, old_headlines = previous(page)
-    rerun = {name for name, _ in found}
     plots = page.parent / "benchmarks"
     plots.mkdir(parents=True, exist_ok=True)
-    machine = json.loads(found[0][1].read_text())["machine"]
+    machine = json.loads((results / f"{rerun[0]}.json").read_text())["machine"]
     parts = ["# Benchmarks\n",
              f"Measured on {machine['platform']}, {machine['cpu_count']} CPU cores, torch {machine['torch']} "
              f"({'CUDA' if machine['cuda'] else 'no GPU'}). Every figure stands beside a baseline measured in the "
@@ -130,7 +129,7 @@ def build(results: Path, page: Path) -> Path:
             shutil.copy(png, plots / png.name)
             parts.append(f"![{TITLES[name]}](benchmarks/{png.name})\n")
     page.write_text("\n".join(parts))
-    console.print(f"wrote {page} ({len(found)} studies from {results}, {len(kept.keys() - rerun)} kept from the page)")
+    console.print(f"wrote {page} ({len(rerun)} studies from {results}, {len(kept.keys() - set(rerun))} kept from the page)")
     return page
 
 
