@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 from streamrl.envs.base import Action, Env, Observation, StepResult
-from streamrl.envs.rewards import reward_fn
+from streamrl.envs.rewards import INLINE, reward_fn
 
 
 class SingleTurn(Env):
@@ -29,6 +29,8 @@ class SingleTurn(Env):
         return Observation(messages=system + messages)
 
     async def step(self, action: Action) -> StepResult:
-        # reward functions are plain (maybe slow) Python: keep them off the event loop
-        reward = await asyncio.to_thread(self.score, self.item, action.text)
+        if self.score in INLINE:
+            reward = self.score(self.item, action.text)
+        else:  # plain (maybe slow) Python: kept off the event loop
+            reward = await asyncio.to_thread(self.score, self.item, action.text)
         return StepResult(reward=float(reward), done=True)

@@ -15,6 +15,7 @@ records where each sequence ends (``seq_lens``).
 from __future__ import annotations
 
 import functools
+import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -36,12 +37,16 @@ class ChatRenderer:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.stop_ids = {tokenizer.eos_token_id} - {None}
-        # a group's n episodes open with the same prompt, and feedback texts repeat: tokenise each once
+        # a group's n episodes open with the same prompt, and feedback texts repeat: render (a Jinja template,
+        # the worker's costliest step per episode) and tokenise each once
         self._encoded = functools.lru_cache(maxsize=4096)(
             lambda text: tuple(tokenizer(text, add_special_tokens=False).input_ids))
+        self._rendered = functools.lru_cache(maxsize=4096)(
+            lambda key, generation_prompt: tokenizer.apply_chat_template(
+                json.loads(key), tokenize=False, add_generation_prompt=generation_prompt))
 
     def render(self, messages: list[Message], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return self._rendered(json.dumps(messages), generation_prompt)
 
     def encode(self, text: str) -> list[int]:
         return list(self._encoded(text))

@@ -20,7 +20,7 @@ from streamrl.config import Config
 from streamrl.envs import env_factory
 from streamrl.models import load_tokenizer
 from streamrl.protocol import Sample
-from streamrl.rollout.client import GenerateClient
+from streamrl.rollout.client import GenerateClient, run_event_loop
 from streamrl.rollout.dataset import load_rows
 from streamrl.rollout.engines.base import SamplingParams
 from streamrl.rollout.episode import ChatRenderer, run_episode
@@ -132,7 +132,7 @@ def launch(cfg: Config) -> None:
             loop.add_signal_handler(sig, stop.set)
         await evaluator.run(stop)
 
-    asyncio.run(main())
+    run_event_loop(main())
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

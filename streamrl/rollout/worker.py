@@ -29,8 +29,8 @@ from streamrl.buffer import Admission, BufferUnavailable, Namespace, PolicyVersi
 from streamrl.config import Config, RolloutConfig
 from streamrl.envs import Env, Observation, StepResult, env_factory
 from streamrl.models import load_tokenizer
-from streamrl.protocol import Group, Sample, WireError, validate_group
-from streamrl.rollout.client import GenerateClient, GenerateError
+from streamrl.protocol import Group, Sample, WireError
+from streamrl.rollout.client import GenerateClient, GenerateError, run_event_loop
 from streamrl.rollout.coalesce import Coalescer
 from streamrl.rollout.dataset import Prompts, load_rows
 from streamrl.rollout.engines.base import Completion, SamplingParams
@@ -43,6 +43,15 @@ class EnvFault(RuntimeError):
     """An env raised, timed out, or returned something that is not an observation or step result."""
 
 
+async def _within(coro, seconds: float):
+    """``coro``'s result, or TimeoutError after ``seconds``. An env is called three times an episode:
+    ``asyncio.timeout`` (3.11+) bounds a call without the task ``wait_for`` creates for each."""
+    if not hasattr(asyncio, "timeout"):
+        return await asyncio.wait_for(coro, seconds)
+    async with asyncio.timeout(seconds):
+        return await coro
+
+
 class GuardedEnv(Env):
     """Wraps a user's env: bounded concurrency, a time limit, and type checks on what it returns."""
 
@@ -53,7 +62,7 @@ class GuardedEnv(Env):
     async def _call(self, what: str, coro, kind: type):
         async with self.gate:
             try:
-                result = await asyncio.wait_for(coro, self.timeout_s)
+                result = await _within(coro, self.timeout_s)
             except asyncio.TimeoutError:
                 raise EnvFault(f"{what} timed out after {self.timeout_s:.0f}s") from None
             except Exception as e:
@@ -72,7 +81,7 @@ class GuardedEnv(Env):
 
     async def close(self) -> None:
         try:
-            await asyncio.wait_for(self.env.close(), self.timeout_s)
+            await _within(self.env.close(), self.timeout_s)
         except Exception as e:  # closing must not lose the episode
             log.warning("env.close failed: %s", e)
 
@@ -166,15 +175,14 @@ class RolloutWorker:
             return
         group = Group(prompt_id=str(index), env=self.cfg.rollout.env, samples=good, group_id=group_id,
                       meta={"prompt_index": index, "worker": self.name, "failed": len(results) - len(good)})
+        version = await self._redis(self.version.get)
         try:
-            validate_group(group)
+            await self._redis(self.stream.put, group, index)  # validates the group as it encodes it
         except WireError as e:  # an engine or env produced something the learner cannot use
             self.metrics.failure(e)
             await self._redis(self.admission.abandon, group_id, "malformed")
             await self._redis(self.claims.release, index)
             return
-        version = await self._redis(self.version.get)
-        await self._redis(self.stream.put, group, index)
         self.metrics.pushed(staleness=version - group.version_range()[0],
                             seconds=time.perf_counter() - started)
 
@@ -318,4 +326,4 @@ def launch(cfg: Config, name: str, max_groups: int | None = None) -> None:
             loop.add_signal_handler(sig, worker.stopping.set)
         await worker.run(max_groups)
 
-    asyncio.run(main())
+    run_event_loop(main())
