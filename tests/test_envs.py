@@ -171,3 +171,29 @@ def test_retry_gives_a_wrong_reply_feedback_and_another_try_after_the_checker_s_
     assert [r.reward for r in asyncio.run(play(["cba"], discount=0.5))] == [1.0]
     with pytest.raises(ValueError, match="0 < discount <= 1; got .*discount=0"):
         RetryWithFeedback(discount=0)
+
+
+def test_single_turn_scores_built_in_rewards_on_the_event_loop_and_any_other_in_a_thread(monkeypatch):
+    import threading
+
+    from streamrl.envs.single_turn import SingleTurn
+
+    seen = []
+
+    def slow_user_reward(item, text):
+        seen.append(threading.current_thread() is threading.main_thread())
+        return float(text == item["answer"])
+
+    async def score(env, text):
+        await env.reset({"prompt": "reverse abc", "answer": "cba"})
+        return (await env.step(Action(text=text, token_ids=[]))).reward
+
+    hops = []
+    to_thread = asyncio.to_thread
+    monkeypatch.setattr(asyncio, "to_thread", lambda fn, *a: hops.append(fn) or to_thread(fn, *a))
+    builtin, custom = SingleTurn("exact_match"), SingleTurn("exact_match")
+    custom.score = slow_user_reward
+    assert asyncio.run(score(builtin, " cba ")) == 1.0 and asyncio.run(score(builtin, "abc")) == 0.0
+    assert hops == []
+    assert asyncio.run(score(custom, "cba")) == 1.0
+    assert hops == [slow_user_reward] and seen == [False]  # not on the loop's thread

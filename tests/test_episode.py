@@ -130,3 +130,18 @@ def test_context_budget_ends_the_episode(parts):
                          params=SamplingParams(max_new_tokens=30, ignore_eos=True))
     assert len(sample.tokens) <= 40 + 30
     assert sample.finish_reason == "length"
+
+
+def test_the_renderer_gives_the_templates_own_text_for_each_conversation_however_often_it_has_seen_it(parts):
+    tokenizer, _ = parts
+    renderer = ChatRenderer(tokenizer)
+    history = [{"role": "user", "content": "what is 12 plus 7"}]
+    first = renderer.render(history, True)
+    history += [{"role": "assistant", "content": "19"}, {"role": "user", "content": "and 3 more?"}]
+    grown = renderer.render(history, True)  # the same list, grown in place: not the cached first text
+    assert grown != first
+    for messages, text in (([history[0]], first), (history, grown)):
+        for generation_prompt in (True, False):
+            assert renderer.render(messages, generation_prompt) == tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt)
+    assert renderer.render([history[0]], True) == first

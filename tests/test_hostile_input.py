@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections import Counter
 
 import msgpack
@@ -155,6 +156,32 @@ def test_whatever_an_env_returns_is_used_or_is_an_env_fault(result):
     asyncio.run(both())
 
 
+def test_an_env_that_hangs_is_an_env_fault_after_its_time_limit_and_its_close_does_not_hang_the_episode():
+    from streamrl.rollout.worker import EnvFault, GuardedEnv
+
+    class Hangs(Env):
+        async def reset(self, item):
+            await asyncio.sleep(60)
+
+        async def step(self, action):
+            await asyncio.sleep(60)
+
+        async def close(self):
+            await asyncio.sleep(60)
+
+    env = GuardedEnv(Hangs(), asyncio.Semaphore(1), timeout_s=0.2)
+
+    async def play():
+        for call in (env.reset({}), env.step(None)):
+            with pytest.raises(EnvFault, match="timed out after"):
+                await call
+        await env.close()  # logged, not raised
+
+    started = time.monotonic()
+    asyncio.run(play())
+    assert time.monotonic() - started < 5
+
+
 # ----------------------------------------------------------------------------- the HTTP API
 
 schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is not installed (pip install -e .[dev])")
@@ -229,3 +256,4 @@ def test_generate_bodies_near_the_valid_range_are_served_correctly_or_refused(se
         lps = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
         assert 1 <= len(out["output_ids"]) == len(lps) <= new
         assert all(math.isfinite(lp) and lp <= 1e-6 for lp in lps)
+
