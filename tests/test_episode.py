@@ -145,3 +145,10 @@ def test_the_renderer_gives_the_templates_own_text_for_each_conversation_however
             assert renderer.render(messages, generation_prompt) == tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=generation_prompt)
     assert renderer.render([history[0]], True) == first
+
+    class Question:  # not JSON: rendered as the template renders it, uncached
+        def __str__(self):
+            return "what is 2 plus 2"
+
+    odd = [{"role": "user", "content": Question()}]
+    assert renderer.render(odd, True) == tokenizer.apply_chat_template(odd, tokenize=False, add_generation_prompt=True)

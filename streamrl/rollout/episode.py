@@ -46,7 +46,11 @@ class ChatRenderer:
                 json.loads(key), tokenize=False, add_generation_prompt=generation_prompt))
 
     def render(self, messages: list[Message], generation_prompt: bool) -> str:
-        return self._rendered(json.dumps(messages), generation_prompt)
+        try:
+            key = json.dumps(messages)
+        except (TypeError, ValueError):  # an env's own objects in its messages: rendered as they are, uncached
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return self._rendered(key, generation_prompt)
 
     def encode(self, text: str) -> list[int]:
         return list(self._encoded(text))
