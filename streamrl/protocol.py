@@ -206,11 +206,6 @@ def _array(raw: dict, name: str, dtype: np.dtype) -> np.ndarray:
 # --------------------------------------------------------------------------- validate
 
 
-def validate_group(group: Group) -> None:
-    """Raise ``WireError`` unless every invariant of the wire format holds."""
-    _validate(group, *_concatenated(group))
-
-
 def _concatenated(group: Group) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Each per-token array over all samples, and the samples' lengths (shapes checked)."""
     if not group.samples:

@@ -41,16 +41,17 @@ class ChatRenderer:
         # the worker's costliest step per episode) and tokenise each once
         self._encoded = functools.lru_cache(maxsize=4096)(
             lambda text: tuple(tokenizer(text, add_special_tokens=False).input_ids))
-        self._rendered = functools.lru_cache(maxsize=4096)(
-            lambda key, generation_prompt: tokenizer.apply_chat_template(
-                json.loads(key), tokenize=False, add_generation_prompt=generation_prompt))
+        self._rendered = functools.lru_cache(maxsize=4096)(lambda key, prompt: self._template(json.loads(key), prompt))
 
     def render(self, messages: list[Message], generation_prompt: bool) -> str:
         try:
             key = json.dumps(messages)
         except (TypeError, ValueError):  # an env's own objects in its messages: rendered as they are, uncached
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+            return self._template(messages, generation_prompt)
         return self._rendered(key, generation_prompt)
+
+    def _template(self, messages: list[Message], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
     def encode(self, text: str) -> list[int]:
         return list(self._encoded(text))
