@@ -44,6 +44,30 @@ def test_logprobs_match_a_teacher_forced_forward_under_continuous_batching(model
         assert max(abs(a - b) for a, b in zip(want, out.logprobs)) <= 1e-4
 
 
+def test_requests_arriving_at_any_time_stay_correct_as_rows_join_and_leave_in_place(model):
+    # Arrivals in bursts and lulls: prompts wider and narrower than the batch join it, the batch's buffers
+    # grow, and finished rows are filled by rows moved from the end.
+    engine = HFEngine(model, max_batch_size=6)
+    rng = random.Random(1)
+    vocab = model.config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in [45] + rng.choices([1, 3, 8, 20, 45], k=39)]
+    params = [SamplingParams(max_new_tokens=rng.randrange(1, 30), temperature=1.0, ignore_eos=True, seed=i)
+              for i in range(40)]
+    futures = []
+    try:
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            futures.append(engine.submit(str(i), prompt, sp))
+            if i == 0 or rng.random() < 0.3:  # the first alone: the batch grows rows for the next ones
+                time.sleep(rng.choice([0.001, 0.01, 0.05]))
+        for prompt, sp, future in zip(prompts, params, futures):
+            out = future.result(60)
+            assert len(out.output_ids) == sp.max_new_tokens
+            want = _teacher_forced_logprobs(model, prompt, out.output_ids, 1.0)
+            assert max(abs(a - b) for a, b in zip(want, out.logprobs)) <= 1e-4
+    finally:
+        engine.shutdown()
+
+
 def test_samples_of_one_prompt_share_one_prefill_and_stay_correct(model, engine):
     shared, other = [7, 3, 99, 41, 8], [12, 5]
     widths = []  # rows of each forward: the prefill is the one with more than one column

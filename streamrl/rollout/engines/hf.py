@@ -51,7 +51,7 @@ class HFEngine:
         self._waiting: queue.PriorityQueue[tuple[int, int, _Sequence]] = queue.PriorityQueue()
         self._arrivals = itertools.count()
         self._control: queue.Queue[Callable[[], None]] = queue.Queue()
-        self._running: list[_Sequence] = []
+        self._rows: list[_Sequence] = []  # the running sequences, row i of the batch's KV cache
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None  # [B, T]: 1 on real tokens, 0 on left padding
         self._unpaused = threading.Event()
@@ -125,8 +125,9 @@ class HFEngine:
         return self._run_between_steps(apply)
 
     def load(self) -> dict:
-        return {"num_reqs": len(self._running), "num_waiting_reqs": self._waiting.qsize(),
-                "num_tokens": int(self._mask.sum()) if self._mask is not None else 0}
+        running = list(self._rows)  # a snapshot: the engine thread changes the list between steps
+        return {"num_reqs": len(running), "num_waiting_reqs": self._waiting.qsize(),
+                "num_tokens": sum(len(seq.prompt) + len(seq.out.output_ids) for seq in running)}
 
     def shutdown(self) -> None:
         self._stop = True
@@ -155,7 +156,7 @@ class HFEngine:
                 self._control.get()()
             if self._unpaused.is_set():
                 self._admit()
-            if not self._running or not self._unpaused.is_set():
+            if not self._rows or not self._unpaused.is_set():
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
@@ -163,15 +164,15 @@ class HFEngine:
                 with torch.no_grad():
                     self._decode_step()
             except Exception as e:  # a fault fails the batch, not the engine
-                for seq in self._running:
+                for seq in self._rows:
                     if not seq.future.done():
                         seq.future.set_exception(e)
-                self._running, self._cache, self._mask = [], None, None
+                self._rows, self._cache, self._mask = [], None, None
 
     def _admit(self) -> None:
         """Prefill every waiting request that fits, in one left-padded forward, and join the batch."""
         joining = []
-        while len(self._running) + len(joining) < self.max_batch_size:
+        while len(self._rows) + len(joining) < self.max_batch_size:
             try:
                 joining.append(self._waiting.get_nowait()[-1])
             except queue.Empty:
@@ -198,42 +199,36 @@ class HFEngine:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         self._emit(joining, out.logits[rows, -1])
         keep = [i for i, seq in enumerate(joining) if not self._finished(seq)]
-        if not keep:
-            return
-        kept_rows = [rows[i] for i in keep]
-        cache = out.past_key_values
-        if kept_rows != list(range(len(distinct))):
-            cache.batch_select_indices(torch.tensor(kept_rows))
-            mask = mask[kept_rows]
-        self._merge(cache, mask)
-        self._running.extend(joining[i] for i in keep)
+        if keep:
+            self._place(out.past_key_values, mask, [joining[i] for i in keep], [rows[i] for i in keep])
 
-    def _merge(self, cache: DynamicCache, mask: torch.Tensor) -> None:
-        """Append newly prefilled sequences to the batch, left-padding whichever side is shorter."""
+    def _place(self, prefill: DynamicCache, mask: torch.Tensor, seqs: list[_Sequence], rows: list[int]) -> None:
+        """Append newly prefilled sequences to the batch, in place: the KV buffers keep spare rows, so only
+        the new rows are written (the whole batch is copied only when a prompt is wider than it, to pad it)."""
+        index = torch.tensor(rows)
         if self._cache is None:
-            cache.layers = [_SlackLayer.of(layer.keys, layer.values) for layer in cache.layers]
-            self._cache, self._mask = cache, mask
+            self._cache, self._mask, self._rows = DynamicCache(), mask[index], list(seqs)
+            self._cache.layers = [_SlackLayer.of(layer.keys[index], layer.values[index], self.max_batch_size)
+                                  for layer in prefill.layers]
             return
         width = max(self._mask.shape[1], mask.shape[1])
-        self._cache.layers = [
-            _SlackLayer.of(*(torch.cat([_pad_left(mine, width), _pad_left(theirs, width)])
-                             for mine, theirs in ((old.keys, new.keys), (old.values, new.values))))
-            for old, new in zip(self._cache.layers, cache.layers)
-        ]
-        self._mask = torch.cat([_pad_left_mask(self._mask, width), _pad_left_mask(mask, width)])
+        self._mask = torch.cat([_pad_left_mask(self._mask, width), _pad_left_mask(mask[index], width)])
+        self._rows.extend(seqs)
+        for mine, theirs in zip(self._cache.layers, prefill.layers):
+            mine.append_rows(theirs.keys[index], theirs.values[index])
 
     def _decode_step(self) -> None:
-        last = torch.tensor([[seq.out.output_ids[-1]] for seq in self._running])
-        mask = torch.cat([self._mask, torch.ones(len(self._running), 1, dtype=torch.long)], dim=1)
+        last = torch.tensor([[seq.out.output_ids[-1]] for seq in self._rows])
+        mask = torch.cat([self._mask, torch.ones(len(self._rows), 1, dtype=torch.long)], dim=1)
         positions = (mask.sum(1, keepdim=True) - 1)
         out = self.model(input_ids=last, attention_mask=mask, position_ids=positions,
                          past_key_values=self._cache, use_cache=True)
         self._cache, self._mask = out.past_key_values, mask
-        live = [i for i, seq in enumerate(self._running) if not seq.aborted]
-        self._emit([self._running[i] for i in live], out.logits[live, -1])
-        keep = [i for i, seq in enumerate(self._running) if not self._finished(seq)]
-        if len(keep) < len(self._running):
-            self._retire(keep)
+        live = [i for i, seq in enumerate(self._rows) if not seq.aborted]
+        self._emit([self._rows[i] for i in live], out.logits[live, -1])
+        finished = [i for i, seq in enumerate(self._rows) if self._finished(seq)]
+        if finished:
+            self._retire(finished)
 
     def _emit(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
         if not seqs:
@@ -269,15 +264,24 @@ class HFEngine:
         tail = self.tokenizer.decode(output_ids[-window:])
         return next((s for s in stops if s in tail), None)
 
-    def _retire(self, keep: list[int]) -> None:
-        self._running = [self._running[i] for i in keep]
-        if not keep:
-            self._cache, self._mask = None, None
+    def _retire(self, finished: list[int]) -> None:
+        """Drop finished rows: running rows from the end of the batch move into their places, so the copy
+        is of those rows only, and the batch is cut short."""
+        if len(finished) == len(self._rows):
+            self._rows, self._cache, self._mask = [], None, None
             return
-        index = torch.tensor(keep)
-        self._cache.batch_select_indices(index)
-        self._mask = self._mask[index]
-        # drop columns that are padding for every remaining sequence
+        n = len(self._rows) - len(finished)
+        done = set(finished)
+        holes = [i for i in finished if i < n]
+        movers = [i for i in range(n, len(self._rows)) if i not in done]
+        for hole, mover in zip(holes, movers):
+            self._rows[hole] = self._rows[mover]
+        del self._rows[n:]
+        self._mask[holes] = self._mask[movers]
+        self._mask = self._mask[:n]
+        for layer in self._cache.layers:
+            layer.move_rows(movers, holes, n)
+        # drop columns that are padding for every row
         first_real = int((self._mask.cumsum(1) == 0).sum(1).min())
         if first_real:
             self._mask = self._mask[:, first_real:]
@@ -285,7 +289,7 @@ class HFEngine:
                 layer.drop_left(first_real)
 
     def _abort(self, rid: str | None) -> None:
-        for seq in self._running:
+        for seq in self._rows:
             if rid is None or seq.rid == rid:
                 seq.aborted = True
                 self._finished(seq)
@@ -302,56 +306,77 @@ class HFEngine:
 
 
 class _SlackLayer(DynamicLayer):
-    """A KV layer kept in a buffer with room to grow along the sequence.
+    """A KV layer kept in a buffer with spare rows (sequences) and columns (positions).
 
-    transformers' DynamicLayer concatenates on every token, copying the whole cache
-    each decode step; here a step writes one column in place, and the buffer
-    doubles when full (amortised O(1) per token).
+    transformers' DynamicLayer concatenates on every token, copying the whole cache each decode step;
+    here a step writes one column in place and an admission writes into free rows. The buffer doubles
+    when full, so growth costs amortised O(1) per token and per sequence.
     """
 
     @classmethod
-    def of(cls, keys: torch.Tensor, values: torch.Tensor, slack: int = 64) -> _SlackLayer:
+    def of(cls, keys: torch.Tensor, values: torch.Tensor, max_rows: int) -> _SlackLayer:
         layer = cls()
         layer.dtype, layer.device, layer.is_initialized = keys.dtype, keys.device, True
-        b, h, t, d = keys.shape
-        layer._k = keys.new_empty(b, h, t + slack, d)
-        layer._v = values.new_empty(b, h, t + slack, values.shape[-1])
-        layer._k[:, :, :t], layer._v[:, :, :t] = keys, values
+        (b, h, t, _), layer.max_rows, layer.rows = keys.shape, max_rows, 0
+        layer._k, layer._v = keys.new_zeros(0, h, 0, keys.shape[3]), values.new_zeros(0, h, 0, values.shape[3])
+        layer._set_length(0)
+        layer._resize(b, t)
+        layer._k[:b, :, :t], layer._v[:b, :, :t], layer.rows = keys, values, b
         layer._set_length(t)
         return layer
 
     def _set_length(self, n: int) -> None:
         self.length = n
-        self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
+        self.keys, self.values = self._k[: self.rows, :, :n], self._v[: self.rows, :, :n]
+
+    def _resize(self, rows: int, columns: int, left: int = 0) -> None:
+        """Reallocate for at least ``rows`` x ``columns`` (doubling), moving what is there ``left`` columns right."""
+        have_rows, have_cols = self._k.shape[0], self._k.shape[2]
+        cap_rows = have_rows if rows <= have_rows else max(rows, min(2 * have_rows, self.max_rows))
+        cap_cols = have_cols if columns <= have_cols else max(columns + 64, 2 * have_cols)
+        for name in ("_k", "_v"):
+            old = getattr(self, name)
+            new = old.new_empty(cap_rows, old.shape[1], cap_cols, old.shape[3])  # unused cells are written first
+            new[: self.rows, :, :left] = 0
+            new[: self.rows, :, left: left + self.length] = old[: self.rows, :, : self.length]
+            setattr(self, name, new)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        n = key_states.shape[-2]
-        end = self.length + n
+        end = self.length + key_states.shape[-2]
         if end > self._k.shape[2]:
-            grown = max(2 * self._k.shape[2], end + 64)
-            self._k = torch.cat([self._k[:, :, : self.length], self._k.new_empty(*self._k.shape[:2], grown - self.length,
-                                                                                 self._k.shape[3])], dim=2)
-            self._v = torch.cat([self._v[:, :, : self.length], self._v.new_empty(*self._v.shape[:2], grown - self.length,
-                                                                                 self._v.shape[3])], dim=2)
-        self._k[:, :, self.length : end] = key_states
-        self._v[:, :, self.length : end] = value_states
+            self._resize(self.rows, end)
+        self._k[: self.rows, :, self.length: end] = key_states
+        self._v[: self.rows, :, self.length: end] = value_states
         self._set_length(end)
         return self.keys, self.values
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._k, self._v = self._k[indices], self._v[indices]
+    def append_rows(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Add prefilled rows after the last, right-aligned and left-padded with zeros."""
+        width, end = keys.shape[2], self.rows + keys.shape[0]
+        if width > self.length:  # prompts wider than the batch: pad the batch on the left
+            self._resize(end, width, left=width - self.length)
+            self.length = width
+        elif end > self._k.shape[0]:
+            self._resize(end, self.length)
+        start = self.length - width
+        for buffer, new in ((self._k, keys), (self._v, values)):
+            buffer[self.rows: end, :, :start] = 0
+            buffer[self.rows: end, :, start: self.length] = new
+        self.rows = end
+        self._set_length(self.length)
+
+    def move_rows(self, sources: list[int], targets: list[int], rows: int) -> None:
+        """Copy rows ``sources`` onto rows ``targets``, then keep the first ``rows``."""
+        if sources:
+            for buffer in (self._k, self._v):
+                buffer[targets, :, : self.length] = buffer[sources, :, : self.length]
+        self.rows = rows
         self._set_length(self.length)
 
     def drop_left(self, n: int) -> None:
         """Forget the first ``n`` positions (padding for every row)."""
         self._k, self._v = self._k[:, :, n:], self._v[:, :, n:]
         self._set_length(self.length - n)
-
-
-def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
-    """[B, H, T, D] -> [B, H, width, D] with zeros on the left."""
-    missing = width - t.shape[2]
-    return t if missing == 0 else torch.nn.functional.pad(t, (0, 0, missing, 0))
 
 
 def _pad_left_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
