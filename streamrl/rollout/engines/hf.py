@@ -309,8 +309,9 @@ class _SlackLayer(DynamicLayer):
     """A KV layer kept in a buffer with spare rows (sequences) and columns (positions).
 
     transformers' DynamicLayer concatenates on every token, copying the whole cache each decode step;
-    here a step writes one column in place and an admission writes into free rows. The buffer doubles
-    when full, so growth costs amortised O(1) per token and per sequence.
+    here a step writes one column in place, an admission writes its own rows after the last, and a
+    retirement moves only the rows that fill its holes. The buffer doubles when full, so growth costs
+    amortised O(1) per token and per sequence.
     """
 
     @classmethod
