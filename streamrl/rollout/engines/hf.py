@@ -318,12 +318,9 @@ class _SlackLayer(DynamicLayer):
     def of(cls, keys: torch.Tensor, values: torch.Tensor, max_rows: int) -> _SlackLayer:
         layer = cls()
         layer.dtype, layer.device, layer.is_initialized = keys.dtype, keys.device, True
-        (b, h, t, _), layer.max_rows, layer.rows = keys.shape, max_rows, 0
-        layer._k, layer._v = keys.new_zeros(0, h, 0, keys.shape[3]), values.new_zeros(0, h, 0, values.shape[3])
-        layer._set_length(0)
-        layer._resize(b, t)
-        layer._k[:b, :, :t], layer._v[:b, :, :t], layer.rows = keys, values, b
-        layer._set_length(t)
+        layer.max_rows, layer.rows, layer.length = max_rows, 0, 0
+        layer._k, layer._v = keys[:0, :, :0], values[:0, :, :0]  # empty: the first rows size the buffers
+        layer.append_rows(keys, values)
         return layer
 
     def _set_length(self, n: int) -> None:
