@@ -276,3 +276,7 @@ def launch(cfg: Config, steps: int | None = None, solo: bool = False) -> None:
             learner.metrics.write({"step": learner.version, "time": time.time(), **last_push})
         learner.metrics.close()
     dist.barrier()
+    # An exit with the group still up can abort in a backend thread's teardown ("terminate called without
+    # an active exception", exit status 250, seen once under the DeepSpeed launcher in CI); PyTorch asks
+    # for an explicit destroy.
+    dist.destroy_process_group()
