@@ -206,11 +206,10 @@ class HFEngine:
         """Append newly prefilled sequences to the batch, in place: the KV buffers keep spare rows, so only
         the new rows are written (the whole batch is copied only when a prompt is wider than it, to pad it)."""
         index = torch.tensor(rows)
-        if self._cache is None:
-            self._cache, self._mask, self._rows = DynamicCache(), mask[index], list(seqs)
-            self._cache.layers = [_SlackLayer.of(layer.keys[index], layer.values[index], self.max_batch_size)
+        if self._cache is None:  # an empty batch, which the first rows size
+            self._cache, self._mask, self._rows = DynamicCache(), mask.new_zeros(0, 0), []
+            self._cache.layers = [_SlackLayer.empty_like(layer.keys, layer.values, self.max_batch_size)
                                   for layer in prefill.layers]
-            return
         width = max(self._mask.shape[1], mask.shape[1])
         self._mask = torch.cat([_pad_left_mask(self._mask, width), _pad_left_mask(mask[index], width)])
         self._rows.extend(seqs)
@@ -315,12 +314,13 @@ class _SlackLayer(DynamicLayer):
     """
 
     @classmethod
-    def of(cls, keys: torch.Tensor, values: torch.Tensor, max_rows: int) -> _SlackLayer:
+    def empty_like(cls, keys: torch.Tensor, values: torch.Tensor, max_rows: int) -> _SlackLayer:
+        """No rows yet; ``append_rows`` sizes the buffers (up to ``max_rows`` rows) when the first arrive."""
         layer = cls()
         layer.dtype, layer.device, layer.is_initialized = keys.dtype, keys.device, True
         layer.max_rows, layer.rows, layer.length = max_rows, 0, 0
-        layer._k, layer._v = keys[:0, :, :0], values[:0, :, :0]  # empty: the first rows size the buffers
-        layer.append_rows(keys, values)
+        layer._k, layer._v = keys[:0, :, :0], values[:0, :, :0]
+        layer._set_length(0)
         return layer
 
     def _set_length(self, n: int) -> None:
