@@ -17,10 +17,14 @@ of median samples/s, and the seed-paired held-out difference ± its 95% t interv
   (one optimizer step per batch makes the PPO ratio 1, so nothing bounds them: up to ~13 were seen),
   truncated at 2 (`off_policy.correction=tis`), or with tokens above 5 left out
   (`off_policy.behav_weight_cap=5`, AReaL's rule). All with turn credit.
+- `minibatches`: four optimizer steps per batch, each on a quarter of its groups (`learner.minibatches=4`),
+  in sync and at max staleness 4, all with turn credit. The proximal policy is the weights before the
+  batch's first step, so from the second step on PPO's clip bounds how far the weights move from it;
+  with one step per batch the clip never acts.
 - `longer`: sync and max staleness 4 (turn credit) trained for 80 steps instead of 40: whether async's
   loss at 40 steps is a lag that closes once both have converged, or a lower level it stays at.
 
-    python -m benchmarks.ablation [--quick] [--repeats N] [--study credit|late-groups|is-weights|longer]
+    python -m benchmarks.ablation [--quick] [--repeats N] [--study credit|late-groups|is-weights|minibatches|longer]
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ OLDEST = ("rollout.oldest_first=true",)
 KEEP = ("off_policy.stale=keep",)
 TRUNCATE = ("off_policy.correction=tis", "off_policy.tis_cap=2")
 MASK = ("off_policy.behav_weight_cap=5",)
+MINIBATCHES = ("learner.minibatches=4",)
 # study -> arm -> (mode, max staleness, overrides, the arms it is compared with)
 STUDIES: dict[str, dict[str, tuple[str, int, tuple[str, ...], tuple[str, ...]]]] = {
     "credit": {
@@ -69,6 +74,12 @@ STUDIES: dict[str, dict[str, tuple[str, int, tuple[str, ...], tuple[str, ...]]]]
         "staleness 4": ("async", 4, TURN, ("sync",)),
         "staleness 4, truncated at 2": ("async", 4, TURN + TRUNCATE, ("sync", "staleness 4")),
         "staleness 4, masked above 5": ("async", 4, TURN + MASK, ("sync", "staleness 4")),
+    },
+    "minibatches": {
+        "sync": ("sync", 0, TURN, ()),
+        "sync, 4 minibatches": ("sync", 0, TURN + MINIBATCHES, ("sync",)),
+        "staleness 4": ("async", 4, TURN, ("sync",)),
+        "staleness 4, 4 minibatches": ("async", 4, TURN + MINIBATCHES, ("sync, 4 minibatches", "sync", "staleness 4")),
     },
     "longer": {
         "sync": ("sync", 0, TURN, ()),

@@ -146,7 +146,9 @@ class LearnerConfig(Section):
     optimizer: Literal["adamw", "sgd"] = "adamw"
     warmup_steps: int = Field(0, ge=0)
     max_steps: int = Field(100, ge=1)
-    epochs: int = Field(1, ge=1, description="optimizer steps over each batch (PPO epochs)")
+    epochs: int = Field(1, ge=1, description="passes over each batch (PPO epochs)")
+    minibatches: int = Field(1, ge=1, description="optimizer steps per pass, each on a share of the batch's groups "
+                             "(PPO minibatches): the clip acts from the second on")
     micro_batch_tokens: int = Field(8192, ge=1, description="padded tokens (sequences × longest) of one micro-batch")
     share_prompts: bool = Field(True, description="forward each prompt once per micro-batch, not once per sample "
                                 "(off: for models whose forward cannot continue from a KV cache)")
@@ -252,6 +254,13 @@ class Config(Section):
         if self.off_policy.stale == "drop" and every > bound + 1:
             raise ValueError(f"weight_sync.sync_every: {every} > off_policy.max_staleness + 1 = {bound + 1}; data "
                              "would be too stale to train on; push more often or allow more staleness")
+        return self
+
+    @model_validator(mode="after")
+    def _every_minibatch_gets_a_group(self) -> Config:
+        if self.learner.minibatches > self.learner.groups_per_step:
+            raise ValueError(f"learner.minibatches: {self.learner.minibatches} > learner.groups_per_step = "
+                             f"{self.learner.groups_per_step}; a minibatch is made of whole groups")
         return self
 
     @model_validator(mode="after")

@@ -58,6 +58,7 @@ def test_override_beats_file(tmp_path):
         (["learner"], r"must look like section\.field=value"),
         (["redis.url=http://x"], r"url must start with redis://"),
         (["run.name=a/b"], r"run\.name: String should match pattern"),
+        (["learner.minibatches=9"], r"learner\.minibatches: 9 > learner\.groups_per_step = 8"),
     ],
 )
 def test_bad_overrides_name_the_field_the_value_and_the_expectation(overrides, message):

@@ -48,8 +48,9 @@ def test_learner_logprobs_are_the_tempered_logprobs_of_each_next_token():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero_stage, launcher", [(0, "torchrun"), (3, "deepspeed")])
-def test_two_rank_learner_trains_from_the_replay_stream(redis_server, tiny_model_dir, tmp_path, zero_stage, launcher):
+@pytest.mark.parametrize("zero_stage, launcher, minibatches", [(0, "torchrun", 1), (3, "deepspeed", 2)])
+def test_two_rank_learner_trains_from_the_replay_stream(redis_server, tiny_model_dir, tmp_path, zero_stage, launcher,
+                                                        minibatches):
     ns = Namespace.open(redis_server.url, f"learner-e2e-{zero_stage}")
     stream, rng = ReplayStream(ns), np.random.default_rng(0)
     ids = []
@@ -65,13 +66,15 @@ def test_two_rank_learner_trains_from_the_replay_stream(redis_server, tiny_model
         [*launch, "launch-learner",
          f"model.path={tiny_model_dir}", f"redis.url={redis_server.url}", f"run.name={ns.run}",
          f"run.dir={tmp_path}", "learner.groups_per_step=4", "learner.micro_batch_tokens=128",
-         f"learner.zero_stage={zero_stage}", "off_policy.max_staleness=8", "--steps", "3"],
+         f"learner.zero_stage={zero_stage}", f"learner.minibatches={minibatches}", "off_policy.max_staleness=8",
+         "--steps", "3"],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / ns.run / "metrics" / "learner.jsonl").open()]
     records = [r for r in records if "loss" in r]  # step lines (a last push may add a line of its own)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["groups"] == 4 and r["tokens"] > 0 and np.isfinite(r["loss"]) for r in records)
+    assert all(r["updates"] == minibatches for r in records)  # one version per step, however many updates
     assert records[-1]["cursor"] == ids[-1]  # 12 good groups + 2 dead-lettered = all 14 entries
     assert PolicyVersion(ns).get() == 3
     dead = ns.conn.xrange(ns.key("dead"))
@@ -268,6 +271,51 @@ def test_epochs_reuse_the_proximal_so_the_ratio_is_one_only_on_the_first(engine)
     second = engine.step(shard, n, batches=batches)
     assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert abs(second["ratio_mean"] - 1.0) > 1e-6  # the weights moved; the proximal did not
+
+
+def _on_policy(engine, shard):
+    """Behaviour logprobs of the current weights, as if the data had just been generated."""
+    for s in (s for mb in shard for s in mb):
+        b = batching.collate([s])
+        with torch.no_grad():
+            s.logprobs = token_logprobs(engine.module(input_ids=b["input_ids"]).logits, b["input_ids"], 1.0)[0].numpy()
+    return shard
+
+
+def _updates_of(engine, monkeypatch) -> list[dict]:
+    """Every update's own statistics, as ``train`` merges them."""
+    seen, step = [], engine.step
+    monkeypatch.setattr(engine, "step", lambda *a, **kw: seen.append(step(*a, **kw)) or seen[-1])
+    return seen
+
+
+@pytest.mark.slow
+def test_later_minibatches_train_against_the_weights_at_the_versions_start(engine, monkeypatch):
+    from streamrl.learner.main import train
+
+    first, n1 = _shard()
+    second, n2 = _shard()
+    _on_policy(engine, first + second)  # behaviour = proximal = the weights before either update
+    seen = _updates_of(engine, monkeypatch)
+    stats, landed = train(engine, [(first, n1, 4), (second, n2, 4)], epochs=1)
+    assert landed == 2 and stats["updates"] == 2 and stats["tokens"] == n1 + n2
+    assert seen[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # the first update is on-policy
+    # the second: its proximal is still the start weights (weight 1 against behaviour), while the
+    # weights it trains have moved (a ratio off 1, which the clip bounds)
+    assert seen[1]["is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert abs(seen[1]["ratio_mean"] - 1.0) > 1e-6
+
+
+@pytest.mark.slow
+def test_a_non_finite_minibatch_stops_the_updates_after_it(engine):
+    from streamrl.learner.main import train
+
+    good, n1 = _shard()
+    bad, n2 = _shard(advantage=float("nan"))
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    stats, landed = train(engine, [(good, n1, 4), (bad, n2, 4), (_shard()[0], n1, 4)], epochs=2)
+    assert (landed, stats["updates"], stats["skipped"]) == (1, 1, 1.0)  # the third was never tried
+    assert any(not torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
 
 
 @pytest.mark.slow

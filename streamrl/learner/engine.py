@@ -118,6 +118,19 @@ class PolicyEngine:
         self.engine.train()
         return out
 
+    def fill_proximal(self, batches: list[dict | None]) -> None:
+        """Put the current weights' logprobs into every micro-batch that lacks them, by a separate forward:
+        for micro-batches trained after the weights have moved (minibatches), or when the training forward
+        is random (dropout)."""
+        if self.cfg.off_policy.correction == "none":
+            return
+        for b in batches:
+            if b is None and self.cfg.learner.zero_stage == 3:
+                with torch.no_grad():
+                    self._empty_loss()  # in step with the other ranks' forwards
+            elif b is not None and "proximal" not in b:
+                b["proximal"] = self.proximal([b])[0]
+
     def step(self, shard: list[list[TrainSequence]], global_tokens: int, ptx: list[TrainSequence] | None = None,
              batches: list[dict | None] | None = None, global_sequences: int | None = None) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches (and its SFT rows); returns statistics.
@@ -133,14 +146,8 @@ class PolicyEngine:
                     b.update(prefix.layout(mb, self.device) or {})
             if self.cfg.learner.zero_stage == 3:
                 self._share_on_every_rank_or_none(batches)
-        if self.cfg.off_policy.correction != "none" and self.random_forward:
-            # with dropout the training forward is not the weights' own distribution: a separate one
-            for b in batches:
-                if b is None and self.cfg.learner.zero_stage == 3:
-                    with torch.no_grad():
-                        self._empty_loss()  # in step with the other ranks' forwards
-                elif b is not None and "proximal" not in b:
-                    b["proximal"] = self.proximal([b])[0]
+        if self.random_forward:  # with dropout the training forward is not the weights' own distribution
+            self.fill_proximal(batches)
         by_sequence = self.cfg.learner.loss_agg == "sequence"
         if by_sequence:
             global_sequences = global_sequences or self._sum_over_ranks(float(sum(len(mb) for mb in shard)))

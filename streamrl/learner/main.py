@@ -48,6 +48,54 @@ def _send(payloads: list[bytes] | None, device: torch.device) -> bytes:
     return mine
 
 
+Minibatch = tuple[list[list[batching.TrainSequence]], int, int]  # a rank's micro-batches, global tokens, sequences
+SUMMED = ("forward_s", "backward_s", "optimizer_s")  # phase times add up over a step's updates
+MAXED = ("is_weight_max", "adv_abs_max", "skipped")
+
+
+def train(policy: PolicyEngine, minibatches: list[Minibatch], epochs: int, critic=None, ptx=None) -> tuple[dict, int]:
+    """One policy version's updates: ``epochs`` passes over the minibatches, one optimizer step each.
+
+    Every minibatch is scored before the first update (the critic's values, and the proximal logprobs of
+    all but the first, whose own forward comes before any update), so the proximal policy is the weights
+    at the version's start and PPO's clip bounds how far the later updates move from it. A non-finite
+    update stops the rest. Returns the updates' merged statistics and how many minibatches were trained.
+    """
+    batches = [critic.prepare(shard) if critic else [batching.collate(mb, policy.device) if mb else None for mb in shard]
+               for shard, _, _ in minibatches]
+    for later in batches[1:]:
+        policy.fill_proximal(later)
+    updates, landed = [], 0
+    for _epoch in range(epochs):
+        for i, ((shard, tokens, sequences), batch) in enumerate(zip(minibatches, batches)):
+            stats = policy.step(shard, tokens, ptx, batch, sequences)
+            if stats["skipped"]:
+                return merge(updates + [stats], len(minibatches)), landed
+            if critic:
+                stats.update(critic.step(batch, tokens))
+            updates.append(stats)
+            landed = max(landed, i + 1)
+    return merge(updates, len(minibatches)), landed
+
+
+def merge(updates: list[dict], minibatches: int) -> dict:
+    """A step's statistics from its updates' (one, for a single update): phase times summed, maxima kept,
+    token counts of one pass over the batch, the rest averaged."""
+    merged = {}
+    for key in updates[0]:
+        values = [u[key] for u in updates if key in u]
+        if key in SUMMED:
+            merged[key] = sum(values)
+        elif key in MAXED:
+            merged[key] = max(values)
+        elif key in ("tokens", "padding"):
+            merged[key] = sum(values[:minibatches])
+        else:
+            merged[key] = sum(values) / len(values)
+    merged["updates"] = len([u for u in updates if not u["skipped"]])
+    return merged
+
+
 class Learner:
     def __init__(self, cfg: Config, redis_url: str):
         self.cfg = cfg
@@ -132,55 +180,30 @@ class Learner:
         return None
 
     def step(self) -> dict:
-        payloads, info, outcomes = None, {}, {}
+        minibatches = self.cfg.learner.minibatches
+        payloads, info, outcomes, members = [None] * minibatches, {}, {}, []
         if self.rank == 0:
             groups, info, outcomes = self._collect()
-            penalties = None
-            if self.reference is not None:
-                penalties = batching.kl_penalties(groups, self.reference, self.cfg.learner.kl_coef,
-                                                  self.cfg.rollout.sampling.temperature, self.cfg.learner.kl_estimator)
-                info["kl_penalty_mean"] = float(np.mean(np.concatenate(penalties)))
-            learner = self.cfg.learner
-            turns = batching.TurnCredit(learner.turn_gamma, learner.turn_lam) if learner.credit == "turn" else None
-            seqs = batching.sequences(groups, self.version, learner.algorithm, penalties, turns)
-            if turns is not None:  # samples whose turns could not be told apart were scored as one turn
-                info["turn_credit_fallbacks"] = sum(batching.turn_spans(s) is None for g in groups for s in g.samples)
-            plan = plan_micro_batches([len(s) for s in seqs], self.world, self.cfg.learner.micro_batch_tokens)
-            global_tokens = int(sum(s.mask.sum() for s in seqs))
-            loads = [sum(len(seqs[i]) for i in mb) for rank in plan.ranks for mb in rank]
-            info["micro_batch_imbalance"] = max(loads) / max(sum(loads) / len(loads), 1e-9)
-            payloads = [batching.pack([[seqs[i] for i in mb] for mb in rank], global_tokens, len(seqs))
-                        for rank in plan.ranks]
-            rewards = [s.reward for g in groups for s in g.samples]
-            info.update(reward_mean=sum(rewards) / len(rewards), reward_std=float(np.std(rewards)), groups=len(groups),
-                        tokens_global=global_tokens,
-                        staleness_hist={str(k): int(v) for k, v in zip(*np.unique([s.staleness for s in seqs],
-                                                                                   return_counts=True))},
-                        group_ids=[g.group_id for g in groups],
-                        staleness_max=max(s.staleness for s in seqs), micro_batches_per_rank=plan.per_rank)
-        shard, global_tokens, global_sequences = batching.unpack(_send(payloads, self.policy.device))
+            payloads, members = self._plan(groups, info)
+        received = [batching.unpack(_send(p, self.policy.device)) for p in payloads]
         if self.rank == 0:  # the previous push overlapped the data wait; it must end before the weights move
             info.update(self.pusher.wait())
         t0 = time.perf_counter()
         ptx = self.ptx.for_step(self.version, self.rank, self.world, self.cfg.learner.ptx_per_rank) if self.ptx else None
-        batches = (self.critic.prepare(shard) if self.critic
-                   else [batching.collate(mb, self.policy.device) if mb else None for mb in shard])
-        for _epoch in range(self.cfg.learner.epochs):  # PPO epochs: one optimizer step each, same data
-            stats = self.policy.step(shard, global_tokens, ptx, batches, global_sequences)
-            if stats["skipped"]:
-                break
-            if self.critic:
-                stats.update(self.critic.step(batches, global_tokens))
-        if stats["skipped"]:  # nothing reached the weights: the version stays, the batch is reported
-            log.warning("step skipped: non-finite loss or gradient")
+        stats, landed = train(self.policy, received, self.cfg.learner.epochs, self.critic, ptx)
+        if self.rank == 0:  # groups of a minibatch whose update was skipped reached no weights
+            outcomes |= {g: "trained" if i < landed else "dropped:skipped" for i, ids in enumerate(members) for g in ids}
+        if stats["skipped"]:
+            log.warning("update skipped: non-finite loss or gradient (%d of %d minibatches trained)", landed,
+                        len(received))
+        if not landed:  # nothing reached the weights: the version stays, the batch is reported
             if self.rank == 0:
-                self.ledger.record(self.version + 1, self.reader.cursor,
-                                   outcomes | dict.fromkeys(info["group_ids"], "dropped:skipped"))
+                self.ledger.record(self.version + 1, self.reader.cursor, outcomes)
                 self._write({"step": self.version, "time": time.time(), **info, **stats, "cursor": self.reader.cursor})
             return stats
-        self.version += 1  # one policy version per step of the loop, however many epochs it ran
+        self.version += 1  # one policy version per step of the loop, however many updates it ran
         if self.rank == 0:
-            self.ledger.record(self.version, self.reader.cursor, outcomes | dict.fromkeys(info["group_ids"], "trained"))
+            self.ledger.record(self.version, self.reader.cursor, outcomes)
         if self.version % self.cfg.weight_sync.sync_every == 0:
             stats.update(self.push() or {})
             if self.cfg.mode == "sync" and self.rank == 0:  # no group may start before the servers have the weights
@@ -198,6 +221,40 @@ class Learner:
             return record
         return stats
 
+    def _plan(self, groups: list, info: dict) -> tuple[list[list[bytes]], list[list[str]]]:
+        """Rank 0: the step's groups as ``learner.minibatches`` minibatches of whole groups, each partitioned
+        across the ranks (one payload per rank); also each minibatch's group ids. Fills ``info``."""
+        learner = self.cfg.learner
+        penalties = None
+        if self.reference is not None:
+            penalties = batching.kl_penalties(groups, self.reference, learner.kl_coef,
+                                              self.cfg.rollout.sampling.temperature, learner.kl_estimator)
+            info["kl_penalty_mean"] = float(np.mean(np.concatenate(penalties)))
+        turns = batching.TurnCredit(learner.turn_gamma, learner.turn_lam) if learner.credit == "turn" else None
+        payloads, members, everything, loads, per_rank = [], [], [], [], 0
+        for part in np.array_split(np.arange(len(groups)), learner.minibatches):
+            mine = [groups[i] for i in part]
+            seqs = batching.sequences(mine, self.version, learner.algorithm,
+                                      None if penalties is None else [penalties[i] for i in part], turns)
+            plan = plan_micro_batches([len(s) for s in seqs], self.world, learner.micro_batch_tokens)
+            tokens = int(sum(s.mask.sum() for s in seqs))
+            payloads.append([batching.pack([[seqs[i] for i in mb] for mb in rank], tokens, len(seqs))
+                             for rank in plan.ranks])
+            members.append([g.group_id for g in mine])
+            loads.append([sum(len(seqs[i]) for i in mb) for rank in plan.ranks for mb in rank])
+            per_rank += plan.per_rank
+            everything += seqs
+        if turns is not None:  # samples whose turns could not be told apart were scored as one turn
+            info["turn_credit_fallbacks"] = sum(batching.turn_spans(s) is None for g in groups for s in g.samples)
+        rewards = [s.reward for g in groups for s in g.samples]
+        staleness = np.array([s.staleness for s in everything])
+        info.update(micro_batch_imbalance=max(max(x) / max(sum(x) / len(x), 1e-9) for x in loads),
+                    reward_mean=float(np.mean(rewards)), reward_std=float(np.std(rewards)), groups=len(groups),
+                    tokens_global=int(sum(s.mask.sum() for s in everything)),
+                    staleness_hist={str(k): int(v) for k, v in zip(*np.unique(staleness, return_counts=True))},
+                    group_ids=[g.group_id for g in groups], staleness_max=int(staleness.max()),
+                    micro_batches_per_rank=per_rank)
+        return payloads, members
 
     def _catch_up(self) -> None:
         """While data is late, bring servers that lack the current weights up to date (plain DP only:
