@@ -17,8 +17,9 @@ of median samples/s, and the seed-paired held-out difference ± its 95% t interv
   (one optimizer step per batch makes the PPO ratio 1, so nothing bounds them: up to ~13 were seen),
   truncated at 2 (`off_policy.correction=tis`), or with tokens above 5 left out
   (`off_policy.behav_weight_cap=5`, AReaL's rule). All with turn credit.
-- `minibatches`: four optimizer steps per batch, each on a quarter of its groups (`learner.minibatches=4`),
-  in sync and at max staleness 4, all with turn credit. The proximal policy is the weights before the
+- `minibatches`: at max staleness 4, four optimizer steps per batch, each on a quarter of its groups
+  (`learner.minibatches=4`), at the quickstart's learning rate and at a quarter of it (so that four steps
+  move about as far as one did). All with turn credit. The proximal policy is the weights before the
   batch's first step, so from the second step on PPO's clip bounds how far the weights move from it;
   with one step per batch the clip never acts.
 - `longer`: sync and max staleness 4 (turn credit) trained for 80 steps instead of 40: whether async's
@@ -53,6 +54,7 @@ KEEP = ("off_policy.stale=keep",)
 TRUNCATE = ("off_policy.correction=tis", "off_policy.tis_cap=2")
 MASK = ("off_policy.behav_weight_cap=5",)
 MINIBATCHES = ("learner.minibatches=4",)
+QUARTER_LR = ("learner.lr=5e-5",)  # a quarter of the quickstart's 2e-4: four steps move as far as one
 # study -> arm -> (mode, max staleness, overrides, the arms it is compared with)
 STUDIES: dict[str, dict[str, tuple[str, int, tuple[str, ...], tuple[str, ...]]]] = {
     "credit": {
@@ -77,9 +79,9 @@ STUDIES: dict[str, dict[str, tuple[str, int, tuple[str, ...], tuple[str, ...]]]]
     },
     "minibatches": {
         "sync": ("sync", 0, TURN, ()),
-        "sync, 4 minibatches": ("sync", 0, TURN + MINIBATCHES, ("sync",)),
         "staleness 4": ("async", 4, TURN, ("sync",)),
-        "staleness 4, 4 minibatches": ("async", 4, TURN + MINIBATCHES, ("sync, 4 minibatches", "sync", "staleness 4")),
+        "staleness 4, 4 minibatches": ("async", 4, TURN + MINIBATCHES, ("sync", "staleness 4")),
+        "staleness 4, 4 minibatches, lr / 4": ("async", 4, TURN + MINIBATCHES + QUARTER_LR, ("sync", "staleness 4")),
     },
     "longer": {
         "sync": ("sync", 0, TURN, ()),
