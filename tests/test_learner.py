@@ -373,8 +373,8 @@ def test_the_deepspeed_step_on_an_uneven_two_rank_split_equals_one_rank_on_the_w
     # or rank 0 skipping its empty micro-batch, would break the weight gathers). First a step whose loss is
     # not finite on one rank only: skipped on every rank, weights untouched (under ZeRO-3 its stand-in zero
     # must run back through the forward that gathered the weights). At ZeRO-3, PPO's critic also takes a step
-    # on the shard with the empty micro-batch (without a stand-in forward it hangs), and so does a step with
-    # the separate proximal forwards of a model with dropout.
+    # on the shard with the empty micro-batch (without a stand-in forward it hangs), and so do a step with
+    # the separate proximal forwards of a model with dropout and two epochs over two minibatches of it.
     script = str(__import__("pathlib").Path(__file__).parent / "ddp_equivalence.py")
     for ranks in (1, 2):
         out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),

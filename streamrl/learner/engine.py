@@ -135,10 +135,12 @@ class PolicyEngine:
              batches: list[dict | None] | None = None, global_sequences: int | None = None) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches (and its SFT rows); returns statistics.
 
-        ``batches``: the micro-batches already collated (PPO's carry per-token advantages).
+        ``batches``: the micro-batches already collated (PPO's carry per-token advantages); a caller that
+        passes them puts in the proximal logprobs where a separate forward must make them (``train``).
         A non-finite loss or gradient on any rank skips the whole step on every rank
         (reported as ``skipped``): nothing of that batch reaches the weights.
         """
+        collated_here = batches is None
         batches = batches if batches is not None else [collate(mb, self.device) if mb else None for mb in shard]
         if self.cfg.learner.share_prompts:
             for mb, b in zip(shard, batches):
@@ -146,8 +148,8 @@ class PolicyEngine:
                     b.update(prefix.layout(mb, self.device) or {})
             if self.cfg.learner.zero_stage == 3:
                 self._share_on_every_rank_or_none(batches)
-        if self.random_forward:  # with dropout the training forward is not the weights' own distribution
-            self.fill_proximal(batches)
+        if self.random_forward and collated_here:
+            self.fill_proximal(batches)  # with dropout the training forward is not the weights' own distribution
         by_sequence = self.cfg.learner.loss_agg == "sequence"
         if by_sequence:
             global_sequences = global_sequences or self._sum_over_ranks(float(sum(len(mb) for mb in shard)))

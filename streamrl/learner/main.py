@@ -58,13 +58,16 @@ def train(policy: PolicyEngine, minibatches: list[Minibatch], epochs: int, criti
 
     Every minibatch is scored before the first update (the critic's values, and the proximal logprobs of
     all but the first, whose own forward comes before any update), so the proximal policy is the weights
-    at the version's start and PPO's clip bounds how far the later updates move from it. A non-finite
-    update stops the rest. Returns the updates' merged statistics and how many minibatches were trained.
+    at the version's start and PPO's clip bounds how far the later updates move from it. Filling them here,
+    once, keeps every rank's forwards in step under ZeRO-3 (an empty micro-batch's stand-in forward runs
+    exactly when the others' proximal forwards do). A non-finite update stops the rest. Returns the
+    updates' merged statistics and how many minibatches were trained.
     """
     batches = [critic.prepare(shard) if critic else [batching.collate(mb, policy.device) if mb else None for mb in shard]
                for shard, _, _ in minibatches]
-    for later in batches[1:]:
-        policy.fill_proximal(later)
+    for i, batch in enumerate(batches):  # with dropout, the first's training forward is not the weights' own either
+        if i or policy.random_forward:
+            policy.fill_proximal(batch)
     updates, landed = [], 0
     for _epoch in range(epochs):
         for i, ((shard, tokens, sequences), batch) in enumerate(zip(minibatches, batches)):
