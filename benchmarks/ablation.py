@@ -21,11 +21,12 @@ of median samples/s, and the seed-paired held-out difference ± its 95% t interv
   (`learner.minibatches=4`), at the quickstart's learning rate and at a quarter of it (so that four steps
   move about as far as one did). All with turn credit. The proximal policy is the weights before the
   batch's first step, so from the second step on PPO's clip bounds how far the weights move from it;
-  with one step per batch the clip never acts.
+  with one step per batch the clip never acts. `minibatches-sync`: the same change at a quarter of the
+  learning rate in sync, the baseline async with it must be held to.
 - `longer`: sync and max staleness 4 (turn credit) trained for 80 steps instead of 40: whether async's
   loss at 40 steps is a lag that closes once both have converged, or a lower level it stays at.
 
-    python -m benchmarks.ablation [--quick] [--repeats N] [--study credit|late-groups|is-weights|minibatches|longer]
+    python -m benchmarks.ablation [--quick] [--repeats N] [--study NAME]
 """
 
 from __future__ import annotations
@@ -82,6 +83,10 @@ STUDIES: dict[str, dict[str, tuple[str, int, tuple[str, ...], tuple[str, ...]]]]
         "staleness 4": ("async", 4, TURN, ("sync",)),
         "staleness 4, 4 minibatches": ("async", 4, TURN + MINIBATCHES, ("sync", "staleness 4")),
         "staleness 4, 4 minibatches, lr / 4": ("async", 4, TURN + MINIBATCHES + QUARTER_LR, ("sync", "staleness 4")),
+    },
+    "minibatches-sync": {
+        "sync": ("sync", 0, TURN, ()),
+        "sync, 4 minibatches, lr / 4": ("sync", 0, TURN + MINIBATCHES + QUARTER_LR, ("sync",)),
     },
     "longer": {
         "sync": ("sync", 0, TURN, ()),

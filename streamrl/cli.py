@@ -269,7 +269,7 @@ def bench(
     model: Annotated[Path | None, typer.Option(help="HF model directory, for studies that run a model.")] = None,
     repeats: Annotated[int | None, typer.Option(help="Runs of each arm, for e2e, ablation and trl (default: the "
                                                    "study's own).", min=1)] = None,
-    study: Annotated[str | None, typer.Option(help="ablation: one of its studies: credit, late-groups, is-weights, minibatches, longer (default: all).")] = None,
+    study: Annotated[str | None, typer.Option(help="ablation: one of its studies: credit, late-groups, is-weights, minibatches, minibatches-sync, longer (default: all).")] = None,
 ) -> None:
     """Throughput studies; each prints a table and writes JSON and a PNG plot."""
     from benchmarks import MODULES, run_suite
