@@ -234,7 +234,7 @@ class Learner:
                                               self.cfg.rollout.sampling.temperature, learner.kl_estimator)
             info["kl_penalty_mean"] = float(np.mean(np.concatenate(penalties)))
         turns = batching.TurnCredit(learner.turn_gamma, learner.turn_lam) if learner.credit == "turn" else None
-        payloads, members, everything, loads, per_rank = [], [], [], [], 0
+        payloads, members, everything, tokens_global, imbalance, per_rank = [], [], [], 0, 0.0, 0
         for part in np.array_split(np.arange(len(groups)), learner.minibatches):
             mine = [groups[i] for i in part]
             seqs = batching.sequences(mine, self.version, learner.algorithm,
@@ -244,16 +244,18 @@ class Learner:
             payloads.append([batching.pack([[seqs[i] for i in mb] for mb in rank], tokens, len(seqs))
                              for rank in plan.ranks])
             members.append([g.group_id for g in mine])
-            loads.append([sum(len(seqs[i]) for i in mb) for rank in plan.ranks for mb in rank])
+            loads = [sum(len(seqs[i]) for i in mb) for rank in plan.ranks for mb in rank]
+            imbalance = max(imbalance, max(loads) / max(sum(loads) / len(loads), 1e-9))
+            tokens_global += tokens
             per_rank += plan.per_rank
             everything += seqs
         if turns is not None:  # samples whose turns could not be told apart were scored as one turn
             info["turn_credit_fallbacks"] = sum(batching.turn_spans(s) is None for g in groups for s in g.samples)
         rewards = [s.reward for g in groups for s in g.samples]
         staleness = np.array([s.staleness for s in everything])
-        info.update(micro_batch_imbalance=max(max(x) / max(sum(x) / len(x), 1e-9) for x in loads),
+        info.update(micro_batch_imbalance=imbalance,
                     reward_mean=float(np.mean(rewards)), reward_std=float(np.std(rewards)), groups=len(groups),
-                    tokens_global=int(sum(s.mask.sum() for s in everything)),
+                    tokens_global=tokens_global,
                     staleness_hist={str(k): int(v) for k, v in zip(*np.unique(staleness, return_counts=True))},
                     group_ids=[g.group_id for g in groups], staleness_max=int(staleness.max()),
                     micro_batches_per_rank=per_rank)
