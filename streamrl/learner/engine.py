@@ -10,6 +10,7 @@ the full batch's gradient however unevenly the tokens fell on the ranks.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -132,11 +133,13 @@ class PolicyEngine:
                 b["proximal"] = self.proximal([b])[0]
 
     def step(self, shard: list[list[TrainSequence]], global_tokens: int, ptx: list[TrainSequence] | None = None,
-             batches: list[dict | None] | None = None, global_sequences: int | None = None) -> dict[str, float]:
+             batches: list[dict | None] | None = None, global_sequences: int | None = None,
+             before_update: Callable[[], None] | None = None) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches (and its SFT rows); returns statistics.
 
         ``batches``: the micro-batches already collated (PPO's carry per-token advantages); a caller that
         passes them puts in the proximal logprobs where a separate forward must make them (``train``).
+        ``before_update`` runs after the last backward, before the optimizer writes the weights.
         A non-finite loss or gradient on any rank skips the whole step on every rank
         (reported as ``skipped``): nothing of that batch reaches the weights.
         """
@@ -174,6 +177,8 @@ class PolicyEngine:
                 self.engine.backward(loss * weight)
             if not last:
                 self.engine.step()
+        if before_update:
+            before_update()
         with timer("optimizer_s"):
             if self._any_rank(bad or not self._grads_finite()):
                 self.engine.zero_grad()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -53,14 +54,16 @@ SUMMED = ("forward_s", "backward_s", "optimizer_s")  # phase times add up over a
 MAXED = ("is_weight_max", "adv_abs_max", "skipped")
 
 
-def train(policy: PolicyEngine, minibatches: list[Minibatch], epochs: int, critic=None, ptx=None) -> tuple[dict, int]:
+def train(policy: PolicyEngine, minibatches: list[Minibatch], epochs: int, critic=None, ptx=None,
+          before_update: Callable[[], None] | None = None) -> tuple[dict, int]:
     """One policy version's updates: ``epochs`` passes over the minibatches, one optimizer step each.
 
     Every minibatch is scored before the first update (the critic's values, and the proximal logprobs of
     all but the first, whose own forward comes before any update), so the proximal policy is the weights
     at the version's start and PPO's clip bounds how far the later updates move from it. Filling them here,
     once, keeps every rank's forwards in step under ZeRO-3 (an empty micro-batch's stand-in forward runs
-    exactly when the others' proximal forwards do). A non-finite update stops the rest. Returns the
+    exactly when the others' proximal forwards do). A non-finite update stops the rest. ``before_update``
+    runs once, before the first optimizer step (the learner ends its weight push there). Returns the
     updates' merged statistics and how many minibatches were trained.
     """
     batches = [critic.prepare(shard) if critic else [batching.collate(mb, policy.device) if mb else None for mb in shard]
@@ -71,7 +74,8 @@ def train(policy: PolicyEngine, minibatches: list[Minibatch], epochs: int, criti
     updates, landed = [], 0
     for _epoch in range(epochs):
         for i, ((shard, tokens, sequences), batch) in enumerate(zip(minibatches, batches)):
-            stats = policy.step(shard, tokens, ptx, batch, sequences)
+            stats = policy.step(shard, tokens, ptx, batch, sequences, before_update)
+            before_update = None
             if stats["skipped"]:
                 return merge(updates + [stats], len(minibatches)), landed
             if critic:
@@ -189,11 +193,10 @@ class Learner:
             groups, info, outcomes = self._collect()
             payloads, members = self._plan(groups, info)
         received = [batching.unpack(_send(p, self.policy.device)) for p in payloads]
-        if self.rank == 0:  # the previous push overlapped the data wait; it must end before the weights move
-            info.update(self.pusher.wait())
         t0 = time.perf_counter()
         ptx = self.ptx.for_step(self.version, self.rank, self.world, self.cfg.learner.ptx_per_rank) if self.ptx else None
-        stats, landed = train(self.policy, received, self.cfg.learner.epochs, self.critic, ptx)
+        end_push = (lambda: self._end_push(info)) if self.rank == 0 else None
+        stats, landed = train(self.policy, received, self.cfg.learner.epochs, self.critic, ptx, end_push)
         if self.rank == 0:  # groups of a minibatch whose update was skipped reached no weights
             outcomes |= {g: "trained" if i < landed else "dropped:skipped" for i, ids in enumerate(members) for g in ids}
         if stats["skipped"]:
@@ -223,6 +226,13 @@ class Learner:
             self._write(record)
             return record
         return stats
+
+    def _end_push(self, info: dict) -> None:
+        """Wait for the previous version's push, which read the weights while this step's data came in and its
+        forwards and backwards ran (none of them writes the weights); the optimizer may then move them."""
+        t0 = time.perf_counter()
+        info.update(self.pusher.wait())
+        info["push_wait_s"] = time.perf_counter() - t0
 
     def _plan(self, groups: list, info: dict) -> tuple[list[list[bytes]], list[list[str]]]:
         """Rank 0: the step's groups as ``learner.minibatches`` minibatches of whole groups, each partitioned
