@@ -6,7 +6,10 @@ Each run is a real ``streamrl up`` of the quickstart (every part its own process
 - ``env-latency`` — the same task as an agentic loop: every reply goes to a checker that takes
   ~1 s of wall time, and a wrong reply gets feedback and a second try (``RetryWithFeedback``), whose
   success pays half (``discount: 0.5``): at full pay the wrong first reply shares the episode's whole
-  reward, and the learner credits it.
+  reward, and the learner credits it. Here the learner credits each turn with its own advantage and takes
+  four PPO minibatches per batch at a quarter of the learning rate, in both modes (``LEARNER``): the
+  settings ``bench ablation`` found best on this task (runs of this study before these were added used the
+  quickstart's learner: episode credit, one step per batch).
 
 Both modes train the same number of samples (``max_steps × groups_per_step × n``) from the same
 warm-started model. The clock starts when the rollout worker begins generating (its opening report) —
@@ -70,6 +73,13 @@ WORKLOADS = {
                     ("rollout.env_args={env: single_turn, env_args: {reward: exact_match}, turns: 2, latency_s: 1.0, "
                      "discount: 0.5}"),
                     "rollout.concurrency=256", "rollout.env_concurrency=256"],
+}
+# The learner's settings per workload, the same in every mode: the quickstart's for single-turn; for the agentic
+# task, what `bench ablation` found best there (in sync as well as async): each turn credited with its own
+# advantage, and four PPO minibatches per batch at a quarter of the learning rate.
+LEARNER = {
+    "single-turn": (),
+    "env-latency": ("learner.credit=turn", "learner.turn_lam=0", "learner.minibatches=4", "learner.lr=5e-5"),
 }
 
 
@@ -248,7 +258,7 @@ def run(quick: bool, repeats: int | None = None) -> dict:
                 for mode in order[r % len(order):] + order[:r % len(order)]:  # who goes first rotates
                     system_mode = "sync" if mode == "sync" else "async"  # (sync ignores the staleness bound)
                     row = one_run(tmp / "runs", prepared, workload, system_mode, steps, modes[mode] or bounds[0],
-                                  seed=r)
+                                  seed=r, overrides=LEARNER[workload])
                     results[workload][mode].append(row)
                     console.log(f"{workload} {mode}: {row['samples_per_s']:.1f} samples/s, wall {row['wall_s']:.0f}s, "
                                 f"eval {row['eval_first']:.2f} → {row['eval_final']:.2f}, "
@@ -266,6 +276,7 @@ def run(quick: bool, repeats: int | None = None) -> dict:
     return {"study": "e2e", "repeats": repeats, "max_steps": steps, "max_staleness": bounds[0],
             "staleness_modes": {m: k for m, k in modes.items() if k}, "target": TARGET,
             "config": "configs/quickstart.yaml", "workloads": {w: WORKLOADS[w] for w in WORKLOADS},
+            "learner": LEARNER,
             "runs": results, "summary": summary}
 
 
