@@ -307,6 +307,26 @@ def test_later_minibatches_train_against_the_weights_at_the_versions_start(engin
 
 
 @pytest.mark.slow
+def test_the_push_is_awaited_once_after_the_first_backwards_and_before_any_update(engine, monkeypatch):
+    """The learner's previous push reads the weights in the background: ``train`` lets the first minibatch's
+    forwards and backwards run beside it, and calls ``before_update`` (the wait) before the optimizer moves them."""
+    from streamrl.learner.main import train
+
+    backwards, backward = [], engine.engine.backward
+    monkeypatch.setattr(engine.engine, "backward", lambda loss: backwards.append(loss) or backward(loss))
+    start = [p.detach().clone() for p in engine.module.parameters()]
+    calls = []
+
+    def before_update():
+        calls.append((len(backwards), all(torch.equal(a, b) for a, b in zip(start, engine.module.parameters()))))
+
+    (first, n1), (second, n2) = _shard(), _shard()
+    _, landed = train(engine, [(first, n1, 4), (second, n2, 4)], epochs=2, before_update=before_update)
+    assert landed == 2
+    assert calls == [(3, True)]  # once: after the first minibatch's three micro-batches, with the weights unmoved
+
+
+@pytest.mark.slow
 def test_a_non_finite_minibatch_stops_the_updates_after_it(engine):
     from streamrl.learner.main import train
 
