@@ -91,6 +91,8 @@ def test_the_learner_pushes_to_every_registered_server_and_survives_a_dead_one(c
     records = [json.loads(line) for line in (cluster.run_path / "metrics" / "learner.jsonl").open()]
     pushes = [r for r in records if "push_version" in r]  # each push reported once it is done
     assert [(r["push_version"], r["push_targets"]) for r in pushes] == [(1, 2.0), (2, 2.0)]
+    # step 2's line carries version 1's push, which ran beside that step: the learner waited for at most all of it
+    assert 0 <= pushes[0]["push_wait_s"] <= pushes[0]["push_s"] and pushes[0]["step"] == 2
     for url in (a, b):
         assert httpx.get(f"{url}/get_server_info").json()["weight_version"] == 2
     pushed = AutoModelForCausalLM.from_pretrained(cluster.run_path / "export" / "version-2").eval()

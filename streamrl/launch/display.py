@@ -85,6 +85,9 @@ class Dashboard:
                        train_tok_s=last.get("tokens_per_s"), first_reward=learner[0].get("reward_mean"))
         if pushes:
             out["push_s"] = pushes[-1]["push_s"]
+        waits = [r["push_wait_s"] for r in lines if "push_wait_s" in r]
+        if waits:  # how long the learner stalled on it (a background push overlaps its step)
+            out["push_wait_s"] = waits[-1]
         if evals:
             out["eval_first"], out["eval_last"] = evals[0], evals[-1]
         if workers:
@@ -121,7 +124,7 @@ class Dashboard:
             ("in flight / dropped stale", f"{s.get('running', '–')} / {s.get('dropped_stale', '–')}"),
             ("generation tokens/s", _fmt(s.get("gen_tok_s"), ".0f")),
             ("training tokens/s", _fmt(s.get("train_tok_s"), ".0f")),
-            ("weight push s", _fmt(s.get("push_s"))),
+            ("weight push s (learner waited)", f"{_fmt(s.get('push_s'))} ({_fmt(s.get('push_wait_s'))})"),
         ]
         for name, value in rows:
             table.add_row(name, value)
@@ -138,7 +141,7 @@ class Dashboard:
                      f"reward {_fmt(s.get('reward'))}  eval {_fmt(last and last['eval/accuracy'])}  "
                      f"staleness≤{s.get('staleness_max', '–')}  queue {s.get('queue', '–')}  "
                      f"gen {_fmt(s.get('gen_tok_s'), '.0f')} tok/s  train {_fmt(s.get('train_tok_s'), '.0f')} tok/s  "
-                     f"push {_fmt(s.get('push_s'))}s")
+                     f"push {_fmt(s.get('push_s'))}s (waited {_fmt(s.get('push_wait_s'))}s)")
 
     def close(self) -> None:
         """Freeze the figures while Redis is still up (the summary comes after teardown)."""

@@ -213,7 +213,7 @@ class Learner:
         if self.version % self.cfg.weight_sync.sync_every == 0:
             stats.update(self.push() or {})
             if self.cfg.mode == "sync" and self.rank == 0:  # no group may start before the servers have the weights
-                stats.update(self.pusher.wait())
+                self._end_push(stats)
         if self.version % self.cfg.learner.checkpoint_every == 0:
             self.checkpoint()
         if self.version % self.cfg.learner.export_every == 0:
@@ -228,8 +228,11 @@ class Learner:
         return stats
 
     def _end_push(self, info: dict) -> None:
-        """Wait for the previous version's push, which read the weights while this step's data came in and its
-        forwards and backwards ran (none of them writes the weights); the optimizer may then move them."""
+        """Wait for the push in flight, if any, recording how long the learner stalled on it (``push_wait_s``).
+
+        Async: the previous version's push, which read the weights while this step's data came in and its
+        forwards and backwards ran (none of them writes the weights); the optimizer may then move them.
+        Sync: this version's, whole, before the servers may generate again."""
         t0 = time.perf_counter()
         info.update(self.pusher.wait())
         info["push_wait_s"] = time.perf_counter() - t0
@@ -297,7 +300,8 @@ class Learner:
 
         with deepspeed.zero.GatheredParameters([p for _, p in params]):
             if self.rank == 0:
-                return self.pusher.push([(name, p.detach()) for name, p in params], self.version)
+                stats = self.pusher.push([(name, p.detach()) for name, p in params], self.version)
+                return {**stats, "push_wait_s": stats["push_s"]}  # the learner waited for all of it
         return None
 
     def export(self) -> None:
