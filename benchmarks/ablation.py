@@ -48,14 +48,12 @@ from benchmarks.common import (
     save_figure,
     write_json,
 )
+from benchmarks.e2e import MINIBATCHES, QUARTER_LR, TURN
 
-TURN = ("learner.credit=turn", "learner.turn_lam=0")
 OLDEST = ("rollout.oldest_first=true",)
 KEEP = ("off_policy.stale=keep",)
 TRUNCATE = ("off_policy.correction=tis", "off_policy.tis_cap=2")
 MASK = ("off_policy.behav_weight_cap=5",)
-MINIBATCHES = ("learner.minibatches=4",)
-QUARTER_LR = ("learner.lr=5e-5",)  # a quarter of the quickstart's 2e-4: four steps move as far as one
 # study -> arm -> (mode, max staleness, overrides, the arms it is compared with)
 STUDIES: dict[str, dict[str, tuple[str, int, tuple[str, ...], tuple[str, ...]]]] = {
     "credit": {

@@ -74,13 +74,13 @@ WORKLOADS = {
                      "discount: 0.5}"),
                     "rollout.concurrency=256", "rollout.env_concurrency=256"],
 }
+# Learner overrides, shared with `bench ablation`, whose arms combine them.
+TURN = ("learner.credit=turn", "learner.turn_lam=0")  # each turn credited with its own advantage
+MINIBATCHES = ("learner.minibatches=4",)
+QUARTER_LR = ("learner.lr=5e-5",)  # a quarter of the quickstart's 2e-4: four steps move as far as one
 # The learner's settings per workload, the same in every mode: the quickstart's for single-turn; for the agentic
-# task, what `bench ablation` found best there (in sync as well as async): each turn credited with its own
-# advantage, and four PPO minibatches per batch at a quarter of the learning rate.
-LEARNER = {
-    "single-turn": (),
-    "env-latency": ("learner.credit=turn", "learner.turn_lam=0", "learner.minibatches=4", "learner.lr=5e-5"),
-}
+# task, what `bench ablation` found best there (in sync as well as async).
+LEARNER = {"single-turn": (), "env-latency": TURN + MINIBATCHES + QUARTER_LR}
 
 
 def one_run(run_dir: Path, prepared: Path, workload: str, mode: str, steps: int, staleness: int,
