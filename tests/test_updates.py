@@ -1,0 +1,227 @@
+"""One policy version's updates on a single PolicyEngine: the loss terms (PTX, PPO's critic), epochs,
+minibatches against one proximal policy, the skip on non-finite values, and when the weights may move."""
+
+import numpy as np
+import pytest
+import torch
+
+from streamrl.learner import batch as batching
+from streamrl.learner.engine import token_logprobs
+from streamrl.testing import synthetic_group
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    import os
+
+    import deepspeed
+
+    from streamrl.buffer.redis_server import free_port
+    from streamrl.config import load_config
+    from streamrl.learner.engine import PolicyEngine
+
+    launcher_env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(free_port()))
+    saved = {k: os.environ.get(k) for k in launcher_env}
+    os.environ.update(launcher_env)
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "learner.lr=0.01", "learner.kl_coef=0.1",
+                             "learner.entropy_coef=0.01", "off_policy.correction=decoupled", "learner.ptx_coef=1.0"])
+    yield PolicyEngine(cfg, tiny_model_dir)
+    for key, value in saved.items():  # later tests start launchers of their own: leave no RANK behind
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def _shard(advantage=1.0):
+    seqs = batching.sequences([synthetic_group(4, 24, prompt_len=6, vocab=200, rng=np.random.default_rng(3))],
+                              version=0, algorithm="rloo")
+    for s in seqs:
+        s.advantages = np.full(len(s), advantage, np.float32)
+    return [[seqs[0], seqs[1]], [seqs[2], seqs[3]], []], int(sum(s.mask.sum() for s in seqs))
+
+
+@pytest.mark.slow
+def test_a_step_changes_the_weights_and_reports_entropy_and_kl(engine):
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    shard, n = _shard()
+    stats = engine.step(shard, n)  # the empty third micro-batch joins with a zero loss
+    assert stats["skipped"] == 0.0 and stats["tokens"] == n
+    assert all(stats[k] > 0 for k in ("forward_s", "backward_s", "optimizer_s"))
+    assert stats["entropy"] > 0 and stats["kl"] == pytest.approx(0.0, abs=1e-6)  # still at the reference
+    assert any(not torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+    stats = engine.step(*_shard())
+    assert stats["kl"] > 0  # the policy has moved away from the reference
+
+
+@pytest.mark.slow
+def test_a_non_finite_loss_skips_the_step_and_leaves_the_weights(engine):
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    stats = engine.step(*_shard(advantage=float("nan")))
+    assert stats["skipped"] == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+    assert engine.step(*_shard())["skipped"] == 0.0  # and the next good batch trains
+
+
+def test_ptx_rows_train_on_completions_only(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from streamrl.learner.ptx import PtxData
+
+    rows = tmp_path / "sft.jsonl"
+    rows.write_text('{"prompt": "what is 2 plus 3", "completion": "5"}\n{"text": "the quick brown fox"}\n')
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    data = PtxData(str(rows), tok)
+    sft = data.sequence(0)
+    completion = tok("5", add_special_tokens=False).input_ids + [tok.eos_token_id]
+    assert sft.tokens[-len(completion):].tolist() == completion
+    assert sft.mask.tolist() == [0] * (len(sft) - len(completion)) + [1] * len(completion)
+    text = data.sequence(1)
+    assert text.mask[0] == 0 and text.mask[1:].all()
+    assert [s.tokens.tolist() for s in data.for_step(3, 1, 2, 2)] == [data.sequence(14).tokens.tolist(),
+                                                                      data.sequence(15).tokens.tolist()]
+
+
+@pytest.mark.slow
+def test_ptx_term_lowers_the_sft_loss(engine, tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from streamrl.learner.ptx import PtxData
+
+    rows = tmp_path / "sft.jsonl"
+    rows.write_text('{"prompt": "what is 12 plus 7", "completion": "the answer is 19"}\n')
+    ptx = PtxData(str(rows), AutoTokenizer.from_pretrained(tiny_model_dir)).for_step(0, 0, 1, 2)
+    losses = [engine.step(*_shard(advantage=0.0), ptx=ptx)["ptx_loss"] for _ in range(5)]
+    assert losses[-1] < losses[0]
+
+
+def test_gae_advantages_run_over_generated_tokens_only():
+    from streamrl.learner.critic import gae_advantages
+
+    seq = batching.TrainSequence(tokens=np.arange(5, dtype=np.int32), mask=np.array([0, 1, 0, 1, 1], np.uint8),
+                                 logprobs=np.zeros(5, np.float32), advantages=np.zeros(5, np.float32), staleness=0,
+                                 reward=1.0)
+    values = torch.tensor([[9.0, 0.5, 9.0, 0.5, 0.5]])  # 9s sit on observation tokens and must not count
+    adv, ret = gae_advantages(values, [seq], gamma=1.0, lam=1.0)
+    assert torch.allclose(adv, torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.5]]))
+    assert torch.allclose(ret, torch.tensor([[0.0, 1.0, 0.0, 1.0, 1.0]]))
+
+
+@pytest.mark.slow
+def test_ppo_critic_learns_the_returns(engine, tiny_model_dir):
+    from streamrl.config import load_config
+    from streamrl.learner.critic import Critic
+
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "learner.algorithm=ppo", "learner.critic_lr=0.01"])
+    critic = Critic(cfg, tiny_model_dir)
+    shard, n = _shard()
+    value_losses = []
+    for _ in range(6):
+        batches = critic.prepare(shard)
+        adv = torch.cat([b["advantages"][b["mask"].bool()] for b in batches if b is not None])
+        assert abs(float(adv.mean())) < 1e-4 and float(adv.std(unbiased=False)) == pytest.approx(1.0, abs=1e-3)
+        stats = engine.step(shard, n, batches=batches)
+        value_losses.append(critic.step(batches, n)["value_loss"])
+    assert stats["skipped"] == 0.0
+    assert value_losses[-1] < value_losses[0]
+
+
+def _on_policy(engine, shard):
+    """Behaviour logprobs of the current weights, as if the data had just been generated."""
+    for s in (s for mb in shard for s in mb):
+        b = batching.collate([s])
+        with torch.no_grad():
+            s.logprobs = token_logprobs(engine.module(input_ids=b["input_ids"]).logits, b["input_ids"], 1.0)[0].numpy()
+    return shard
+
+
+@pytest.mark.slow
+def test_epochs_reuse_the_proximal_so_the_ratio_is_one_only_on_the_first(engine):
+    shard, n = _shard()
+    _on_policy(engine, shard)  # behaviour = the current weights
+    batches = [batching.collate(mb) if mb else None for mb in shard]
+    first = engine.step(shard, n, batches=batches)
+    second = engine.step(shard, n, batches=batches)
+    assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert abs(second["ratio_mean"] - 1.0) > 1e-6  # the weights moved; the proximal did not
+
+
+def _updates_of(engine, monkeypatch) -> list[dict]:
+    """Every update's own statistics, as ``train`` merges them."""
+    seen, step = [], engine.step
+    monkeypatch.setattr(engine, "step", lambda *a, **kw: seen.append(step(*a, **kw)) or seen[-1])
+    return seen
+
+
+@pytest.mark.slow
+def test_later_minibatches_train_against_the_weights_at_the_versions_start(engine, monkeypatch):
+    from streamrl.learner.main import train
+
+    first, n1 = _shard()
+    second, n2 = _shard()
+    _on_policy(engine, first + second)  # behaviour = proximal = the weights before either update
+    seen = _updates_of(engine, monkeypatch)
+    stats, landed = train(engine, [(first, n1, 4), (second, n2, 4)], epochs=1)
+    assert landed == 2 and stats["updates"] == 2 and stats["tokens"] == n1 + n2
+    assert seen[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # the first update is on-policy
+    # the second: its proximal is still the start weights (weight 1 against behaviour), while the
+    # weights it trains have moved (a ratio off 1, which the clip bounds)
+    assert seen[1]["is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert abs(seen[1]["ratio_mean"] - 1.0) > 1e-6
+
+
+@pytest.mark.slow
+def test_the_push_is_awaited_once_after_the_first_backwards_and_before_any_update(engine, monkeypatch):
+    """The learner's previous push reads the weights in the background: ``train`` lets the first minibatch's
+    forwards and backwards run beside it, and calls ``before_update`` (the wait) before the optimizer moves them."""
+    from streamrl.learner.main import train
+
+    backwards, backward = [], engine.engine.backward
+    monkeypatch.setattr(engine.engine, "backward", lambda loss: backwards.append(loss) or backward(loss))
+    start = [p.detach().clone() for p in engine.module.parameters()]
+    calls = []
+
+    def before_update():
+        calls.append((len(backwards), all(torch.equal(a, b) for a, b in zip(start, engine.module.parameters()))))
+
+    (first, n1), (second, n2) = _shard(), _shard()
+    _, landed = train(engine, [(first, n1, 4), (second, n2, 4)], epochs=2, before_update=before_update)
+    assert landed == 2
+    assert calls == [(3, True)]  # once: after the first minibatch's three micro-batches, with the weights unmoved
+
+
+@pytest.mark.slow
+def test_a_non_finite_minibatch_stops_the_updates_after_it(engine):
+    from streamrl.learner.main import train
+
+    good, n1 = _shard()
+    bad, n2 = _shard(advantage=float("nan"))
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    stats, landed = train(engine, [(good, n1, 4), (bad, n2, 4), (_shard()[0], n1, 4)], epochs=2)
+    assert (landed, stats["updates"], stats["skipped"]) == (1, 1, 1.0)  # the third was never tried
+    assert any(not torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+
+
+@pytest.mark.slow
+def test_a_steps_first_forward_stands_in_for_the_proximal_forward(engine):
+    shard, n = _shard()
+    batches = [batching.collate(mb) if mb else None for mb in shard]
+    separate = engine.proximal([b for b in batches if b is not None])  # a no-grad eval forward, before the step
+    engine.step(shard, n, batches=batches)
+    for b, want in zip([b for b in batches if b is not None], separate):
+        generated = b["mask"].bool()  # the step's forward shares prompts: only generated tokens get logprobs
+        assert torch.allclose(b["proximal"][generated], want[generated], atol=1e-5)
+
+
+def test_a_model_with_dropout_has_a_random_forward():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from streamrl.learner.engine import has_dropout
+
+    def tiny(**kw):
+        return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=2, **kw))
+
+    assert not has_dropout(tiny()) and has_dropout(tiny(attention_dropout=0.1))
