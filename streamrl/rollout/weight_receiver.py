@@ -1,14 +1,18 @@
-"""A rollout server's end of the weight push: join the learner's group, receive buckets, swap them in."""
+"""The ``hf`` engine's end of the weight push: the server process joins the learner's group, receives
+each bucket and hands the tensors to the engine."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+
+from safetensors.torch import load_file
 
 from streamrl.rollout.engines.base import Engine
 from streamrl.weightsync import Staging, TensorMeta, broadcast, make_group, unpack
 
 
-class WeightReceiver:
+class HostReceiver:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.group = None
@@ -29,6 +33,14 @@ class WeightReceiver:
         await asyncio.to_thread(broadcast, self.group, buffer)
         await self.engine.update_weights(unpack(buffer, bucket), version)
         return len(bucket)
+
+    async def load_from_disk(self, path: str, version: int) -> int:
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"no *.safetensors files in {path!r}")
+        tensors = [item for f in files for item in load_file(f).items()]
+        await self.engine.update_weights(tensors, version)
+        return len(tensors)
 
     def destroy(self) -> None:
         self.group = None

@@ -10,7 +10,7 @@ __all__ = ["Completion", "Engine", "SamplingParams", "load_engine"]
 
 
 def load_engine(name: str, model_path: str, *, dtype: str = "float32", max_batch_size: int = 64,
-                tokenizer: Any = None) -> Engine:
+                tokenizer: Any = None, kv_cache_gb: float | None = None) -> Engine:
     """Build the engine called ``name`` over a local Hugging Face model directory."""
     if name == "hf":
         from streamrl.rollout.engines.hf import HFEngine
@@ -19,7 +19,7 @@ def load_engine(name: str, model_path: str, *, dtype: str = "float32", max_batch
     if name == "vllm":
         from streamrl.rollout.engines.vllm import VLLMEngine
 
-        return VLLMEngine(model_path, dtype=dtype, max_batch_size=max_batch_size)
+        return VLLMEngine(model_path, dtype=dtype, max_batch_size=max_batch_size, kv_cache_gb=kv_cache_gb)
     if name == "sglang":
         raise ValueError("engine 'sglang' is a stock SGLang server: start it with `python -m sglang.launch_server` "
                          "and register its URL; streamrl speaks its API as is")

@@ -75,4 +75,29 @@ class Engine(Protocol):
 
     def load(self) -> dict: ...
 
+    def healthy(self) -> bool:
+        """False once the engine can no longer serve (its thread or worker died)."""
+
+    def weight_receiver(self) -> WeightReceiver:
+        """The server's end of the learner's weight push for this engine."""
+
     def shutdown(self) -> None: ...
+
+
+class WeightReceiver(Protocol):
+    """SGLang's weight endpoints, for one engine: who joins the learner's group and how tensors land.
+
+    A bad tensor (a name, shape or dtype the model does not have) raises ``ValueError`` or ``KeyError``.
+    """
+
+    async def init(self, master_address: str, master_port: int, rank: int, world_size: int, backend: str,
+                   group_name: str, timeout_s: float) -> None:
+        """Join the learner's group as ``rank``; returns once every member has joined."""
+
+    async def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int) -> int:
+        """Take the bucket the learner is broadcasting; returns how many tensors it held."""
+
+    async def load_from_disk(self, path: str, version: int) -> int:
+        """Load a checkpoint directory's safetensors; returns how many tensors it held."""
+
+    def destroy(self) -> None: ...

@@ -23,6 +23,7 @@ from transformers.cache_utils import DynamicLayer
 
 from streamrl.rollout.engines.base import Completion, SamplingParams
 from streamrl.rollout.sampling import sample_batch
+from streamrl.rollout.weight_receiver import HostReceiver
 
 
 @dataclass
@@ -128,6 +129,12 @@ class HFEngine:
         running = list(self._rows)  # a snapshot: the engine thread changes the list between steps
         return {"num_reqs": len(running), "num_waiting_reqs": self._waiting.qsize(),
                 "num_tokens": sum(len(seq.prompt) + len(seq.out.output_ids) for seq in running)}
+
+    def healthy(self) -> bool:
+        return self._thread.is_alive()
+
+    def weight_receiver(self) -> HostReceiver:
+        return HostReceiver(self)
 
     def shutdown(self) -> None:
         self._stop = True

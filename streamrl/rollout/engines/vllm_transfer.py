@@ -1,0 +1,147 @@
+"""streamrl's weight-transfer engine for vLLM: the learner's bucketed broadcast, received by vLLM's workers.
+
+vLLM runs weight updates through a pluggable lifecycle (``vllm.distributed.weight_transfer``):
+``init_weight_transfer_engine`` → per push ``start_weight_update`` → ``update_weights`` per bucket →
+``finish_weight_update``. This module is the worker end of that lifecycle for streamrl's push: each
+worker joins the learner's process group (``weightsync.make_group``: gloo on CPU, NCCL on GPU, one code
+path) and receives every bucket straight into its device memory, in the layout the learner packs.
+
+A push is applied whole or not at all. Buckets are kept as they arrive while the engine goes on
+generating; ``finish_weight_update`` loads them all at once through vLLM's layerwise reload, which
+re-processes the checkpoint-format tensors into the backend's layout (oneDNN-packed linears on CPU,
+fused or quantised ones on GPU). A push that stops half way is dropped (``discard``) and the old
+weights stay. The cost is one copy of the weights on the device while a push is received. A checkpoint
+directory (``/update_weights_from_disk``) takes the same path.
+
+Registered under the name ``streamrl`` by the ``vllm.general_plugins`` entry point (``register``), which
+vLLM loads in every process it starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from streamrl.weightsync import TensorMeta, broadcast, make_group, unpack
+
+BACKEND = "streamrl"  # the name in vLLM's WeightTransferEngineFactory
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: make ``weight_transfer_config={"backend": "streamrl"}`` work."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:  # vLLM loads plugins once per process, but be safe
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "BroadcastTransferEngine")
+
+
+@dataclass
+class GroupInfo(WeightTransferInitInfo):
+    """The learner's group, as ``/init_weights_update_group`` gives it."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    backend: str = "gloo"
+    group_name: str = "weight_update_group"
+    timeout_s: float = 60.0
+
+
+@dataclass
+class BucketInfo(WeightTransferUpdateInfo):
+    """One bucket of a push; ``discard`` receives it (the learner is sending it) and drops the whole push.
+
+    With ``path`` the tensors come from a checkpoint directory's safetensors files instead.
+    """
+
+    names: list[str] = field(default_factory=list)
+    dtype_names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    discard: bool = False
+    path: str | None = None
+
+
+class BroadcastTransferEngine(WeightTransferEngine[GroupInfo, BucketInfo]):
+    init_info_cls = GroupInfo
+    update_info_cls = BucketInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.group = None
+        self.received: list[tuple[str, torch.Tensor]] = []
+
+    def init_transfer_engine(self, init_info: GroupInfo) -> None:
+        parallel = self.parallel_config  # one rank per worker of every data-parallel replica, after the learner
+        rank = init_info.rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
+        if rank >= init_info.world_size:
+            raise ValueError(f"worker rank {rank} does not fit a group of world_size {init_info.world_size}")
+        self.group = make_group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
+                                backend=init_info.backend, group_name=init_info.group_name,
+                                timeout_s=init_info.timeout_s)
+
+    def start_weight_update(self) -> None:
+        self.received = []
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # the base class also syncs torch.accelerator, which raises on a machine without one
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def receive_weights(self, update_info: BucketInfo) -> None:
+        if update_info.path is not None:
+            for file in sorted(Path(update_info.path).glob("*.safetensors")):
+                self.received += load_file(file, device=str(self.device)).items()
+            return
+        if self.group is None:
+            raise RuntimeError("no weight update group: init_weight_transfer_engine first")
+        bucket = [TensorMeta(n, d.removeprefix("torch."), tuple(s))
+                  for n, d, s in zip(update_info.names, update_info.dtype_names, update_info.shapes, strict=True)]
+        buffer = torch.empty(sum(m.nbytes for m in bucket), dtype=torch.uint8, device=self.device)
+        broadcast(self.group, buffer)
+        self.received = [] if update_info.discard else self.received + unpack(buffer, bucket)
+
+    def finish_weight_update(self) -> None:
+        """Load the whole push (nothing when it was discarded) and re-process it into the backend's layout."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        received, self.received = self.received, []
+        if not received:
+            return
+        initialize_layerwise_reload(self.model)
+        self.model.load_weights(received)
+        finalize_layerwise_reload(self.model, self.model_config)
+        reprocess_tied(self.model)
+
+    def shutdown(self) -> None:
+        self.group = None
+        self.received = []
+
+
+def reprocess_tied(model: torch.nn.Module) -> None:
+    """Process a tied parameter again for every layer that shares it.
+
+    vLLM's layerwise reload processes a tied parameter for the first layer holding it only; on CPU the tied
+    head's logits GEMM keeps a packed copy of the old embeddings unless its own processing runs again.
+    """
+    holders: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            holders.setdefault(id(param), []).append(module)
+    for modules in holders.values():
+        for module in modules[1:]:
+            if (method := getattr(module, "quant_method", None)) is not None:
+                if hasattr(module, "_already_called_process_weights_after_loading"):
+                    delattr(module, "_already_called_process_weights_after_loading")
+                method.process_weights_after_loading(module)
