@@ -93,3 +93,13 @@ def test_empty_file_gives_defaults(tmp_path):
     path = tmp_path / "empty.yaml"
     path.write_text("")
     assert load_config(path) == Config()
+
+
+def test_settings_the_chosen_engine_would_not_honour_are_refused():
+    assert load_config(None, ["server.engine=vllm", "server.kv_cache_gb=1.5"]).server.kv_cache_gb == 1.5
+    with pytest.raises(ConfigError, match="server.kv_cache_gb sizes the vllm engine's KV cache; engine 'hf'"):
+        load_config(None, ["server.kv_cache_gb=1.5"])
+    for truncation in ("rollout.sampling.top_p=0.9", "rollout.sampling.top_k=20"):
+        assert load_config(None, [truncation])  # the hf engine reports logprobs before truncation
+        with pytest.raises(ConfigError, match="use top_p=1 and top_k=-1 with server.engine=vllm"):
+            load_config(None, ["server.engine=vllm", truncation])

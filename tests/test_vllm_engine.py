@@ -14,7 +14,9 @@ import copy
 import hashlib
 import importlib.util
 import random
+import time
 
+import psutil
 import pytest
 import torch
 
@@ -135,19 +137,23 @@ def _hf_greedy(model, prompt, n):
 
 
 PROMPTS = [[5, 17, 42, 9, 100, 3], [4, 8, 15, 16, 23, 42, 77, 301], [300, 2, 7]]
+TEXTS = ["What is 12 plus 7?", "The quick brown fox jumps over the lazy dog, and then",
+         "Reverse the word: abgiie", "Write a short poem about the sea and the wind that blows over it at night.",
+         "A tool call returns a result", "Guess the number between 1 and 100. Higher, lower, or correct?"]
 
 
-def _push(receiver, named_tensors, version):
+def _push(receiver, named_tensors, version, backend="gloo"):
     """What the learner's WeightPusher does for one server: join once, then a bucket at a time
     (about eight buckets a push)."""
     bucket_mb = sum(t.numel() * t.element_size() for _, t in named_tensors) / 8 / 2**20
 
     async def run():
-        if not getattr(receiver, "_test_group", None):
+        if getattr(receiver, "_test_backend", None) != backend:
             port = free_port()
-            learner = asyncio.to_thread(make_group, "127.0.0.1", port, 0, 2, timeout_s=60)
+            learner = asyncio.to_thread(make_group, "127.0.0.1", port, 0, 2, backend=backend, timeout_s=60)
             _, receiver._test_group = await asyncio.gather(
-                receiver.init("127.0.0.1", port, 1, 2, "gloo", "weight_update_group", 60), learner)
+                receiver.init("127.0.0.1", port, 1, 2, backend, "weight_update_group", 60), learner)
+            receiver._test_backend = backend
         tensors = dict(named_tensors)
         for bucket in buckets(metas(named_tensors), int(bucket_mb * 2**20)):
             buffer = pack([tensors[m.name] for m in bucket])
@@ -186,11 +192,13 @@ def _checksums(engine):
 @needs_vllm
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_match_a_teacher_forced_fp32_forward(engine, reference, temperature):
+    from streamrl.models import load_tokenizer
+
+    tokenizer = load_tokenizer(reference.name_or_path)
     rng = random.Random(0)
-    vocab = reference.config.vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(2, 40))] for _ in range(6)]
+    prompts = [tokenizer(text, add_special_tokens=False).input_ids for text in TEXTS]
     params = [SamplingParams(max_new_tokens=rng.randrange(5, 40), temperature=temperature, ignore_eos=True, seed=i)
-              for i in range(6)]
+              for i in range(len(prompts))]
 
     async def batch():  # concurrent, so requests of different lengths share vLLM's batches
         return await asyncio.gather(*(engine.generate(f"lp{temperature}-{i}", p, sp)
@@ -383,3 +391,40 @@ def test_weights_from_disk_go_through_vllms_reload(engine, receiver, reference, 
         assert engine.version == version
     finally:
         _push(receiver, _params(reference), engine.version + 1)
+
+
+@needs_vllm
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs the learner and vLLM on two GPUs")
+def test_push_over_nccl_lands_in_gpu_memory(engine, receiver, reference):
+    """The same push over NCCL: the learner's tensors on its own GPU, vLLM's worker receiving on its."""
+    new = _perturbed(reference, seed=5)
+    version = engine.version + 1
+    try:
+        _push(receiver, [(name, t.to("cuda:1")) for name, t in _params(new)], version, backend="nccl")
+        greedy = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+        assert _run(engine, "nccl", PROMPTS[0], greedy).output_ids == _hf_greedy(new, PROMPTS[0], 16)
+    finally:
+        _push(receiver, [(name, t.to("cuda:1")) for name, t in _params(reference)], engine.version + 1,
+              backend="nccl")
+
+
+@needs_vllm
+def test_a_dead_worker_is_reported_and_refused_cleanly(engine, receiver):
+    """Last in the module: it kills the engine's worker process."""
+    from fastapi.testclient import TestClient
+
+    from streamrl.rollout.server import create_app
+
+    workers = [p for p in psutil.Process().children(recursive=True) if "Worker" in " ".join(p.cmdline())]
+    assert workers, "no vLLM worker process found"
+    for worker in workers:
+        worker.kill()
+    deadline = time.monotonic() + 60
+    while engine.healthy() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not engine.healthy()
+    client = TestClient(create_app(engine, model_path="m"))
+    assert client.get("/health").status_code == 503
+    r = client.post("/generate", json={"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 4}})
+    assert r.status_code == 500 and "engine error" in r.json()["error"]["message"]
