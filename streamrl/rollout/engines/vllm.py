@@ -138,7 +138,7 @@ class VLLMEngine:
         return {"num_reqs": len(tokens), "num_waiting_reqs": 0, "num_tokens": sum(tokens)}
 
     def healthy(self) -> bool:
-        return self._thread.is_alive() and not self._llm.errored
+        return self._thread.is_alive() and self._llm is not None and not self._llm.errored
 
     def shutdown(self) -> None:
         if not self._thread.is_alive():
@@ -213,7 +213,8 @@ class VLLMEngine:
                 await self._llm.resume_generation()
 
     async def _close(self) -> None:
-        self._llm.shutdown()
+        llm, self._llm = self._llm, None
+        llm.shutdown()  # now, not again from AsyncLLM.__del__ while the interpreter exits
 
     # ------------------------------------------------------------------ plumbing
 

@@ -36,7 +36,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from streamrl.weightsync import TensorMeta, broadcast, make_group, unpack
+from streamrl.weightsync import Staging, TensorMeta, broadcast, make_group, unpack
 
 BACKEND = "streamrl"  # the name in vLLM's WeightTransferEngineFactory
 
@@ -102,6 +102,7 @@ class BroadcastTransferEngine(WeightTransferEngine[GroupInfo, BucketInfo]):
         super().__init__(*args, **kwargs)
         self.group = None
         self.received: list[tuple[str, torch.Tensor]] = []
+        self.staging = Staging(str(self.device))  # a buffer per bucket layout, free again once a push is loaded
 
     def init_transfer_engine(self, init_info: GroupInfo) -> None:
         parallel = self.parallel_config  # one rank per worker of every data-parallel replica, after the learner
@@ -130,7 +131,7 @@ class BroadcastTransferEngine(WeightTransferEngine[GroupInfo, BucketInfo]):
             raise RuntimeError("no weight update group: init_weight_transfer_engine first")
         bucket = [TensorMeta(n, d.removeprefix("torch."), tuple(s))
                   for n, d, s in zip(update_info.names, update_info.dtype_names, update_info.shapes, strict=True)]
-        buffer = torch.empty(sum(m.nbytes for m in bucket), dtype=torch.uint8, device=self.device)
+        buffer = self.staging.take(tuple(update_info.names), sum(m.nbytes for m in bucket))
         broadcast(self.group, buffer)
         self.received = [] if update_info.discard else self.received + unpack(buffer, bucket)
 
@@ -149,6 +150,7 @@ class BroadcastTransferEngine(WeightTransferEngine[GroupInfo, BucketInfo]):
     def shutdown(self) -> None:
         self.group = None
         self.received = []
+        self.staging = Staging(str(self.device))
 
 
 def reprocess_tied(model: torch.nn.Module) -> None:
