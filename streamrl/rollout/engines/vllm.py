@@ -15,8 +15,8 @@ Versions. vLLM labels every engine step with its weight version; the engine read
 Weights. The learner's push (SGLang's ``/init_weights_update_group`` and ``/update_weights_from_distributed``)
 maps onto vLLM's weight-transfer lifecycle, through streamrl's transfer engine (``vllm_transfer``) in each
 worker: the workers join the learner's group and receive each bucket directly. Each bucket is checked
-against the served checkpoint (names, shapes, floating dtypes) before a byte moves; the push is applied
-when every tensor has arrived: pause (``keep``) → ``finish_weight_update`` → running requests recompute
+against the served model (names, shapes, floating dtypes) before a byte moves; the push is applied
+when every parameter has arrived: pause (``keep``) → ``finish_weight_update`` → running requests recompute
 their KV under the new weights → resume. ``load_from_disk`` runs the same lifecycle over a checkpoint.
 
 Threads. ``AsyncLLM`` is bound to the event loop it first runs on, so the engine owns one private loop
@@ -27,7 +27,6 @@ thread and every vLLM call runs there. Coroutines can be awaited from any loop, 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 from collections.abc import Coroutine
@@ -67,8 +66,7 @@ class VLLMEngine:
 
         self._v = _import_vllm()
         self._version = 0
-        self._expected = checkpoint_metas(model_path)
-        self._required = required_tensors(model_path, self._expected)
+        self._expected, self._required = model_tensors(model_path)
         self._tokens: dict[str, int] = {}  # rid -> prompt + generated tokens, for load() and abort
         self._aborting: set[str] = set()
         self._user_paused = False
@@ -261,6 +259,19 @@ def _versions(spans: list | None, n: int, current: int) -> list[int]:
 # ---------------------------------------------------------------------- weights
 
 
+def model_tensors(model_path: str) -> tuple[dict[str, tuple[str, tuple[int, ...]]], set[str]]:
+    """What a push may bring (``name -> (dtype, shape)``: the model's state dict and its checkpoint's
+    tensors) and what it must bring before it is applied (the parameters, a tied head once: what the
+    learner sends)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    known = {name: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in model.state_dict().items()}
+    return {**checkpoint_metas(model_path), **known}, {name for name, _ in model.named_parameters()}
+
+
 def checkpoint_metas(model_path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     """``name -> (dtype, shape)`` of every tensor in a model directory's safetensors files."""
     from safetensors import safe_open
@@ -382,8 +393,3 @@ class VLLMReceiver:
         self.joined = False
 
 
-def required_tensors(model_path: str, expected: dict[str, tuple[str, tuple[int, ...]]]) -> set[str]:
-    """The tensors a push must bring before it is applied: all but a head tied to the embeddings."""
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False))
-    return set(expected) - {"lm_head.weight"} if tied else set(expected)
