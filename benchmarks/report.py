@@ -124,8 +124,9 @@ def build(results: Path, page: Path) -> Path:
                      + (" (quick setting: fewer repeats and sizes)" if data.get("quick") else "") + ".\n")
         parts.append(about(name))
         parts.extend(markdown_table(t) for t in data.get("tables", []))
-        png = results / f"{name}.png"
-        if png.is_file():
+        for png in sorted(results.glob(f"{name}*.png")):  # the study's plot, then any extra ones (NAME_x.png)
+            if png.stem != name and not png.stem.startswith(name + "_"):
+                continue
             shutil.copy(png, plots / png.name)
             parts.append(f"![{TITLES[name]}](benchmarks/{png.name})\n")
     page.write_text("\n".join(parts))
