@@ -269,7 +269,7 @@ def _prompts(req: GenerateIn, tokenizer: Any) -> tuple[list[list[int]], bool]:
     if req.input_ids is not None:
         batch = bool(req.input_ids) and isinstance(req.input_ids[0], list)
         prompts = req.input_ids if batch else [req.input_ids]
-        if not prompts[0] or not all(prompts):
+        if not all(prompts):
             raise HTTPException(400, "input_ids is empty")
         return prompts, batch
     if tokenizer is None:
@@ -374,7 +374,7 @@ def _input_logprobs(ids: list[int], scores: PromptScores, req: GenerateIn, token
 
 def _response(rid: str, out: Completion, ids: list[int], scores: PromptScores | None, latency: float,
               req: GenerateIn, tokenizer: Any) -> dict:
-    version = out.versions[-1] if out.versions else scores.version if scores else None
+    version = out.versions[-1] if out.versions else (scores.version if scores else None)  # scoring: no tokens
     meta = {
         "id": rid,
         "finish_reason": out.finish_reason,
