@@ -22,7 +22,8 @@ import torch
 
 from streamrl.buffer.redis_server import free_port
 from streamrl.rollout.engines import SamplingParams, load_engine
-from streamrl.rollout.engines.vllm import _versions, check_tensors, finish_reason
+from streamrl.rollout.engines.vllm import _versions, finish_reason
+from streamrl.rollout.engines.vllm_receiver import check_tensors
 from streamrl.weightsync import broadcast, buckets, make_group, metas, pack
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None

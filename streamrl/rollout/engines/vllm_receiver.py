@@ -1,0 +1,149 @@
+"""The server's end of the learner's weight push for a ``vllm`` engine: what a push may and must bring, and
+the steering of vLLM's weight-transfer lifecycle (its workers receive; see ``vllm_transfer``)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from streamrl.rollout.engines.vllm import VLLMEngine
+
+log = logging.getLogger(__name__)
+
+
+def model_tensors(model_path: str) -> tuple[dict[str, tuple[str, tuple[int, ...]]], set[str]]:
+    """What a push may bring (``name -> (dtype, shape)``: the model's state dict and its checkpoint's
+    tensors) and what it must bring before it is applied (the parameters, a tied head once: what the
+    learner sends)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    known = {name: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in model.state_dict().items()}
+    return {**checkpoint_metas(model_path), **known}, {name for name, _ in model.named_parameters()}
+
+
+def checkpoint_metas(model_path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``name -> (dtype, shape)`` of every tensor in a model directory's safetensors files."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {model_path!r}")
+    metas = {}
+    for file in files:
+        with safe_open(file, "pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is no dict)
+                sliced = f.get_slice(name)
+                metas[name] = (sliced.get_dtype(), tuple(sliced.get_shape()))
+    return metas
+
+
+FLOAT_DTYPES = {"float32", "bfloat16", "float16", "F32", "BF16", "F16"}
+
+
+def check_tensors(expected: dict[str, tuple[str, tuple[int, ...]]], names: list[str], dtypes: list[str],
+                  shapes: list[list[int]]) -> None:
+    """Refuse tensors the served model does not have, or has in another shape, or that are no floats."""
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        if name not in expected:
+            raise ValueError(f"the served model has no tensor {name!r}")
+        if tuple(shape) != expected[name][1]:
+            raise ValueError(f"{name!r} has shape {list(expected[name][1])} here, not {list(shape)}")
+        if dtype.removeprefix("torch.") not in FLOAT_DTYPES:
+            raise ValueError(f"{name!r} must be a floating-point tensor, not {dtype}")
+
+
+class _Push:
+    """The tensors of one version received so far."""
+
+    def __init__(self, version: int):
+        self.version = version
+        self.names: set[str] = set()
+
+
+class VLLMReceiver:
+    """The server's end of the weight push for a vLLM engine: vLLM's workers receive, the server steers."""
+
+    def __init__(self, engine: VLLMEngine):
+        self.engine = engine
+        self.joined = False
+
+    async def init(self, master_address: str, master_port: int, rank: int, world_size: int, backend: str,
+                   group_name: str, timeout_s: float) -> None:
+        info = {"master_address": master_address, "master_port": master_port, "rank_offset": rank,
+                "world_size": world_size, "backend": backend, "group_name": group_name, "timeout_s": timeout_s}
+        llm = self.engine._llm
+        await self.engine._on_loop(llm.init_weight_transfer_engine(self.engine._v.InitRequest(init_info=info)))
+        self.joined = True
+
+    async def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int) -> int:
+        if not self.joined:
+            raise RuntimeError("no weight update group: call /init_weights_update_group first")
+        return await self.engine._on_loop(self._receive(names, dtypes, shapes, version))
+
+    async def _receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int) -> int:
+        engine, llm = self.engine, self.engine._llm
+        async with engine._swap_lock:
+            if engine._push is not None and engine._push.version != version:
+                log.warning("push of version %d stopped half way; dropped", engine._push.version)
+                await self._drop(None)
+            try:
+                check_tensors(engine._expected, names, dtypes, shapes)
+            except ValueError:
+                await self._drop((names, dtypes, shapes))  # take the bucket the learner is sending, then refuse
+                raise
+            if engine._push is None:
+                await llm.start_weight_update()
+                engine._push = _Push(version)
+            bucket = {"names": names, "dtype_names": dtypes, "shapes": shapes}
+            try:
+                await llm.update_weights(engine._v.UpdateRequest(update_info=bucket))
+            except BaseException:
+                engine._push = None  # vLLM's worker ends the update when a bucket fails
+                raise
+            engine._push.names.update(names)
+            if engine._push.names >= engine._required:
+                engine._push = None
+                await engine._swap(llm.finish_weight_update(), version)
+        return len(names)
+
+    async def _drop(self, bucket: tuple[list, list, list] | None) -> None:
+        """Abandon the push being received, receiving ``bucket`` first if the learner is broadcasting it."""
+        engine, llm = self.engine, self.engine._llm
+        if engine._push is None:
+            await llm.start_weight_update()
+        names, dtypes, shapes = bucket or ([], [], [])
+        info = {"names": names, "dtype_names": dtypes, "shapes": shapes, "discard": True}
+        await llm.update_weights(engine._v.UpdateRequest(update_info=info))
+        await llm.finish_weight_update()  # loads nothing: the push was discarded
+        engine._push = None
+
+    async def load_from_disk(self, path: str, version: int) -> int:
+        """The weights of a checkpoint directory, through the same lifecycle as a push."""
+        engine = self.engine
+        found = checkpoint_metas(path)
+        check_tensors(engine._expected, list(found), [d for d, _ in found.values()], [list(s) for _, s in found.values()])
+        if missing := engine._required - found.keys():
+            raise ValueError(f"{path!r} lacks {len(missing)} tensors of the served model, e.g. {min(missing)!r}")
+
+        async def reload() -> None:
+            llm = engine._llm
+            async with engine._swap_lock:
+                if engine._push is not None:
+                    log.warning("push of version %d dropped for the weights in %s", engine._push.version, path)
+                    await self._drop(None)
+                await llm.start_weight_update()
+                await llm.update_weights(engine._v.UpdateRequest(update_info={"path": path}))
+                await engine._swap(llm.finish_weight_update(), version)
+
+        await engine._on_loop(reload())
+        return len(found)
+
+    def destroy(self) -> None:
+        self.joined = False
+
+
