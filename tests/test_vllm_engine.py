@@ -143,9 +143,9 @@ TEXTS = ["What is 12 plus 7?", "The quick brown fox jumps over the lazy dog, and
          "A tool call returns a result", "Guess the number between 1 and 100. Higher, lower, or correct?"]
 
 
-def _push(receiver, named_tensors, version, backend="gloo"):
+def _push(receiver, named_tensors, version, backend="gloo", stop_after=None):
     """What the learner's WeightPusher does for one server: join once, then a bucket at a time
-    (about eight buckets a push)."""
+    (about eight buckets a push; only the first ``stop_after`` when given)."""
     bucket_mb = sum(t.numel() * t.element_size() for _, t in named_tensors) / 8 / 2**20
 
     async def run():
@@ -156,7 +156,7 @@ def _push(receiver, named_tensors, version, backend="gloo"):
                 receiver.init("127.0.0.1", port, 1, 2, backend, "weight_update_group", 60), learner)
             receiver._test_backend = backend
         tensors = dict(named_tensors)
-        for bucket in buckets(metas(named_tensors), int(bucket_mb * 2**20)):
+        for bucket in buckets(metas(named_tensors), int(bucket_mb * 2**20))[:stop_after]:
             buffer = pack([tensors[m.name] for m in bucket])
             got = asyncio.gather(receiver.receive([m.name for m in bucket], [m.dtype for m in bucket],
                                                   [list(m.shape) for m in bucket], version),
@@ -375,6 +375,33 @@ def test_a_bad_push_is_refused_whole_and_the_old_weights_keep_serving(engine, re
     assert _run(engine, f"after-bad-{fault}", PROMPTS[0], greedy).output_ids == _hf_greedy(reference, PROMPTS[0], 12)
     _push(receiver, _params(reference), version + 1)  # the group is still in step: the next push lands
     assert engine.version == version + 1 and _checksums(engine) == before
+
+
+@needs_vllm
+def test_a_push_stopped_half_way_is_dropped_and_the_next_one_lands(engine, receiver, reference):
+    before, version = _checksums(engine), engine.version
+    _push(receiver, _params(_perturbed(reference, seed=5)), version + 1, stop_after=2)  # the learner died
+    assert _checksums(engine) == before and engine.version == version  # nothing of it was applied
+    _push(receiver, _params(reference), version + 2)
+    assert engine.version == version + 2 and _checksums(engine) == before
+
+
+@needs_vllm
+def test_a_state_dict_push_with_the_tied_head_after_the_parameters_lands(engine, receiver, reference):
+    """lm_head.weight comes after every parameter arrived (the push is applied by then): it is applied
+    on its own, and the next push still finds the group in step."""
+    before, version = _checksums(engine), engine.version
+    new = _perturbed(reference, seed=6)
+    state = [(name, t.detach().clone()) for name, t in new.state_dict().items()]
+    assert state[-1][0] == "lm_head.weight"
+    try:
+        _push(receiver, state, version + 1)
+        assert engine.version == version + 1
+        greedy = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+        assert _run(engine, "state-dict", PROMPTS[1], greedy).output_ids == _hf_greedy(new, PROMPTS[1], 12)
+    finally:
+        _push(receiver, _params(reference), engine.version + 1)
+    assert _checksums(engine) == before
 
 
 @needs_vllm

@@ -106,7 +106,8 @@ class VLLMReceiver:
                 engine._push = None  # vLLM's worker ends the update when a bucket fails
                 raise
             engine._push.names.update(names)
-            if engine._push.names >= engine._required:
+            # complete: every parameter came; or tensors after a complete push (a state dict's tied head)
+            if engine._push.names >= engine._required or version == engine.version:
                 engine._push = None
                 await engine._swap(llm.finish_weight_update(), version)
         return len(names)

@@ -132,7 +132,8 @@ class BroadcastTransferEngine(WeightTransferEngine[GroupInfo, BucketInfo]):
         bucket = [TensorMeta(n, d.removeprefix("torch."), tuple(s))
                   for n, d, s in zip(update_info.names, update_info.dtype_names, update_info.shapes, strict=True)]
         buffer = self.staging.take(tuple(update_info.names), sum(m.nbytes for m in bucket))
-        broadcast(self.group, buffer)
+        if bucket:  # an empty bucket only drops the push: the learner is sending nothing
+            broadcast(self.group, buffer)
         self.received = [] if update_info.discard else self.received + unpack(buffer, bucket)
 
     def finish_weight_update(self) -> None:
