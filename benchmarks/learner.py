@@ -1,20 +1,19 @@
-"""Learner throughput: streamrl's DeepSpeed step against a plain PyTorch loop, same model, same batch;
-padding waste of the micro-batch plan; ZeRO stages on two ranks.
+"""Learner throughput: packed micro-batches against today's padded length bands and a plain PyTorch loop.
 
-Both sides run the same micro-batches (streamrl's plan under the same token budget), the same
-forward, fp32 logprobs and clipped loss, backward and AdamW step; the difference is streamrl's
-framework (DeepSpeed engine, boundaries, statistics, non-finite guard). streamrl runs three times:
-with ``learner.share_prompts=false`` (the same forward as the plain loop: the framework's cost
-alone), by default (each group's prompt forwarded once per micro-batch), and by default on the
-micro-batches of Karmarkar–Karp over the whole batch (streamrl's plan before length bands: the cost
-of padding). One process (a world of one, gloo), sides rotated per repeat.
+Two workloads, same model and batches on every side: the quickstart's batch (its tiny model, 16 groups
+of 8 short samples) and SmolLM2-135M-Instruct on long-tailed lengths (50-1024 tokens; a tiny model of
+SmolLM2's width with ``--quick``). Sides, each one forward, fp32 logprobs, clipped loss, backward and
+AdamW step per batch, rotated per repeat in one process (a world of one, gloo):
 
-Padding: tokens a plan's right-padded micro-batches compute per real token — length bands, KK over
-the whole batch and equal-count splits in arrival order, each with the same number of
-micro-batches — and with shared prompts on the banded plan.
+- plain loop, padded bands: right-padded micro-batches of sequences of similar length within the
+  budget of padded tokens (how streamrl's learner batched before packing), a plain PyTorch loop;
+- plain loop, packed: the same packed rows as streamrl, a plain PyTorch loop (no framework);
+- streamrl: ``PolicyEngine.step`` on packed micro-batches (``share_prompts=false``);
+- streamrl, shared prompts: the default (each group's prompt forwarded once per micro-batch).
 
-ZeRO: stages 0, 2 and 3 under ``torchrun --nproc_per_node 2`` (``benchmarks.learner_zero``): tokens/s
-over both ranks, the optimizer state and parameters rank 0 holds, and the peak RSS of a rank.
+Reported: real tokens per second, tokens computed per real token. ZeRO stages 0, 2 and 3 under
+``torchrun --nproc_per_node 2`` (``benchmarks.learner_zero``): tokens/s over both ranks, the optimizer
+state and parameters rank 0 holds, and the peak RSS of a rank.
 
     python -m benchmarks.learner [--quick]      (or: streamrl bench learner)
 """
@@ -22,6 +21,7 @@ over both ranks, the optimizer state and parameters rank 0 holds, and the peak R
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -34,54 +34,103 @@ import torch
 
 from benchmarks.common import cli, console, median, new_figure, print_table, save_figure, write_json
 from streamrl.learner import batch as batching
-from streamrl.learner import prefix
-from streamrl.learner.engine import token_logprobs
+from streamrl.learner import packing, prefix
 from streamrl.learner.losses import PolicyLoss
-from streamrl.learner.partition import karmarkar_karp, plan_micro_batches
+from streamrl.learner.partition import plan_micro_batches
 from streamrl.testing import make_tiny_model, synthetic_group
 
-MODEL = {"hidden": 512, "layers": 8}
-# groups of 4 samples, 24-token prompts, long-tailed lengths up to max_len; budget: padded tokens per micro-batch
-SHARD = {"quick": {"groups": 4, "max_len": 256, "budget": 1024}, "full": {"groups": 8, "max_len": 512, "budget": 2048}}
+MODEL = {"hidden": 512, "layers": 8}  # the ZeRO study's model
+# groups of n samples sharing a prompt; response lengths uniform in [lo, hi] or long-tailed; budget: tokens
+WORKLOADS = {
+    "quickstart": {"groups": 16, "n": 8, "prompt": 40, "lengths": (46, 52), "tail": False, "budget": 8192},
+    "smollm2": {"groups": 4, "n": 4, "prompt": 40, "lengths": (50, 1024), "tail": True, "budget": 4096},
+}
+SIDES = {"plain-padded": "plain loop, padded bands", "plain-packed": "plain loop, packed",
+         "streamrl": "streamrl (packed)", "streamrl-shared": "streamrl, shared prompts"}
 ZERO_STAGES = (0, 2, 3)
+ZERO_SHAPE = {"quick": {"groups": 4, "max_len": 256, "budget": 1024}, "full": {"groups": 8, "max_len": 512, "budget": 2048}}
 
 
 def make_sequences(shape: dict, vocab: int, seed: int) -> list[batching.TrainSequence]:
+    """Groups of ``n`` samples; each sample's length drawn on its own (long-tailed: log-normal, clipped)."""
+    rng = np.random.default_rng(seed)
+    lo, hi = shape["lengths"]
+    groups = []
+    for g in range(shape["groups"]):
+        made = synthetic_group(shape["n"], shape["prompt"] + 1, prompt_len=shape["prompt"], vocab=vocab, rng=rng,
+                               prompt_id=f"p{g}")
+        for sample in made.samples:
+            n = int(np.clip(rng.lognormal(np.log(lo * 3), 0.9), lo, hi)) if shape["tail"] else int(rng.integers(lo, hi + 1))
+            extra = n - sample.num_tokens
+            sample.tokens = np.r_[sample.tokens, rng.integers(0, vocab, extra)].astype(sample.tokens.dtype)
+            sample.loss_mask = np.r_[sample.loss_mask, np.ones(extra, sample.loss_mask.dtype)]
+            sample.logprobs = np.r_[sample.logprobs, -rng.exponential(1.0, extra)].astype(np.float32)
+            sample.versions = np.r_[sample.versions, np.zeros(extra, sample.versions.dtype)]
+        groups.append(made)
+    return batching.sequences(groups, version=0, algorithm="rloo")
+
+
+def zero_sequences(shape: dict, vocab: int, seed: int) -> list[batching.TrainSequence]:
+    """The ZeRO study's batch: groups of 4 samples, 24-token prompts, long-tailed lengths up to max_len."""
     rng = np.random.default_rng(seed)
     made = [synthetic_group(4, int(np.clip(rng.lognormal(np.log(shape["max_len"] / 4), 0.7), 32, shape["max_len"])),
                             prompt_len=24, vocab=vocab, rng=rng) for _ in range(shape["groups"])]
     return batching.sequences(made, version=0, algorithm="rloo")
 
 
-def plans(seqs: list[batching.TrainSequence], budget: int) -> dict[str, list[list[int]]]:
-    """One rank's micro-batches (sequence indices) by each plan, all with the banded plan's count."""
+def padded_bands(lengths: list[int], budget: int) -> list[list[int]]:
+    """streamrl's plan before packing, on one rank: sequences by length, cut into the fewest bands of
+    near-equal tokens whose right-padded size (count × longest) fits the budget."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
+    total = sum(lengths)
+    for k in range(max(1, math.ceil(total / budget)), len(lengths) + 1):
+        bands, acc, b = [[] for _ in range(k)], 0, 0
+        for i in order:
+            if b < k - 1 and bands[b] and acc >= total * (b + 1) / k:
+                b += 1
+            bands[b].append(i)
+            acc += lengths[i]
+        if all(len(band) * max(lengths[i] for i in band) <= budget for band in bands if band):
+            return [band for band in bands if band]
+    return [[i] for i in order]
+
+
+def computed_per_real(seqs: list[batching.TrainSequence], budget: int) -> dict[str, float]:
+    """Token slots each side's micro-batches compute, per real token."""
     lengths = [len(s) for s in seqs]
-    banded = plan_micro_batches(lengths, 1, budget).ranks[0]
-    k = len(banded)
-    return {"length bands (streamrl)": banded, "KK, whole batch": karmarkar_karp(lengths, k),
-            "equal count, arrival order": [list(range(i, len(seqs), k)) for i in range(k)]}
+    real = sum(lengths)
+    packed = plan_micro_batches(lengths, 1, budget).ranks[0]
+    shared = 0
+    for mb in packed:
+        layout = prefix.layout([seqs[i] for i in mb])
+        shared += (layout["prompt_ids"].numel() + layout["rest_ids"].numel()) if layout else sum(lengths[i] for i in mb)
+    padded = sum(len(band) * max(lengths[i] for i in band) for band in padded_bands(lengths, budget))
+    return {"plain-padded": padded / real, "plain-packed": 1.0, "streamrl": 1.0, "streamrl-shared": shared / real}
 
 
-def padded_tokens(seqs: list[batching.TrainSequence], mb: list[int], shared: bool = False) -> int:
-    """Token slots a right-padded micro-batch computes (with shared prompts: prompts once, then continuations)."""
-    if shared and (layout := prefix.layout([seqs[i] for i in mb])) is not None:
-        return layout["prompt_ids"].numel() + layout["rest_ids"].numel()
-    return len(mb) * max(len(seqs[i]) for i in mb) if mb else 0
-
-
-def padding(seqs: list[batching.TrainSequence], by_plan: dict[str, list[list[int]]]) -> dict[str, float]:
-    real = sum(len(s) for s in seqs)
-    out = {name: sum(padded_tokens(seqs, mb) for mb in mbs) / real for name, mbs in by_plan.items()}
-    banded = by_plan["length bands (streamrl)"]
-    out["length bands, shared prompts"] = sum(padded_tokens(seqs, mb, shared=True) for mb in banded) / real
+def _padded(mb: list[batching.TrainSequence]) -> dict[str, torch.Tensor]:
+    width = max(len(s) for s in mb)
+    out = {k: torch.zeros(len(mb), width) for k in ("mask", "logprobs", "advantages")}
+    out["input_ids"] = torch.zeros(len(mb), width, dtype=torch.long)
+    out["attention_mask"] = torch.zeros(len(mb), width, dtype=torch.long)
+    for i, s in enumerate(mb):
+        out["input_ids"][i, : len(s)] = torch.as_tensor(s.tokens.astype(np.int64))
+        out["attention_mask"][i, : len(s)] = 1
+        for k in ("mask", "logprobs", "advantages"):
+            out[k][i, : len(s)] = torch.as_tensor(np.asarray(getattr(s, k), np.float32))
     return out
 
 
-def plain_step(model, optimizer, shard, global_tokens, loss_fn) -> None:
+def plain_step(model, optimizer, shard, global_tokens, loss_fn, packed: bool) -> None:
     for mb in shard:
-        b = batching.collate(mb)
-        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-        logp = token_logprobs(logits, b["input_ids"], 1.0)
+        if packed:
+            b = packing.collate(mb)
+            logp, _ = packing.token_logprobs(packing.forward(model, b), b, 1.0)
+        else:
+            b = _padded(mb)
+            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+            logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, b["input_ids"][:, 1:, None])[..., 0]
+            logp = torch.nn.functional.pad(logp, (1, 0))
         per_token, _ = loss_fn(logp, b["logprobs"], None, b["advantages"], b["mask"])
         (per_token.sum() / global_tokens).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -89,62 +138,77 @@ def plain_step(model, optimizer, shard, global_tokens, loss_fn) -> None:
     optimizer.zero_grad()
 
 
-def run(quick: bool) -> dict:
+def workload(name: str, model_dir: str, repeats: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from streamrl.buffer.redis_server import free_port
     from streamrl.config import load_config
-    from streamrl.learner.engine import PolicyEngine, init_distributed
+    from streamrl.learner.engine import PolicyEngine
+
+    shape = WORKLOADS[name]
+    budget = shape["budget"]
+    base = [f"model.path={model_dir}", "off_policy.correction=none", "learner.lr=1e-5"]
+    ours = {"streamrl": PolicyEngine(load_config(None, [*base, "learner.share_prompts=false"]), model_dir),
+            "streamrl-shared": PolicyEngine(load_config(None, base), model_dir)}
+    plain = {"plain-padded": AutoModelForCausalLM.from_pretrained(model_dir).train(),
+             "plain-packed": AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=packing.attention())}
+    optimizers = {k: torch.optim.AdamW(m.parameters(), lr=1e-5) for k, m in plain.items()}
+    loss_fn = PolicyLoss(correction="none")
+    vocab = plain["plain-padded"].config.vocab_size
+
+    def run_side(side: str, seqs: list[batching.TrainSequence]) -> None:
+        lengths, n = [len(s) for s in seqs], int(sum(s.mask.sum() for s in seqs))
+        packed = [[seqs[i] for i in mb] for mb in plan_micro_batches(lengths, 1, budget).ranks[0]]
+        if side in ours:
+            ours[side].step(packed, n)
+        elif side == "plain-packed":
+            plain_step(plain[side], optimizers[side], packed, n, loss_fn, packed=True)
+        else:
+            bands = [[seqs[i] for i in band] for band in padded_bands(lengths, budget)]
+            plain_step(plain[side], optimizers[side], bands, n, loss_fn, packed=False)
+
+    warm = make_sequences(shape, vocab, 0)
+    for side in SIDES:
+        run_side(side, warm)
+    samples: dict[str, list[float]] = {side: [] for side in SIDES}
+    computed = []
+    order = list(SIDES)
+    for r in range(repeats):
+        seqs = make_sequences(shape, vocab, r + 1)
+        computed.append(computed_per_real(seqs, budget))
+        for side in order[r % len(order):] + order[: r % len(order)]:
+            t0 = time.perf_counter()
+            run_side(side, seqs)
+            samples[side].append(sum(len(s) for s in seqs) / (time.perf_counter() - t0))
+        console.log(f"{name} {r + 1}/{repeats}: " + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in samples.items()))
+    med = {k: median(v) for k, v in samples.items()}
+    return {"shape": shape, "tokens_per_s": samples, "median": med,
+            "computed_per_real": {k: median([c[k] for c in computed]) for k in SIDES},
+            "packed_vs_padded": med["streamrl"] / med["plain-padded"],
+            "packed_vs_plain": med["streamrl"] / med["plain-packed"],
+            "shared_vs_packed": med["streamrl-shared"] / med["streamrl"]}
+
+
+def run(quick: bool) -> dict:
+    from streamrl.buffer.redis_server import free_port
+    from streamrl.learner.engine import init_distributed
+    from streamrl.models import convert_smollm2
+    from streamrl.recipes.reverse import make_model
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu")
     init_distributed()
-    repeats = 3 if quick else 7
-    shape = SHARD["quick" if quick else "full"]
-    budget = shape["budget"]
+    repeats = 3 if quick else 5
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_model(Path(tmp) / "model", **MODEL)
-        base = [f"model.path={model_dir}", "off_policy.correction=none", "learner.lr=1e-5"]
-        ours = {"streamrl": PolicyEngine(load_config(None, base), model_dir),
-                "streamrl-unshared": PolicyEngine(load_config(None, [*base, "learner.share_prompts=false"]), model_dir)}
-        plain = AutoModelForCausalLM.from_pretrained(model_dir).train()
-        optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-5)
-        loss_fn = PolicyLoss(correction="none")
-        vocab = plain.config.vocab_size
-
-        def shards(seed: int):
-            seqs = make_sequences(shape, vocab, seed)
-            indices = plans(seqs, budget)
-            by_plan = {name: [[seqs[i] for i in mb] for mb in mbs] for name, mbs in indices.items()}
-            return seqs, indices, by_plan, int(sum(s.mask.sum() for s in seqs))
-
-        _, _, by_plan, n = shards(0)
-        plain_step(plain, optimizer, by_plan["length bands (streamrl)"], n, loss_fn)  # warm-up every side
-        for engine in ours.values():
-            engine.step(by_plan["length bands (streamrl)"], n)
-        sides = ["plain", *ours, "streamrl-whole-kk"]
-        samples = {side: [] for side in sides}
-        waste = []
-        for r in range(repeats):
-            seqs, indices, by_plan, n = shards(r + 1)
-            waste.append(padding(seqs, indices))
-            for side in sides[r % len(sides):] + sides[: r % len(sides)]:
-                shard = by_plan["KK, whole batch" if side == "streamrl-whole-kk" else "length bands (streamrl)"]
-                t0 = time.perf_counter()
-                if side == "plain":
-                    plain_step(plain, optimizer, shard, n, loss_fn)
-                else:
-                    ours["streamrl" if side == "streamrl-whole-kk" else side].step(shard, n)
-                samples[side].append(sum(len(s) for s in seqs) / (time.perf_counter() - t0))
-            console.log(f"repeat {r + 1}/{repeats}: " + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in samples.items()))
+        models = {"quickstart": make_model(Path(tmp) / "quickstart", hidden=128, layers=2, seed=0)}
+        if quick:  # SmolLM2's width and vocabulary, 2 layers
+            models["smollm2"] = make_tiny_model(Path(tmp) / "smollm2", vocab_size=49152, hidden=576, layers=2)
+        else:
+            models["smollm2"] = convert_smollm2(Path(tmp) / "smollm2")
+        workloads = {name: workload(name, str(path), repeats) for name, path in models.items()}
+        model_dir = make_tiny_model(Path(tmp) / "zero-model", **MODEL)
         zero = {stage: zero_stage(model_dir, stage, steps=2 if quick else 4, quick=quick) for stage in ZERO_STAGES}
-    med = {k: median(v) for k, v in samples.items()}
-    return {"study": "learner", "repeats": repeats, "model": MODEL, "samples_per_group": 4, **shape,
-            "micro_batch_tokens": budget, "torch_threads": torch.get_num_threads(),
-            "tokens_per_s": samples, "median": med, "ratio": med["streamrl"] / med["plain"],
-            "unshared_ratio": med["streamrl-unshared"] / med["plain"],
-            "bands_vs_whole_kk": med["streamrl"] / med["streamrl-whole-kk"],
-            "padding": {name: median([w[name] for w in waste]) for name in waste[0]}, "zero": zero}
+    return {"study": "learner", "repeats": repeats, "quick": quick, "torch_threads": torch.get_num_threads(),
+            "workloads": workloads, "model": MODEL, "zero": zero}
 
 
 def zero_stage(model_dir: str, stage: int, steps: int, quick: bool) -> dict:
@@ -166,17 +230,13 @@ def zero_stage(model_dir: str, stage: int, steps: int, quick: bool) -> dict:
 
 
 def report(data: dict, out: Path) -> None:
-    m = data["median"]
-    print_table(f"Learner step tokens/s (fwd+bwd+AdamW), medians of {data['repeats']}",
-                ["side", "tokens/s", "vs plain"],
-                [["plain PyTorch loop", m["plain"], 1.0],
-                 ["streamrl, share_prompts=false", m["streamrl-unshared"], data["unshared_ratio"]],
-                 ["streamrl (default: shared prompts)", m["streamrl"], data["ratio"]],
-                 ["streamrl on KK micro-batches of the whole batch", m["streamrl-whole-kk"],
-                  m["streamrl-whole-kk"] / m["plain"]]])
-    print_table(f"Padding: tokens computed per real token (micro-batches of ≤ {data['micro_batch_tokens']} padded "
-                f"tokens; medians of {data['repeats']} batches)", ["plan", "computed / real"],
-                [[name, v] for name, v in data["padding"].items()])
+    rows = []
+    for name, w in data["workloads"].items():
+        base = w["median"]["plain-padded"]
+        rows += [[name, label, w["median"][side], w["median"][side] / base, w["computed_per_real"][side]]
+                 for side, label in SIDES.items()]
+    print_table(f"Learner step, real tokens/s (fwd+bwd+AdamW), medians of {data['repeats']}",
+                ["workload", "side", "tokens/s", "vs padded bands", "computed / real"], rows)
     zero = data["zero"]
     print_table("ZeRO stages, 2 ranks × 1 thread (gloo)",
                 ["stage", "tokens/s", "optimizer state, rank 0 (MB)", "parameters, rank 0 (MB)", "peak RSS (MB)"],
@@ -184,14 +244,14 @@ def report(data: dict, out: Path) -> None:
                   z["held_bytes_rank0"]["parameters"] / 2**20, z["peak_rss_bytes_max"] / 2**20]
                  for s, z in zero.items()])
     json_path = write_json(out, "learner", data)
-    fig, (ax1, ax2) = new_figure(2, "Learner throughput, same model and batches")
-    sides = {"plain": "plain PyTorch", "streamrl-unshared": "streamrl,\nunshared", "streamrl": "streamrl",
-             "streamrl-whole-kk": "streamrl,\nwhole-batch KK"}
-    ax1.boxplot([data["tokens_per_s"][k] for k in sides])
-    ax1.set_xticks(range(1, len(sides) + 1), list(sides.values()), fontsize=8)
-    ax1.set_ylabel("tokens/s (one process)")
-    ax2.bar([f"ZeRO-{s}" for s in zero], [median(z["tokens_per_s"]) for z in zero.values()])
-    ax2.set_ylabel("tokens/s (2 ranks)")
+    fig, axes = new_figure(len(data["workloads"]) + 1, "Learner throughput, same model and batches per workload")
+    for ax, (name, w) in zip(axes, data["workloads"].items()):
+        ax.boxplot([w["tokens_per_s"][k] for k in SIDES])
+        ax.set_xticks(range(1, len(SIDES) + 1), [v.replace(", ", ",\n") for v in SIDES.values()], fontsize=7)
+        ax.set_ylabel("real tokens/s (one process)")
+        ax.set_title(name, fontsize=9)
+    axes[-1].bar([f"ZeRO-{s}" for s in zero], [median(z["tokens_per_s"]) for z in zero.values()])
+    axes[-1].set_ylabel("tokens/s (2 ranks)")
     save_figure(fig, out, "learner", json_path)
 
 

@@ -32,7 +32,7 @@ def held_bytes(engine) -> dict[str, int]:
 def main(model_dir: str, stage: int, steps: int, out: Path, quick: bool) -> None:
     import torch.distributed as dist
 
-    from benchmarks.learner import SHARD, make_sequences
+    from benchmarks.learner import ZERO_SHAPE, zero_sequences
     from streamrl.config import load_config
     from streamrl.learner.engine import PolicyEngine, init_distributed
     from streamrl.learner.partition import plan_micro_batches
@@ -42,10 +42,10 @@ def main(model_dir: str, stage: int, steps: int, out: Path, quick: bool) -> None
     cfg = load_config(None, [f"model.path={model_dir}", "off_policy.correction=none", "learner.lr=1e-5",
                              f"learner.zero_stage={stage}"])
     engine = PolicyEngine(cfg, model_dir)
-    shape = SHARD["quick" if quick else "full"]
+    shape = ZERO_SHAPE["quick" if quick else "full"]
     seconds, tokens = [], []
     for r in range(steps + 1):  # the first is a warm-up
-        seqs = make_sequences(shape, engine.module.config.vocab_size, seed=100 + r)
+        seqs = zero_sequences(shape, engine.module.config.vocab_size, seed=100 + r)
         plan = plan_micro_batches([len(s) for s in seqs], world, shape["budget"])
         shard = [[seqs[i] for i in mb] for mb in plan.ranks[rank]]
         dist.barrier()

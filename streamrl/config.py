@@ -151,9 +151,16 @@ class LearnerConfig(Section):
     epochs: int = Field(1, ge=1, description="passes over each batch (PPO epochs)")
     minibatches: int = Field(1, ge=1, description="optimizer steps per pass, each on a share of the batch's groups "
                              "(PPO minibatches): the clip acts from the second on")
-    micro_batch_tokens: int = Field(8192, ge=1, description="padded tokens (sequences × longest) of one micro-batch")
+    micro_batch_tokens: int = Field(8192, ge=1, description="tokens of one micro-batch: its sequences concatenated "
+                                    "into one row, no padding")
+    balance: Literal["tokens", "flops"] = Field("tokens", description="what the partitioner evens out over "
+                                                "micro-batches and ranks: tokens, or a FLOP estimate (attention "
+                                                "grows with length²)")
     share_prompts: bool = Field(True, description="forward each prompt once per micro-batch, not once per sample "
                                 "(off: for models whose forward cannot continue from a KV cache)")
+    mismatch_warn_kl: float = Field(0.01, ge=0, description="warn when KL(behaviour || learner) on tokens generated "
+                                    "at the learner's own version exceeds this (the same weights on both sides: a "
+                                    "dtype, chat-template or engine-logprob bug)")
     zero_stage: int = Field(0, ge=0, le=3)
     grad_clip: float = Field(1.0, gt=0)
     clip_eps: float = Field(0.2, gt=0)

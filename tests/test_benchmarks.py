@@ -39,18 +39,18 @@ def test_paired_difference_is_the_mean_difference_with_a_t_interval():
         paired_difference([0.1, 0.2], [0.1])
 
 
-def test_learner_study_counts_the_padding_of_each_plan():
-    from benchmarks.learner import SHARD, make_sequences, padding, plans
+def test_learner_study_counts_what_each_side_computes():
+    from benchmarks.learner import WORKLOADS, computed_per_real, make_sequences, padded_bands
 
-    seqs = make_sequences(SHARD["quick"], 200, seed=1)
-    by_plan = plans(seqs, SHARD["quick"]["budget"])
-    assert len({len(mbs) for mbs in by_plan.values()}) == 1  # every plan has as many micro-batches
-    for mbs in by_plan.values():
-        assert sorted(i for mb in mbs for i in mb) == list(range(len(seqs)))
-    waste = padding(seqs, by_plan)
-    assert 1.0 <= waste["length bands (streamrl)"] < waste["KK, whole batch"]
-    assert waste["length bands, shared prompts"] <= waste["length bands (streamrl)"]
-
+    shape = WORKLOADS["smollm2"]
+    seqs = make_sequences(shape, 200, seed=1)
+    lengths = [len(s) for s in seqs]
+    assert min(lengths) >= shape["lengths"][0] and max(lengths) <= shape["lengths"][1]
+    bands = padded_bands(lengths, shape["budget"])
+    assert sorted(i for band in bands for i in band) == list(range(len(seqs)))
+    assert all(len(band) * max(lengths[i] for i in band) <= shape["budget"] for band in bands)
+    computed = computed_per_real(seqs, shape["budget"])
+    assert computed["streamrl"] == 1.0 < computed["plain-padded"]  # packing computes no padding
 
 def test_task_scores_play_the_retry_episode_first_try_accuracy_and_discounted_reward():
     from benchmarks.e2e import task_scores

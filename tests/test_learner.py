@@ -12,7 +12,8 @@ import torch
 from streamrl.buffer import Namespace, PolicyVersion, ReplayStream
 from streamrl.buffer.redis_server import free_port
 from streamrl.learner import batch as batching
-from streamrl.learner.engine import token_logprobs
+from streamrl.learner import packing
+from streamrl.learner.reference import Reference
 from streamrl.protocol import Group, Sample
 from streamrl.testing import synthetic_group
 
@@ -38,16 +39,9 @@ def test_rank_shards_round_trip_without_pickle():
     assert (n, n_seqs) == (18, 3) and [len(mb) for mb in shard] == [2, 1]
     assert all(np.array_equal(a.tokens, b.tokens) and np.array_equal(a.advantages, b.advantages)
                for a, b in zip([s for mb in shard for s in mb], seqs))
-    batch = batching.collate(shard[0])
-    assert batch["input_ids"].shape == (2, 10) and batch["mask"].sum() == 12
-
-
-def test_learner_logprobs_are_the_tempered_logprobs_of_each_next_token():
-    logits = torch.randn(1, 4, 7)
-    ids = torch.tensor([[1, 2, 3, 4]])
-    lp = token_logprobs(logits, ids, temperature=0.5)
-    want = torch.log_softmax(logits[0, :-1] / 0.5, -1)[torch.arange(3), ids[0, 1:]]
-    assert lp[0, 0] == 0 and torch.allclose(lp[0, 1:], want)
+    assert all(np.array_equal(a.lag, b.lag) for a, b in zip([s for mb in shard for s in mb], seqs))
+    batch = packing.collate(shard[0])
+    assert batch["input_ids"].shape == (1, 20) and batch["mask"].sum() == 12
 
 
 @pytest.mark.slow
@@ -160,7 +154,8 @@ def test_kl_in_the_reward_is_the_behaviour_minus_reference_logprob_sum(tiny_mode
         return Sample(tokens=tokens, loss_mask=mask, logprobs=lp, versions=[-1, -1, 0, 0, 0], reward=reward)
 
     group = Group("p", "e", [sample(0.0, 1.0), sample(-0.1, 1.0)])
-    [penalties] = batching.kl_penalties([group], reference, coef=0.5, temperature=1.0)
+    ref_model = Reference(tiny_model_dir, "cpu", torch.float32, temperature=1.0)
+    [penalties] = ref_model.kl_penalties([group], coef=0.5, estimator="k1", token_budget=16)  # one packed row
     assert penalties == pytest.approx([0.0, 0.5 * 3 * -0.1], abs=1e-5)  # coef * sum over 3 generated tokens
     seqs = batching.sequences([group], version=0, algorithm="rloo", penalties=[penalties])
     assert [float(s.advantages[0]) for s in seqs] == pytest.approx([-0.15, 0.15], abs=1e-5)

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamrl.learner.partition import attention_cost, karmarkar_karp, plan_micro_batches
+from streamrl.learner.partition import attention_cost, first_fit, karmarkar_karp, plan_micro_batches
 
 
 def test_karmarkar_karp_by_hand():
@@ -31,7 +31,7 @@ def test_plan_properties(lengths, world, budget_factor):
     assert len({len(r) for r in plan.ranks}) == 1  # the same number of micro-batches on every rank
     flat = [i for rank in plan.ranks for mb in rank for i in mb]
     assert sorted(flat) == list(range(len(lengths)))  # every sequence exactly once
-    assert all(len(mb) * max(lengths[i] for i in mb) <= budget for rank in plan.ranks for mb in rank if mb)
+    assert all(sum(lengths[i] for i in mb) <= budget for rank in plan.ranks for mb in rank)  # real tokens
     assert plan.per_rank >= math.ceil(sum(lengths) / (world * budget))  # never fewer than the tokens need
 
 
@@ -61,26 +61,41 @@ def test_heavy_tailed_lengths_are_balanced_far_better_than_equal_count_splits():
     assert kk_good > 3 * max(equal_good, 1)
 
 
-def _padded(lengths, mb):
-    return len(mb) * max((lengths[i] for i in mb), default=0)
-
-
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_micro_batches_of_long_tailed_lengths_are_mostly_real_tokens_and_each_step_is_balanced(world):
+def test_packed_micro_batches_of_long_tailed_lengths_are_full_and_every_step_is_balanced(world):
     rng = np.random.default_rng(0)
-    padding, kk_padding, step_slack = [], [], []
+    fill, step_slack = [], []
     for _ in range(20):
         lengths = np.clip(rng.lognormal(6.5, 1.0, 256), 32, 16384).astype(int).tolist()  # reasoning chains
         plan = plan_micro_batches(lengths, world, 16384)
-        padding.append(sum(_padded(lengths, mb) for r in plan.ranks for mb in r) / sum(lengths))
-        # the whole batch split by KK alone, as many micro-batches: long and short ones mixed
-        kk = karmarkar_karp(lengths, plan.per_rank * world)
-        kk_padding.append(sum(_padded(lengths, mb) for mb in kk) / sum(lengths))
+        fill.append(sum(lengths) / (plan.per_rank * world * 16384))  # of the budget, micro-batches hold this
         # ranks meet at every micro-batch (ZeRO's reductions): a step lasts as long as its largest one
-        steps = sum(max(_padded(lengths, r[i]) for r in plan.ranks) for i in range(plan.per_rank))
+        steps = sum(max(sum(lengths[i] for i in r[k]) for r in plan.ranks) for k in range(plan.per_rank))
         step_slack.append(steps / (sum(lengths) / world))
-    assert np.median(padding) < 1.3 < 3 < np.median(kk_padding)
-    assert np.median(step_slack) < 1.4
+    assert np.median(fill) > 0.75
+    assert np.median(step_slack) < 1.1
+
+
+def test_flops_balancing_evens_out_the_quadratic_cost_not_the_tokens():
+    lengths = [4000, 1000, 1000, 1000, 1000, 500, 500, 500, 500]
+    costs = [attention_cost(n, hidden=256) for n in lengths]
+    by_tokens = plan_micro_batches(lengths, 2, 8000)
+    by_flops = plan_micro_batches(lengths, 2, 8000, costs)
+
+    def spread(plan, values):
+        loads = [sum(values[i] for mb in rank for i in mb) for rank in plan.ranks]
+        return max(loads) / min(loads)
+
+    assert spread(by_flops, costs) < spread(by_tokens, costs)
+    assert spread(by_tokens, lengths) <= spread(by_flops, lengths)
+
+
+def test_first_fit_fills_rows_within_the_budget():
+    lengths = [7, 5, 4, 3, 2, 2, 1]
+    rows = first_fit(lengths, 8)
+    assert sorted(i for r in rows for i in r) == list(range(7))
+    assert all(sum(lengths[i] for i in r) <= 8 for r in rows)
+    assert len(rows) == 3  # 24 tokens need at least three rows of 8
 
 
 def test_attention_cost_grows_faster_than_length():

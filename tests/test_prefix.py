@@ -3,9 +3,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from streamrl.learner import prefix
-from streamrl.learner.batch import TrainSequence, collate
-from streamrl.learner.engine import token_logprobs
+from streamrl.learner import packing, prefix
+from streamrl.learner.batch import TrainSequence
 
 
 def _sequence(prompt, reply, rng) -> TrainSequence:
@@ -19,8 +18,8 @@ def _micro_batch(rng) -> list[TrainSequence]:
     """Two groups with prompts of different lengths, a lone sequence, replies of different lengths, interleaved."""
     short, long_, lone = rng.integers(3, 200, 12), rng.integers(3, 200, 20), rng.integers(3, 200, 15)
     mb = []
-    for i in range(3):
-        mb.append(_sequence(short, rng.integers(3, 200, 1 + 3 * i), rng))
+    for i in range(4):
+        mb.append(_sequence(short, rng.integers(3, 200, 1 + i), rng))
         mb.append(_sequence(long_, rng.integers(3, 200, 2 + i), rng))
     mb.insert(2, _sequence(lone, rng.integers(3, 200, 5), rng))
     return mb
@@ -28,24 +27,23 @@ def _micro_batch(rng) -> list[TrainSequence]:
 
 def _loss_and_grads(model, logits, batch):
     model.zero_grad()
-    logp = token_logprobs(logits, batch["input_ids"], 1.0)
+    logp, _ = packing.token_logprobs(logits, batch, 1.0)
     loss = (logp * batch["mask"] * batch["advantages"]).sum()
     loss.backward()
     return logp.detach(), [p.grad.clone() for p in model.parameters()]
 
 
-def test_a_shared_prompt_forward_gives_the_plain_forwards_logprobs_and_gradient(tiny_model_dir):
+def test_a_shared_prompt_forward_gives_the_packed_forwards_logprobs_and_gradient(tiny_model_dir):
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=packing.attention())
     mb = _micro_batch(np.random.default_rng(0))
-    batch = collate(mb)
+    batch = packing.collate(mb)
     shared = prefix.layout(mb)
     assert shared["prompt_ids"].shape == (3, 20)  # three distinct prompts, left-padded to the longest
-    assert shared["prompt_row"].tolist() == [0, 1, 2, 0, 1, 0, 1]
+    assert shared["prompt_row"].tolist() == [0, 1, 2, 0, 1, 0, 1, 0, 1]
 
-    plain_logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    want_logp, want_grads = _loss_and_grads(model, plain_logits, batch)
-    got_logp, got_grads = _loss_and_grads(model, prefix.logits(model, {**batch, **shared}), batch)
+    want_logp, want_grads = _loss_and_grads(model, packing.forward(model, batch), batch)
+    got_logp, got_grads = _loss_and_grads(model, packing.forward(model, {**batch, **shared}), batch)
 
     generated = batch["mask"].bool()
     assert torch.allclose(got_logp[generated], want_logp[generated], atol=1e-5)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from streamrl.learner import batch as batching
-from streamrl.learner.engine import token_logprobs
+from streamrl.learner import packing
 from streamrl.testing import synthetic_group
 
 
@@ -97,16 +97,20 @@ def test_ptx_term_lowers_the_sft_loss(engine, tiny_model_dir, tmp_path):
     assert losses[-1] < losses[0]
 
 
-def test_gae_advantages_run_over_generated_tokens_only():
+def test_gae_advantages_run_over_each_packed_sequences_generated_tokens_only():
     from streamrl.learner.critic import gae_advantages
 
-    seq = batching.TrainSequence(tokens=np.arange(5, dtype=np.int32), mask=np.array([0, 1, 0, 1, 1], np.uint8),
-                                 logprobs=np.zeros(5, np.float32), advantages=np.zeros(5, np.float32), staleness=0,
-                                 reward=1.0)
-    values = torch.tensor([[9.0, 0.5, 9.0, 0.5, 0.5]])  # 9s sit on observation tokens and must not count
-    adv, ret = gae_advantages(values, [seq], gamma=1.0, lam=1.0)
-    assert torch.allclose(adv, torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.5]]))
-    assert torch.allclose(ret, torch.tensor([[0.0, 1.0, 0.0, 1.0, 1.0]]))
+    def seq(mask, reward):
+        n = len(mask)
+        return batching.TrainSequence(tokens=np.arange(n, dtype=np.int32), mask=np.array(mask, np.uint8),
+                                      logprobs=np.zeros(n, np.float32), advantages=np.zeros(n, np.float32),
+                                      staleness=0, reward=reward)
+
+    seqs = [seq([0, 1, 0, 1, 1], 1.0), seq([0, 1, 1], 2.0)]  # one packed row: positions 0-4, then 5-7
+    values = torch.tensor([[9.0, 0.5, 9.0, 0.5, 0.5, 9.0, 1.0, 1.5]])  # 9s sit on prompt/observation tokens
+    adv, ret = gae_advantages(values, seqs, torch.tensor([0, 5, 8]), gamma=1.0, lam=1.0)
+    assert torch.allclose(adv, torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.5, 0.0, 1.0, 0.5]]))
+    assert torch.allclose(ret, torch.tensor([[0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 2.0, 2.0]]))
 
 
 @pytest.mark.slow
@@ -131,9 +135,9 @@ def test_ppo_critic_learns_the_returns(engine, tiny_model_dir):
 def _on_policy(engine, shard):
     """Behaviour logprobs of the current weights, as if the data had just been generated."""
     for s in (s for mb in shard for s in mb):
-        b = batching.collate([s])
+        b = packing.collate([s])
         with torch.no_grad():
-            s.logprobs = token_logprobs(engine.module(input_ids=b["input_ids"]).logits, b["input_ids"], 1.0)[0].numpy()
+            s.logprobs = packing.token_logprobs(packing.forward(engine.module, b), b, 1.0)[0][0].numpy()
     return shard
 
 
@@ -141,7 +145,7 @@ def _on_policy(engine, shard):
 def test_epochs_reuse_the_proximal_so_the_ratio_is_one_only_on_the_first(engine):
     shard, n = _shard()
     _on_policy(engine, shard)  # behaviour = the current weights
-    batches = [batching.collate(mb) if mb else None for mb in shard]
+    batches = [packing.collate(mb) if mb else None for mb in shard]
     first = engine.step(shard, n, batches=batches)
     second = engine.step(shard, n, batches=batches)
     assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
@@ -207,7 +211,7 @@ def test_a_non_finite_minibatch_stops_the_updates_after_it(engine):
 @pytest.mark.slow
 def test_a_steps_first_forward_stands_in_for_the_proximal_forward(engine):
     shard, n = _shard()
-    batches = [batching.collate(mb) if mb else None for mb in shard]
+    batches = [packing.collate(mb) if mb else None for mb in shard]
     separate = engine.proximal([b for b in batches if b is not None])  # a no-grad eval forward, before the step
     engine.step(shard, n, batches=batches)
     for b, want in zip([b for b in batches if b is not None], separate):

@@ -20,6 +20,11 @@ class TrainSequence:
     advantages: np.ndarray  # float32 [T]
     staleness: int          # learner version minus the oldest generated token's
     reward: float = 0.0     # the trajectory's reward (PPO puts it on the last generated token)
+    lag: np.ndarray | None = None  # int32 [T]: learner version minus the token's (-1 off the generated tokens)
+
+    def __post_init__(self) -> None:
+        if self.lag is None:
+            self.lag = np.full(len(self.tokens), -1, np.int32)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -67,9 +72,10 @@ def sequences(groups: list[Group], version: int, algorithm: str, penalties: list
             per_token = _by_turn(group, rewards, algorithm, turns)
         for sample, reward, adv in zip(group.samples, rewards, per_token):
             oldest = int(sample.generated_versions.min())
+            lag = np.where(sample.loss_mask.astype(bool), version - sample.versions, -1).astype(np.int32)
             out.extend(TrainSequence(tokens=sample.tokens[part], mask=sample.loss_mask[part],
                                      logprobs=sample.logprobs[part], advantages=adv[part],
-                                     staleness=version - oldest, reward=float(reward))
+                                     staleness=version - oldest, reward=float(reward), lag=lag[part])
                        for part in sample.sequences())
     return out
 
@@ -103,54 +109,14 @@ def _by_turn(group: Group, rewards: np.ndarray, algorithm: str, turns: TurnCredi
 
 def pack(shard: list[list[TrainSequence]], global_tokens: int, global_sequences: int = 0) -> bytes:
     return msgpack.packb({"global_tokens": global_tokens, "global_sequences": global_sequences, "micro_batches": [
-        [[s.tokens.tobytes(), s.mask.tobytes(), s.logprobs.tobytes(), s.advantages.tobytes(), s.staleness, s.reward]
-         for s in mb] for mb in shard]})
+        [[s.tokens.tobytes(), s.mask.tobytes(), s.logprobs.tobytes(), s.advantages.tobytes(), s.staleness, s.reward,
+          s.lag.astype(np.int32).tobytes()] for s in mb] for mb in shard]})
 
 
 def unpack(payload: bytes) -> tuple[list[list[TrainSequence]], int, int]:
     raw = msgpack.unpackb(payload)
     shard = [[TrainSequence(np.frombuffer(t, np.int32), np.frombuffer(m, np.uint8), np.frombuffer(lp, np.float32),
-                            np.frombuffer(a, np.float32), st, r) for t, m, lp, a, st, r in mb]
+                            np.frombuffer(a, np.float32), st, r, np.frombuffer(lag, np.int32))
+              for t, m, lp, a, st, r, lag in mb]
              for mb in raw["micro_batches"]]
     return shard, raw["global_tokens"], raw["global_sequences"]
-
-
-def collate(mb: list[TrainSequence], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Right-padded tensors for one micro-batch, on ``device``."""
-    width = max(len(s) for s in mb)
-
-    def pad(name: str, dtype) -> torch.Tensor:
-        out = torch.zeros(len(mb), width, dtype=dtype)
-        for i, s in enumerate(mb):
-            out[i, : len(s)] = torch.as_tensor(np.asarray(getattr(s, name)).astype(np.float32 if dtype.is_floating_point
-                                                                                    else np.int64))
-        return out
-
-    attention = torch.zeros(len(mb), width, dtype=torch.long)
-    for i, s in enumerate(mb):
-        attention[i, : len(s)] = 1
-    batch = {"input_ids": pad("tokens", torch.long), "attention_mask": attention, "mask": pad("mask", torch.float32),
-             "logprobs": pad("logprobs", torch.float32), "advantages": pad("advantages", torch.float32)}
-    return {k: v.to(device) for k, v in batch.items()}
-
-
-@torch.no_grad()
-def kl_penalties(groups: list[Group], reference: torch.nn.Module, coef: float, temperature: float,
-                 estimator: str = "k1") -> list[np.ndarray]:
-    """``coef * sum_t KL_t(pi_behav || pi_ref)`` over each sample's generated tokens, estimated from the
-    data's behaviour logprobs, so only the frozen reference runs a forward."""
-    out = []
-    for group in groups:
-        penalties = []
-        for sample in group.samples:
-            total = 0.0
-            for part in sample.sequences():
-                ids = torch.as_tensor(sample.tokens[part], dtype=torch.long)[None]
-                logits = reference(input_ids=ids).logits[0, :-1].float() / (temperature or 1.0)
-                ref = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].numpy()
-                mask = sample.loss_mask[part][1:].astype(bool)
-                behav = torch.as_tensor(sample.logprobs[part][1:][mask])
-                total += float(losses.kl(behav, torch.as_tensor(ref[mask]), estimator).sum())
-            penalties.append(coef * total)
-        out.append(np.array(penalties))
-    return out

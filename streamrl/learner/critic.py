@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from streamrl.config import Config
-from streamrl.learner.batch import TrainSequence, collate
+from streamrl.learner import packing
+from streamrl.learner.batch import TrainSequence
 from streamrl.learner.engine import deepspeed_config, empty_micro_batch_loss
 from streamrl.learner.losses import gae, normaliser
 
@@ -23,28 +24,30 @@ class ValueModel(torch.nn.Module):
         from transformers import AutoModel
 
         super().__init__()
-        self.backbone = AutoModel.from_pretrained(path, dtype=dtype)
+        self.backbone = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=packing.attention())
         self.head = torch.nn.Linear(self.backbone.config.hidden_size, 1, dtype=dtype)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Values ``[1, N]`` of a packed row's positions."""
+        hidden = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
         return self.head(hidden).squeeze(-1).float()
 
 
-def gae_advantages(values: torch.Tensor, seqs: list[TrainSequence], gamma: float, lam: float
+def gae_advantages(values: torch.Tensor, seqs: list[TrainSequence], bounds: torch.Tensor, gamma: float, lam: float
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token advantages and returns ``[B, T]`` for a collated micro-batch (0 off the generated tokens)."""
+    """Per-token advantages and returns ``[1, N]`` for a packed micro-batch whose sequence i spans
+    ``bounds[i]:bounds[i + 1]`` (0 off the generated tokens)."""
     advantages, returns = torch.zeros_like(values), torch.zeros_like(values)
-    for b, seq in enumerate(seqs):
-        steps = torch.as_tensor(seq.mask.astype(bool)).nonzero().squeeze(-1)
+    for i, seq in enumerate(seqs):
+        steps = int(bounds[i]) + torch.as_tensor(seq.mask.astype(bool)).nonzero().squeeze(-1)
         if steps.numel() == 0:
             continue
         rewards = torch.zeros(steps.numel())
         rewards[-1] = seq.reward
-        adv, ret = gae(rewards, values[b, steps], gamma, lam)
-        advantages[b, steps], returns[b, steps] = adv, ret
+        adv, ret = gae(rewards, values[0, steps], gamma, lam)
+        advantages[0, steps], returns[0, steps] = adv, ret
     return advantages, returns
 
 
@@ -61,7 +64,7 @@ class Critic:
 
     @torch.no_grad()
     def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        return self.engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
 
     def prepare(self, shard: list[list[TrainSequence]]) -> list[dict[str, Any] | None]:
         """Collate each micro-batch and put GAE advantages and returns into it (before any update)."""
@@ -73,9 +76,10 @@ class Critic:
                         empty_micro_batch_loss(self.engine, 3)  # in step with the other ranks' forwards
                 out.append(None)
                 continue
-            batch = collate(mb, self.engine.device)
+            batch = packing.collate(mb, self.engine.device)
             batch["old_values"] = self.values(batch)
-            adv, ret = gae_advantages(batch["old_values"].float().cpu(), mb, self.cfg.learner.gamma, self.cfg.learner.lam)
+            adv, ret = gae_advantages(batch["old_values"].float().cpu(), mb, batch["bounds"], self.cfg.learner.gamma,
+                                      self.cfg.learner.lam)
             batch["advantages"], batch["returns"] = adv.to(self.engine.device), ret.to(self.engine.device)
             out.append(batch)
         if self.cfg.learner.whiten_advantages:
@@ -91,7 +95,7 @@ class Critic:
             if batch is None:
                 loss = empty_micro_batch_loss(self.engine, self.cfg.learner.zero_stage)
             else:
-                v = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                v = self.engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
                 old, ret, mask = batch["old_values"], batch["returns"], batch["mask"]
                 clipped = old + (v - old).clamp(-eps, eps)
                 loss = (0.5 * torch.maximum((v - ret) ** 2, (clipped - ret) ** 2) * mask).sum()

@@ -16,19 +16,10 @@ from typing import Any
 import torch
 
 from streamrl.config import Config
-from streamrl.learner import prefix
-from streamrl.learner.batch import TrainSequence, collate
+from streamrl.learner import packing, prefix
+from streamrl.learner.batch import TrainSequence
 from streamrl.learner.losses import PolicyLoss, kl, normaliser
-
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``logp[b, t]`` of token t under the distribution at position t-1, in fp32 (0 at t=0).
-
-    The same quantity the rollout engine reports: tempered, before any truncation.
-    """
-    logp = torch.log_softmax(logits[:, :-1].float() / (temperature or 1.0), -1)
-    picked = logp.gather(-1, input_ids[:, 1:, None])[..., 0]
-    return torch.nn.functional.pad(picked, (1, 0))
+from streamrl.learner.reference import Reference
 
 
 def deepspeed_config(cfg: Config) -> dict[str, Any]:
@@ -72,7 +63,7 @@ def empty_micro_batch_loss(engine, zero_stage: int) -> torch.Tensor:
     if zero_stage != 3:
         return sum(p.sum() * 0.0 for p in engine.module.parameters())
     ids = torch.zeros(1, 1, dtype=torch.long, device=engine.device)
-    out = engine(input_ids=ids, attention_mask=torch.ones_like(ids))
+    out = engine(input_ids=ids, position_ids=ids)
     return getattr(out, "logits", out).sum() * 0.0
 
 
@@ -83,7 +74,7 @@ class PolicyEngine:
 
         self.cfg = cfg
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=packing.attention())
         model.config.use_cache = False
         # torch's optimizers: nothing to compile, the same on CPU and GPU
         optimizer = (torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr) if cfg.learner.optimizer == "adamw"
@@ -100,7 +91,7 @@ class PolicyEngine:
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.reference = None
         if cfg.learner.kl_coef > 0 and not cfg.learner.kl_in_reward:  # a frozen copy of the initial policy
-            self.reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval().requires_grad_(False)
+            self.reference = Reference(model_path, self.device, dtype, self.temperature)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -115,7 +106,7 @@ class PolicyEngine:
     def proximal(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Logprobs of the weights at the start of the step (for tis / decoupled)."""
         self.engine.eval()
-        out = [token_logprobs(self._logits(mb), mb["input_ids"], self.temperature) for mb in micro_batches]
+        out = [packing.token_logprobs(self._logits(mb), mb, self.temperature)[0] for mb in micro_batches]
         self.engine.train()
         return out
 
@@ -144,7 +135,7 @@ class PolicyEngine:
         (reported as ``skipped``): nothing of that batch reaches the weights.
         """
         collated_here = batches is None
-        batches = batches if batches is not None else [collate(mb, self.device) if mb else None for mb in shard]
+        batches = batches if batches is not None else [packing.collate(mb, self.device) if mb else None for mb in shard]
         if self.cfg.learner.share_prompts:
             for mb, b in zip(shard, batches):
                 if b is not None and "prompt_ids" not in b:
@@ -157,11 +148,11 @@ class PolicyEngine:
         if by_sequence:
             global_sequences = global_sequences or self._sum_over_ranks(float(sum(len(mb) for mb in shard)))
         scale = normaliser(int(global_sequences) if by_sequence else global_tokens, self.world_size)
-        stats = {"loss": 0.0, "tokens": 0.0, "padding": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0,
-                 "is_weight_max": 0.0, "entropy": 0.0, "kl": 0.0}
+        stats = {"loss": 0.0, "tokens": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0,
+                 "is_weight_max": 0.0, "entropy": 0.0, "kl": 0.0, **MISMATCH}
         work = [(b, lambda b: self._loss(b, stats), scale) for b in batches]
         if ptx:
-            ptx_batch = collate(ptx, self.device)
+            ptx_batch = packing.collate(ptx, self.device)
             ptx_scale = normaliser(self._sum_over_ranks(float(ptx_batch["mask"].sum())), self.world_size)
             work.append((ptx_batch, lambda b: self._ptx_loss(b, stats), ptx_scale))
         bad = False
@@ -196,6 +187,7 @@ class PolicyEngine:
                 stats[key.replace("_sum", "_mean")] = stats.pop(key) / n
         stats["entropy"] /= n
         stats["kl"] /= n
+        mismatch_means(stats)
         stats["loss"] /= max(global_tokens, 1)
         stats["lr"] = self.scheduler.get_last_lr()[0] if self.scheduler else self.cfg.learner.lr
         return stats
@@ -203,7 +195,7 @@ class PolicyEngine:
     def _loss(self, batch: dict[str, torch.Tensor], stats: dict) -> torch.Tensor:
         """Summed loss of one micro-batch: clipped policy term, minus entropy bonus, plus KL to the reference."""
         logits = self._logits(batch)
-        logp = token_logprobs(logits, batch["input_ids"], self.temperature)
+        logp, entropy = packing.token_logprobs(logits, batch, self.temperature, entropy=self.cfg.learner.entropy_coef > 0)
         prox = batch.get("proximal")
         if prox is None and self.cfg.off_policy.correction != "none":
             # The weights move only at the step's end (accumulation), so this first forward *is* the
@@ -211,14 +203,12 @@ class PolicyEngine:
             prox = batch["proximal"] = logp.detach()
         mask = batch["mask"]
         per_token, s = self.loss(logp, batch["logprobs"], prox, batch["advantages"], mask)
-        if self.cfg.learner.entropy_coef > 0:
-            entropy = token_entropy(logits, self.temperature)
+        add_mismatch(stats, prox if prox is not None else logp.detach(), batch)
+        if entropy is not None:
             per_token = per_token - self.cfg.learner.entropy_coef * entropy * mask
             stats["entropy"] += float((entropy * mask).sum().detach())
         if self.reference is not None:
-            with torch.no_grad():
-                ref_logits = self._logits(batch, self.reference)
-            k = kl(logp, token_logprobs(ref_logits, batch["input_ids"], self.temperature), self.cfg.learner.kl_estimator)
+            k = kl(logp, self.reference.logprobs(batch), self.cfg.learner.kl_estimator)
             per_token = per_token + self.cfg.learner.kl_coef * k * mask
             stats["kl"] += float((k * mask).sum().detach())
         n = float(mask.sum())
@@ -229,24 +219,20 @@ class PolicyEngine:
         if "is_capped_frac" in s:
             stats["is_capped_frac"] = stats.get("is_capped_frac", 0.0) + float(s["is_capped_frac"]) * n
         stats["tokens"] += n
-        stats["padding"] += float((batch["attention_mask"] == 0).sum())
         stats["clip_frac"] += float(s["clip_frac"]) * n
         stats["ratio_mean"] += float(s["ratio_mean"].detach()) * n
         stats["is_weight_max"] = max(stats["is_weight_max"], float(s["is_weight_max"]))
-        if self.cfg.learner.loss_agg == "sequence":  # rows are sequences: each one's mean, summed
-            return (per_token.sum(1) / mask.sum(1).clamp(min=1)).sum()
+        if self.cfg.learner.loss_agg == "sequence":  # each sequence's mean, summed
+            per_sequence = packing.per_sequence(per_token, batch)
+            return (per_sequence / packing.per_sequence(mask, batch).clamp(min=1)).sum()
         return per_token.sum()
 
-    def _logits(self, batch: dict[str, torch.Tensor], model: torch.nn.Module | None = None) -> torch.Tensor:
-        model = self.engine if model is None else model
-        if "prompt_ids" in batch:  # shared prompts: see ``prefix``
-            return prefix.logits(model, batch)
-        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return packing.forward(self.engine, batch)
 
     def _ptx_loss(self, batch: dict[str, torch.Tensor], stats: dict) -> torch.Tensor:
         """Summed token cross-entropy on SFT rows, weighted by ``ptx_coef``."""
-        logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        nll = -token_logprobs(logits, batch["input_ids"], 1.0) * batch["mask"]
+        nll = -packing.token_logprobs(self._logits(batch), batch, 1.0)[0] * batch["mask"]
         stats["ptx_loss"] = float(nll.sum().detach()) / max(float(batch["mask"].sum()), 1.0)
         return self.cfg.learner.ptx_coef * nll.sum()
 
@@ -315,10 +301,30 @@ class _Timer:
         return span()
 
 
-def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Entropy of the tempered distribution that predicted each token (0 at t=0), like ``token_logprobs``."""
-    logp = torch.log_softmax(logits[:, :-1].float() / (temperature or 1.0), -1)
-    return torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))
+MISMATCH = {key: 0.0 for key in ("mismatch_abs", "mismatch_max", "mismatch_kl", "fresh_tokens", "fresh_mismatch_abs",
+                                   "fresh_mismatch_max", "fresh_mismatch_kl")}
+
+
+def add_mismatch(stats: dict, learner_logp: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
+    """Add a micro-batch's train/inference mismatch to ``stats``: |log pi_learner - log pi_behav| and the k3
+    estimate of KL(behav || learner) over the generated tokens, and again over the fresh ones (generated at
+    the learner's version: the same weights on both sides, so only numerics differ)."""
+    gap = (learner_logp - batch["logprobs"]).detach()
+    k3 = kl(batch["logprobs"], learner_logp.detach(), "k3")
+    generated = batch["mask"] > 0
+    for scope, where in (("", generated), ("fresh_", generated & (batch["lag"] == 0))):
+        stats[f"{scope}mismatch_abs"] += float(gap[where].abs().sum())
+        stats[f"{scope}mismatch_kl"] += float(k3[where].sum())
+        if where.any():
+            stats[f"{scope}mismatch_max"] = max(stats[f"{scope}mismatch_max"], float(gap[where].abs().max()))
+    stats["fresh_tokens"] += float((generated & (batch["lag"] == 0)).sum())
+
+
+def mismatch_means(stats: dict) -> None:
+    """Sums over tokens to means: over all generated tokens, and over the fresh ones."""
+    for scope, count in (("", stats["tokens"]), ("fresh_", stats["fresh_tokens"])):
+        for key in ("mismatch_abs", "mismatch_kl"):
+            stats[scope + key] /= max(count, 1.0)
 
 
 def has_dropout(model: torch.nn.Module) -> bool:

@@ -1,11 +1,12 @@
-"""Length-balanced data parallelism (ARCHITECTURE §4).
+"""Length-balanced data parallelism for packed micro-batches (ARCHITECTURE §4).
 
-A batch of sequences is split into ``k × world_size`` micro-batches: sorted by length, cut into
-``k`` bands (one per accumulation step), each band split over the ranks with the
-Karmarkar–Karp largest-differencing method. ``k`` is the smallest count per rank that keeps every
-micro-batch within the token budget (padded tokens), so every rank runs the same number of
-micro-batches and DeepSpeed's accumulation boundary stays aligned; sequences of similar length
-share a micro-batch, so little of the compute is padding.
+A micro-batch is its sequences concatenated (``packing``), so its size is its real token count.
+A batch of sequences is cut into ``k × world_size`` micro-batches of near-equal cost by the
+Karmarkar–Karp largest-differencing method and dealt ``k`` to every rank, so every rank runs the
+same number of micro-batches (DeepSpeed's accumulation boundary stays aligned) and the ranks'
+loads are balanced. ``k`` is the smallest count that keeps every micro-batch within the token
+budget. The cost is the token count, or with ``attention_cost`` a FLOP estimate (attention
+grows with length²).
 """
 
 from __future__ import annotations
@@ -62,55 +63,44 @@ class Plan:
 
 def plan_micro_batches(lengths: Sequence[int], world_size: int, token_budget: int,
                        costs: Sequence[float] | None = None) -> Plan:
-    """Split sequences into the same number of micro-batches per rank, each within ``token_budget``
-    padded tokens (count × longest: what a right-padded micro-batch computes and holds).
-
-    The sequences, longest first, are cut into ``k`` bands of near-equal cost, one band per
-    accumulation step, and each band is split over the ranks by Karmarkar–Karp. Sequences of
-    similar length share a micro-batch, so little of it is padding (KK over the whole batch mixes
-    long and short ones: on long-tailed lengths, 2-5x the real tokens), and the ranks' micro-batches
-    of each step are balanced. ``k`` is the smallest that fits the budget. Balancing uses ``costs``
-    (default: the lengths); the budget is always in tokens.
-    """
+    """Split sequences into the same number of micro-batches per rank, each within ``token_budget`` real
+    tokens, balancing ``costs`` (default: the lengths) over the micro-batches and the ranks."""
     if world_size < 1 or token_budget < 1:
         raise ValueError("world_size and token_budget must be >= 1")
     if lengths and max(lengths) > token_budget:
         raise ValueError(f"a sequence of {max(lengths)} tokens exceeds the micro-batch budget of {token_budget}")
     costs = list(lengths) if costs is None else list(costs)
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
     k = max(1, math.ceil(sum(lengths) / (token_budget * world_size)))
-    while True:  # ends: with a band per sequence, every micro-batch is one sequence within the budget
-        steps = [_split(band, world_size, costs) for band in _bands(order, costs, k)]
-        if all(len(mb) * max((lengths[i] for i in mb), default=0) <= token_budget for step in steps for mb in step):
-            return Plan(_deal(steps, world_size, costs))
+    while True:  # ends: with a micro-batch per sequence, every one is within the budget
+        parts = karmarkar_karp(costs, k * world_size)
+        if all(sum(lengths[i] for i in part) <= token_budget for part in parts):
+            return Plan(_deal(parts, world_size, costs))
         k += 1
 
 
-def _bands(order: list[int], costs: Sequence[float], k: int) -> list[list[int]]:
-    """``order`` cut into ``k`` contiguous runs of near-equal total cost."""
-    total, bands, acc = sum(costs), [[] for _ in range(k)], 0.0
-    b = 0
-    for i in order:
-        if b < k - 1 and bands[b] and acc >= total * (b + 1) / k:
-            b += 1
-        bands[b].append(i)
-        acc += costs[i]
-    return bands
-
-
-def _split(band: list[int], world_size: int, costs: Sequence[float]) -> list[list[int]]:
-    return [[band[j] for j in part] for part in karmarkar_karp([costs[i] for i in band], world_size)]
-
-
-def _deal(steps: list[list[list[int]]], world_size: int, costs: Sequence[float]) -> list[list[list[int]]]:
-    """One micro-batch of each step to every rank, balancing rank loads: heaviest to the lightest rank."""
+def _deal(parts: list[list[int]], world_size: int, costs: Sequence[float]) -> list[list[list[int]]]:
+    """The same number of micro-batches to every rank, heaviest first to the lightest rank with room."""
+    per_rank = len(parts) // world_size
     ranks: list[list[list[int]]] = [[] for _ in range(world_size)]
     loads = [0.0] * world_size
-    for step in steps:
-        free = set(range(world_size))
-        for part in sorted(step, key=lambda p: sum(costs[i] for i in p), reverse=True):
-            r = min(free, key=lambda r: loads[r])
-            free.discard(r)
-            ranks[r].append(part)
-            loads[r] += sum(costs[i] for i in part)
+    for part in sorted(parts, key=lambda p: sum(costs[i] for i in p), reverse=True):
+        r = min((r for r in range(world_size) if len(ranks[r]) < per_rank), key=lambda r: loads[r])
+        ranks[r].append(part)
+        loads[r] += sum(costs[i] for i in part)
     return ranks
+
+
+def first_fit(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """Sequences packed into as few rows of at most ``token_budget`` tokens as first-fit-decreasing finds
+    (one process, no balancing: the reference's and evaluation's forwards)."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True):
+        r = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
+        if r is None:
+            rows.append([])
+            room.append(token_budget)
+            r = len(rows) - 1
+        rows[r].append(i)
+        room[r] -= lengths[i]
+    return rows

@@ -4,7 +4,7 @@ A group's samples continue the same context, so a micro-batch of padded sequence
 most of its forward (and backward) on identical prompt tokens when prompts are long and
 answers short. Here each distinct prompt runs once, its keys and values are gathered to
 every sequence that continues it, and only the continuations run per sequence. The logits
-are put back in the plain right-padded layout, so the loss code sees no difference; the
+are put back in the packed row's layout (``packing``), so the loss code sees no difference; the
 gather's backward sums the prompt's gradient over its continuations, as the plain forward
 would. The prompt is what precedes a sequence's first generated token.
 """
@@ -20,8 +20,8 @@ MIN_SAVING = 0.25  # sharing runs two forwards instead of one: it must save this
 
 
 def layout(mb: list[TrainSequence], device: torch.device | str = "cpu") -> dict[str, torch.Tensor] | None:
-    """Tensors for ``logits`` (on ``device``) when sharing prompts saves ``MIN_SAVING`` of the micro-batch's
-    padded tokens (shared prompts long beside their continuations), else None: the plain forward."""
+    """Tensors for ``logits`` (on ``device``) when sharing prompts saves ``MIN_SAVING`` of the tokens of the
+    micro-batch's packed row (shared prompts long beside their continuations), else None: the packed forward."""
     starts = [int(s.mask.argmax()) if s.mask.any() else 0 for s in mb]
     if min(starts) == 0:  # a sequence with nothing generated, or generated from its first token: no prompt
         return None
@@ -37,7 +37,7 @@ def layout(mb: list[TrainSequence], device: torch.device | str = "cpu") -> dict[
         return None
     lengths = [starts[i] for i in holders]
     width, rest = max(lengths), max(len(s) - p for s, p in zip(mb, starts))
-    if len(holders) * width + len(mb) * rest > (1 - MIN_SAVING) * len(mb) * max(map(len, mb)):
+    if len(holders) * width + len(mb) * rest > (1 - MIN_SAVING) * sum(map(len, mb)):
         return None
     prompt_ids = torch.zeros(len(holders), width, dtype=torch.long)
     prompt_mask = torch.zeros(len(holders), width, dtype=torch.long)
@@ -55,7 +55,7 @@ def layout(mb: list[TrainSequence], device: torch.device | str = "cpu") -> dict[
 
 
 def logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``[B, T, V]`` logits in ``batch["input_ids"]``'s layout (zeros where nothing is predicted from)."""
+    """``[1, N, V]`` logits in the packed row's layout (zeros where nothing is predicted from)."""
     prompt_mask, rows, starts = batch["prompt_mask"], batch["prompt_row"], batch["prompt_len"]
     positions = (prompt_mask.cumsum(1) - 1).clamp(min=0)
     head = model(input_ids=batch["prompt_ids"], attention_mask=prompt_mask, position_ids=positions, use_cache=True,
@@ -67,10 +67,10 @@ def logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tens
     rest_positions = (starts[:, None] + torch.arange(rest_mask.shape[1], device=starts.device)) * rest_mask
     tail = model(input_ids=batch["rest_ids"], attention_mask=torch.cat([prompt_mask[rows], rest_mask], 1),
                  position_ids=rest_positions, past_key_values=cache, use_cache=True).logits
-    b, t = batch["input_ids"].shape
+    offsets = batch["bounds"][:-1].to(starts.device)  # each sequence's start in the packed row
     seq, j = rest_mask.nonzero(as_tuple=True)
-    out = tail.new_zeros(b, t, tail.shape[-1])
-    out.index_put_((seq, starts[seq] + j), tail[seq, j])
+    out = tail.new_zeros(batch["input_ids"].shape[1], tail.shape[-1])
+    out.index_put_((offsets[seq] + starts[seq] + j,), tail[seq, j])
     # the prompt's last position predicts each sequence's first generated token
-    out.index_put_((torch.arange(b, device=starts.device), starts - 1), head.logits[rows, -1])
-    return out
+    out.index_put_((offsets + starts - 1,), head.logits[rows, -1])
+    return out[None]

@@ -1,0 +1,144 @@
+"""Packed micro-batches: a micro-batch's sequences concatenated into one row, with no padding.
+
+Position ids restart at each sequence, and every token attends within its own sequence only, so a
+packed forward computes exactly what one forward per sequence would. The attention reads the
+boundaries off the position ids (``attention()`` names the implementation the learner's models load
+with): flash-attention's varlen kernels where they are installed on a GPU (transformers passes them
+``cu_seqlens``), elsewhere ``varlen``, which runs PyTorch's causal SDPA once per sequence. transformers'
+own fallback for packed rows under SDPA, a dense block-diagonal mask over the whole row, costs
+(sum of lengths)² instead of the sum of squares: 10x the padded forward on the quickstart's batch.
+
+Per-token quantities (logprob of the token taken, entropy of the distribution it came from) are
+gathered from the logits a chunk of positions at a time: no ``[T, V]`` fp32 copy of the logits is
+ever made, and under autograd each chunk is recomputed in the backward instead of kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from streamrl.learner import prefix
+from streamrl.learner.batch import TrainSequence
+
+VARLEN = "streamrl_varlen"  # the attention implementation name registered with transformers
+CHUNK_ELEMENTS = 1 << 24  # logits elements per chunk (64 MB in fp32)
+FIELDS = {"mask": torch.float32, "logprobs": torch.float32, "advantages": torch.float32}
+
+
+def collate(mb: Sequence[TrainSequence], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """One micro-batch as one row ``[1, N]`` on ``device``, N its real token count.
+
+    ``bounds`` (on the CPU) holds the sequences' start offsets and N (``cu_seqlens``); ``sequence``
+    the index of the sequence each token belongs to.
+    """
+    lengths = [len(s) for s in mb]
+    bounds = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.long)
+    batch = {
+        "input_ids": torch.as_tensor(np.concatenate([s.tokens for s in mb]).astype(np.int64)),
+        "position_ids": torch.as_tensor(np.concatenate([np.arange(n) for n in lengths]), dtype=torch.long),
+        "sequence": torch.repeat_interleave(torch.arange(len(mb)), torch.as_tensor(lengths)),
+        "lag": torch.as_tensor(np.concatenate([s.lag for s in mb]).astype(np.int64)),
+        **{name: torch.as_tensor(np.concatenate([getattr(s, name) for s in mb]).astype(np.float32))
+           for name in FIELDS},
+    }
+    out = {k: v[None].to(device) for k, v in batch.items()}
+    out["bounds"] = bounds
+    return out
+
+
+def attention() -> str:
+    """The attention implementation for packed rows: flash-attention's varlen kernels on a GPU that has
+    them, else ``varlen`` (registered with transformers on first use)."""
+    import importlib.util
+
+    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    AttentionInterface.register(VARLEN, varlen)
+    AttentionMaskInterface.register(VARLEN, _varlen_mask)
+    return VARLEN
+
+
+def _varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                 mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+    """No mask for rows without padding or cache (``varlen`` keeps packed sequences apart); SDPA's mask for
+    the padded, cached forwards of shared prompts (``prefix``)."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    if q_length == kv_length and q_offset == 0 and (attention_mask is None or bool(attention_mask.all())):
+        return None
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function or causal_mask_function,
+                     attention_mask, **kwargs)
+
+
+def varlen(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None, **kwargs
+           ) -> tuple[torch.Tensor, None]:
+    """Causal attention within each sequence of a packed row ``[1, H, N, D]``: transformers' SDPA once per
+    sequence, the sequences found where ``position_ids`` restart at 0."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention_mask is not None or position_ids is None or query.shape[0] != 1 or key.shape[2] != query.shape[2]:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)  # not a packed row
+    starts = (position_ids[0] == 0).nonzero()[:, 0].tolist()
+    if not starts or starts[0] != 0:
+        raise ValueError("a packed row's position ids must start at 0")
+    ends = [*starts[1:], query.shape[2]]
+    pieces = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, **kwargs)[0]
+              for a, b in zip(starts, ends)]
+    return torch.cat(pieces, 1), None
+
+
+def forward(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``model``'s logits ``[1, N, V]`` for a packed row (no attention mask, no cache: the restarting
+    position ids keep the sequences apart); each shared prompt forwarded once where ``prefix`` laid it out."""
+    if "prompt_ids" in batch:
+        return prefix.logits(model, batch)
+    return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+
+
+def token_logprobs(logits: torch.Tensor, batch: dict[str, torch.Tensor], temperature: float,
+                   entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``logp[0, t]``: token t's logprob under the tempered distribution at position t-1, in fp32, and with
+    ``entropy`` that distribution's entropy; both 0 at each sequence's first token.
+
+    The same quantity the rollout engine reports: tempered, before any truncation.
+    """
+    scale = 1.0 / (temperature or 1.0)
+    targets = batch["input_ids"][0, 1:]
+    rows = logits[0, :-1]
+    step = max(1, CHUNK_ELEMENTS // max(rows.shape[-1], 1))
+    recompute = torch.is_grad_enabled() and rows.requires_grad and rows.shape[0] > step
+    picked, spread = [], []
+    for start in range(0, rows.shape[0], step):
+        args = (rows[start: start + step], targets[start: start + step], scale, entropy)
+        lp, h = checkpoint(_gather, *args, use_reentrant=False) if recompute else _gather(*args)
+        picked.append(lp)
+        spread.append(h)
+    first = batch["position_ids"][0] == 0  # across a boundary the previous position is another sequence's
+    logp = _shift(torch.cat(picked) if picked else rows.new_zeros(0, dtype=torch.float32), first)
+    return logp, (_shift(torch.cat(spread), first) if entropy and spread else None)
+
+
+def _gather(logits: torch.Tensor, targets: torch.Tensor, scale: float, entropy: bool
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    logp = torch.log_softmax(logits.float() * scale, -1)
+    picked = logp.gather(-1, targets[:, None])[:, 0]
+    return picked, (-(logp.exp() * logp).sum(-1) if entropy else torch.zeros_like(picked))
+
+
+def _shift(values: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """Per-position values of positions 1..N-1 as a row ``[1, N]``, 0 where a sequence starts."""
+    out = torch.nn.functional.pad(values, (1, 0))
+    return out.masked_fill(first, 0.0)[None]
+
+
+def per_sequence(values: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Sums of ``values [1, N]`` over each sequence of the row: ``[S]``."""
+    sums = values.new_zeros(len(batch["bounds"]) - 1)
+    return sums.index_add(0, batch["sequence"][0], values[0])

@@ -1,0 +1,49 @@
+"""The frozen reference policy (the initial weights) that KL penalties are measured against.
+
+It lives on the learner's device, in the policy's dtype, and runs packed forwards like the policy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from streamrl.learner import losses, packing
+from streamrl.learner.batch import TrainSequence
+from streamrl.learner.partition import first_fit
+from streamrl.protocol import Group
+
+
+class Reference:
+    def __init__(self, model_path: str, device: torch.device | str, dtype: torch.dtype, temperature: float):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+        self.model.eval().requires_grad_(False)
+        self.device, self.temperature = device, temperature
+
+    @torch.no_grad()
+    def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The reference's logprobs ``[1, N]`` of a packed micro-batch's tokens."""
+        return packing.token_logprobs(packing.forward(self.model, batch), batch, self.temperature)[0]
+
+    def kl_penalties(self, groups: list[Group], coef: float, estimator: str, token_budget: int) -> list[np.ndarray]:
+        """``coef * sum_t KL_t(pi_behav || pi_ref)`` over each sample's generated tokens (KL in the reward),
+        estimated from the data's behaviour logprobs, so only the reference runs a forward: packed rows of
+        up to ``token_budget`` tokens."""
+        seqs, owner = [], []
+        for g, group in enumerate(groups):
+            for i, sample in enumerate(group.samples):
+                for part in sample.sequences():
+                    seqs.append(TrainSequence(sample.tokens[part], sample.loss_mask[part], sample.logprobs[part],
+                                              np.zeros(part.stop - part.start, np.float32), 0))
+                    owner.append((g, i))
+        totals = np.zeros(len(seqs))
+        for rows in first_fit([len(s) for s in seqs], token_budget):
+            batch = packing.collate([seqs[i] for i in rows], self.device)
+            k = losses.kl(batch["logprobs"], self.logprobs(batch), estimator) * batch["mask"]
+            totals[rows] = packing.per_sequence(k, batch).double().cpu().numpy()
+        out = [np.zeros(len(group.samples)) for group in groups]
+        for (g, i), total in zip(owner, totals):
+            out[g][i] += coef * total
+        return out
