@@ -156,6 +156,9 @@ class LearnerConfig(Section):
     balance: Literal["tokens", "flops"] = Field("tokens", description="what the partitioner evens out over "
                                                 "micro-batches and ranks: tokens, or a FLOP estimate (attention "
                                                 "grows with length²)")
+    drop_no_signal: bool = Field(False, description="DAPO's dynamic sampling: leave out groups whose rewards are "
+                                 "all equal (RLOO and GRPO give them no gradient) and read on until groups_per_step "
+                                 "groups with signal")
     share_prompts: bool = Field(True, description="forward each prompt once per micro-batch, not once per sample "
                                 "(off: for models whose forward cannot continue from a KV cache)")
     mismatch_warn_kl: float = Field(0.01, ge=0, description="warn when KL(behaviour || learner) on tokens generated "
@@ -289,6 +292,15 @@ class Config(Section):
         if self.learner.credit == "turn" and self.learner.algorithm == "ppo":
             raise ValueError("learner.credit: 'turn' is for rloo and grpo; ppo's critic already scores every "
                              "token (learner.gamma, learner.lam)")
+        return self
+
+    @model_validator(mode="after")
+    def _no_signal_is_a_group_baselines_notion(self) -> Config:
+        learner = self.learner
+        if learner.drop_no_signal and (learner.algorithm == "ppo" or learner.credit == "turn"):
+            raise ValueError("learner.drop_no_signal is for rloo and grpo with credit: episode; a group with equal "
+                             "rewards still has a gradient under " + ("ppo's critic" if learner.algorithm == "ppo"
+                                                                      else "turn credit"))
         return self
 
     def redacted(self) -> dict[str, Any]:

@@ -57,6 +57,7 @@ def show(report: LedgerReport, console: Console) -> None:
             ("  still being generated", report.running),
             ("trained", learned["trained"]), ("dropped: stale", learned["dropped:stale"]), ("dropped: dead-lettered", learned["dropped:dead"]),
             ("dropped: step skipped (non-finite)", learned["dropped:skipped"]),
+            ("dropped: no signal (all rewards equal)", learned["dropped:no_signal"]),
             ("  trained or dropped, settled by a checkpoint", learned["settled"]),
             ("pending after the learner's cursor", report.pending), ("recorded twice", learned["twice"]), ("undecodable stream entries", r["dead"])]
     for name, value in rows:

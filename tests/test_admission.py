@@ -21,7 +21,7 @@ def test_the_bound_follows_the_learner_version(ns):
     assert [admission.try_admit(g.group_id) for g in groups[8:]] == [True] * 4
     assert not admission.try_admit("one-too-many")
     assert admission.counters() == {"admitted": 12, "accepted": 3, "abandoned": 0, "expired": 0,
-                                         "dropped_stale": 0, "dead": 0}
+                                         "dropped_stale": 0, "dropped_no_signal": 0, "dead": 0}
 
 
 def test_a_version_watch_wakes_on_the_next_version_and_times_out_without_one(ns):
@@ -63,6 +63,17 @@ def test_dropped_stale_counter(ns):
     admission = Admission(ns, max_staleness=0, groups_per_step=1)
     admission.count_dropped_stale(3)
     assert admission.counters()["dropped_stale"] == 3
+
+
+@pytest.mark.parametrize("drop", ["stale", "no_signal"])
+def test_a_group_the_learner_drops_gives_its_slot_back(ns, drop):
+    admission, stream = Admission(ns, max_staleness=0, groups_per_step=1), ReplayStream(ns)
+    group = synthetic_group(2, 8, prompt_id="g")
+    assert admission.try_admit(group.group_id)
+    stream.put(group)  # accepted: the step's one slot is taken
+    assert not admission.try_admit("next")
+    getattr(admission, f"count_dropped_{drop}")(1)  # never trained: another group may take its place
+    assert admission.try_admit("next")
 
 
 def _race(url: str, run: str, worker: int, barrier, results) -> None:

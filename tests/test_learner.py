@@ -39,7 +39,6 @@ def test_rank_shards_round_trip_without_pickle():
     assert (n, n_seqs) == (18, 3) and [len(mb) for mb in shard] == [2, 1]
     assert all(np.array_equal(a.tokens, b.tokens) and np.array_equal(a.advantages, b.advantages)
                for a, b in zip([s for mb in shard for s in mb], seqs))
-    assert all(np.array_equal(a.lag, b.lag) for a, b in zip([s for mb in shard for s in mb], seqs))
     batch = packing.collate(shard[0])
     assert batch["input_ids"].shape == (1, 20) and batch["mask"].sum() == 12
 
@@ -85,6 +84,37 @@ def test_two_rank_learner_trains_from_the_replay_stream(redis_server, tiny_model
     AutoTokenizer.from_pretrained(export / "version-3")
     original = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert any(not torch.equal(a, b) for a, b in zip(exported.parameters(), original.parameters()))
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_leaves_out_groups_without_signal_and_accounts_for_each(redis_server, tiny_model_dir,
+                                                                                 tmp_path):
+    from streamrl.buffer import Admission, Ledger
+
+    ns = Namespace.open(redis_server.url, "learner-no-signal")
+    stream, rng = ReplayStream(ns), np.random.default_rng(2)
+    silent = {1, 2, 5}  # every sample of these groups got the same reward
+    for i in range(8):
+        group = synthetic_group(4, 24, prompt_len=8, vocab=200, rng=rng, prompt_id=str(i))
+        for j, sample in enumerate(group.samples):
+            sample.reward = 1.0 if i in silent else float(j % 2)
+        stream.put(group)
+    out = subprocess.run(
+        [sys.executable, "-m", "streamrl", "launch-learner", f"model.path={tiny_model_dir}",
+         f"redis.url={redis_server.url}", f"run.name={ns.run}", f"run.dir={tmp_path}", "learner.groups_per_step=2",
+         "learner.drop_no_signal=true", "learner.micro_batch_tokens=256", "--steps", "2"],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / ns.run / "metrics" / "learner.jsonl").open()]
+    records = [r for r in records if "loss" in r]
+    assert [r["groups"] for r in records] == [2, 2]  # two groups with signal per step, whatever was read
+    # step 1 trains groups 0 and 3, leaving out 1 and 2; step 2 trains 4 and 6, leaving out 5; 7 is pending
+    assert [r["dropped_no_signal"] for r in records] == [2, 1]
+    assert [r["groups_no_signal"] for r in records] == [2, 1]
+    assert Admission(ns, max_staleness=2, groups_per_step=2).counters()["dropped_no_signal"] == 3
+    report = Ledger(ns).report()
+    assert report.balanced, report.problems
+    assert report.learner["dropped:no_signal"] == 3 and report.learner["trained"] == 4 and report.pending == 1
 
 
 @pytest.mark.slow

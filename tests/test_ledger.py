@@ -31,8 +31,8 @@ def test_a_whole_run_balances_with_every_kind_of_outcome(ns):
 
     report = ledger.report()
     assert report.balanced, report.problems
-    assert report.learner == {"trained": 2, "dropped:stale": 1, "dropped:dead": 0, "dropped:skipped": 1, "twice": 0,
-                              "settled": 0}
+    assert report.learner == {"trained": 2, "dropped:stale": 1, "dropped:dead": 0, "dropped:skipped": 1,
+                              "dropped:no_signal": 0, "twice": 0, "settled": 0}
     assert report.rollout["admitted"] == 7 and report.rollout["accepted"] == 5
     assert report.rollout["abandoned:failed_samples"] == 1 and report.running == 1 and report.pending == 1
 

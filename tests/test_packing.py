@@ -15,15 +15,15 @@ TOL = 1e-5
 def _groups(rng) -> list[Group]:
     """Mixed lengths; one sample is two sequences (a multi-turn episode whose second turn does not continue
     the first), one sequence is a single token."""
-    def sample(n, seq_lens=None):
+    def sample(n, seq_lens=None, fresh=False):  # fresh: generated wholly at the learner's version, 5
         gen = np.arange(n) >= min(3, n - 1)
         return Sample(tokens=rng.integers(3, 200, n), loss_mask=gen.astype(np.uint8),
                       logprobs=np.where(gen, -rng.exponential(1.0, n), 0.0).astype(np.float32),
-                      versions=np.where(gen, 4 + (np.arange(n) % 2), -1), reward=float(rng.normal()),
+                      versions=np.where(gen, 5 if fresh else 4 + (np.arange(n) % 2), -1), reward=float(rng.normal()),
                       seq_lens=seq_lens)
 
-    return [Group("a", "e", [sample(7), sample(23), sample(30, seq_lens=[12, 18])]),
-            Group("b", "e", [sample(2), sample(41), sample(9)])]
+    return [Group("a", "e", [sample(7), sample(23, fresh=True), sample(30, seq_lens=[12, 18])]),
+            Group("b", "e", [sample(2), sample(41), sample(9, fresh=True)])]
 
 
 def _sequences(rng):
@@ -45,9 +45,10 @@ def test_a_packed_row_lays_sequences_end_to_end_with_restarting_positions():
     assert batch["position_ids"][0].tolist() == [p for n in lengths for p in range(n)]
     assert batch["sequence"][0].tolist() == [i for i, n in enumerate(lengths) for _ in range(n)]
     assert batch["mask"].sum() == sum(int(s.mask.sum()) for s in seqs)
-    # tokens generated at the learner's version (5) have lag 0, at version 4 lag 1, prompts -1
-    lag, mask = batch["lag"][0], batch["mask"][0].bool()
-    assert set(lag[mask].tolist()) == {0, 1} and set(lag[~mask].tolist()) == {-1}
+    # fresh: generated tokens of sequences generated wholly at the learner's version (5)
+    fresh = [bool(s.staleness == 0) for s in seqs]
+    assert batch["fresh"][0].tolist() == [bool(m) and f for s, f in zip(seqs, fresh) for m in s.mask]
+    assert True in fresh and False in fresh
 
 
 def test_token_logprobs_are_the_tempered_logprobs_of_each_next_token_restarting_per_sequence():

@@ -5,8 +5,9 @@ AReaL's rule (ARCHITECTURE §3): start a new group only while
     accepted + running < (max_staleness + V + 1) * groups_per_step
 
 where ``V`` is the learner's policy version, ``accepted`` counts groups ever put
-into the replay stream (less those the learner dropped as stale: they will never be
-trained, so they must not hold slots, or a burst of stale data would stall the run)
+into the replay stream (less those the learner dropped as stale or, with dynamic sampling,
+as carrying no signal: they will never be trained, so they must not hold slots, or a burst
+of such data would stall the run)
 and ``running`` counts groups admitted but not yet put.
 Running groups hold a lease that expires, so a worker that dies mid-group does
 not hold its slot forever. Check-and-admit is one Lua script: no two workers can
@@ -29,6 +30,7 @@ end
 local running = redis.call('ZCARD', KEYS[1])
 local accepted = tonumber(redis.call('HGET', KEYS[2], 'accepted') or '0')
   - tonumber(redis.call('HGET', KEYS[2], 'dropped_stale') or '0')
+  - tonumber(redis.call('HGET', KEYS[2], 'dropped_no_signal') or '0')
 local version = tonumber(redis.call('GET', KEYS[3]) or '0')
 if accepted + running >= (tonumber(ARGV[3]) + version + 1) * tonumber(ARGV[4]) then return 0 end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
@@ -45,7 +47,7 @@ end
 return 0
 """
 
-COUNTERS = ("admitted", "accepted", "abandoned", "expired", "dropped_stale", "dead")
+COUNTERS = ("admitted", "accepted", "abandoned", "expired", "dropped_stale", "dropped_no_signal", "dead")
 
 
 class Admission:
@@ -86,3 +88,8 @@ class Admission:
         """The learner's guard dropped ``n`` groups past the staleness bound."""
         with self.ns.reachable("count dropped groups"):
             self.ns.conn.hincrby(self._keys[1], "dropped_stale", n)
+
+    def count_dropped_no_signal(self, n: int = 1) -> None:
+        """The learner left out ``n`` groups whose rewards were all equal (dynamic sampling)."""
+        with self.ns.reachable("count dropped groups"):
+            self.ns.conn.hincrby(self._keys[1], "dropped_no_signal", n)

@@ -7,7 +7,7 @@ Rollout side, counters kept by admission and the atomic put (``counters``)::
 (``late``: a group put after its lease expired, so counted both as expired and accepted.)
 Learner side, one outcome per group id (``ledger:outcome``)::
 
-    accepted = trained + dropped (stale | dead | skipped) + pending in the stream after the cursor
+    accepted = trained + dropped (stale | dead | skipped | no_signal) + pending in the stream after the cursor
 
 Outcomes are recorded step by step (``ledger:step:<version>``). A learner that resumes from an
 older checkpoint no longer holds what it trained after it, so it rolls those steps' outcomes back
@@ -73,7 +73,7 @@ redis.call('HINCRBY', KEYS[3], 'settled', settled)
 return settled
 """
 
-OUTCOMES = ("trained", "dropped:stale", "dropped:dead", "dropped:skipped")
+OUTCOMES = ("trained", "dropped:stale", "dropped:dead", "dropped:skipped", "dropped:no_signal")
 
 
 @dataclass

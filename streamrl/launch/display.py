@@ -72,8 +72,8 @@ class Dashboard:
             out["version"] = self.version.get()
             counters = self.admission.counters()
             out["running"] = self.admission.running()
-            out["queue"] = max(0, counters.get("accepted", 0) - sum(r.get("groups", 0) + r.get("dropped_stale", 0)
-                                                                  for r in learner))
+            out["queue"] = max(0, counters.get("accepted", 0) - sum(
+                r.get("groups", 0) + r.get("dropped_stale", 0) + r.get("dropped_no_signal", 0) for r in learner))
             out["accepted"] = counters.get("accepted", 0)
             out["dropped_stale"] = counters.get("dropped_stale", 0)
         except Exception:  # Redis restarting: show what the files say
@@ -82,7 +82,9 @@ class Dashboard:
             last = learner[-1]
             out.update(step=last["step"], reward=last.get("reward_mean"), loss=last.get("loss"),
                        staleness_max=max(r.get("staleness_max", 0) for r in learner),
-                       train_tok_s=last.get("tokens_per_s"), first_reward=learner[0].get("reward_mean"))
+                       train_tok_s=last.get("tokens_per_s"), first_reward=learner[0].get("reward_mean"),
+                       mismatch=last.get("mismatch_abs"), fresh_mismatch=last.get("fresh_mismatch_abs"),
+                       no_signal=last.get("groups_no_signal"), groups=last.get("groups"))
         if pushes:
             out["push_s"] = pushes[-1]["push_s"]
         waits = [r["push_wait_s"] for r in lines if "push_wait_s" in r]
@@ -125,6 +127,9 @@ class Dashboard:
             ("generation tokens/s", _fmt(s.get("gen_tok_s"), ".0f")),
             ("training tokens/s", _fmt(s.get("train_tok_s"), ".0f")),
             ("weight push s (learner waited)", f"{_fmt(s.get('push_s'))} ({_fmt(s.get('push_wait_s'))})"),
+            ("groups without signal (last step)", f"{s.get('no_signal', '–')} of {s.get('groups', '–')}"),
+            ("|Δ logprob| learner vs rollout (fresh)", f"{_fmt(s.get('mismatch'), '.1e')} "
+                                                      f"({_fmt(s.get('fresh_mismatch'), '.1e')})"),
         ]
         for name, value in rows:
             table.add_row(name, value)
@@ -141,7 +146,8 @@ class Dashboard:
                      f"reward {_fmt(s.get('reward'))}  eval {_fmt(last and last['eval/accuracy'])}  "
                      f"staleness≤{s.get('staleness_max', '–')}  queue {s.get('queue', '–')}  "
                      f"gen {_fmt(s.get('gen_tok_s'), '.0f')} tok/s  train {_fmt(s.get('train_tok_s'), '.0f')} tok/s  "
-                     f"push {_fmt(s.get('push_s'))}s (waited {_fmt(s.get('push_wait_s'))}s)")
+                     f"push {_fmt(s.get('push_s'))}s (waited {_fmt(s.get('push_wait_s'))}s)  "
+                     f"mismatch {_fmt(s.get('mismatch'), '.1e')}")
 
     def close(self) -> None:
         """Freeze the figures while Redis is still up (the summary comes after teardown)."""

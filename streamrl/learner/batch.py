@@ -20,11 +20,6 @@ class TrainSequence:
     advantages: np.ndarray  # float32 [T]
     staleness: int          # learner version minus the oldest generated token's
     reward: float = 0.0     # the trajectory's reward (PPO puts it on the last generated token)
-    lag: np.ndarray | None = None  # int32 [T]: learner version minus the token's (-1 off the generated tokens)
-
-    def __post_init__(self) -> None:
-        if self.lag is None:
-            self.lag = np.full(len(self.tokens), -1, np.int32)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -39,6 +34,11 @@ def advantages(rewards: np.ndarray, algorithm: str) -> np.ndarray:
     if algorithm not in ESTIMATORS:
         raise ValueError(f"unknown algorithm {algorithm!r}; expected rloo, grpo or ppo")
     return ESTIMATORS[algorithm](torch.as_tensor(rewards, dtype=torch.float32)).numpy()
+
+
+def no_signal(group: Group) -> bool:
+    """Every sample got the same reward: a group baseline (RLOO, GRPO) gives each a zero advantage."""
+    return len({s.reward for s in group.samples}) == 1
 
 
 def stale(group: Group, version: int, max_staleness: int) -> bool:
@@ -72,10 +72,9 @@ def sequences(groups: list[Group], version: int, algorithm: str, penalties: list
             per_token = _by_turn(group, rewards, algorithm, turns)
         for sample, reward, adv in zip(group.samples, rewards, per_token):
             oldest = int(sample.generated_versions.min())
-            lag = np.where(sample.loss_mask.astype(bool), version - sample.versions, -1).astype(np.int32)
             out.extend(TrainSequence(tokens=sample.tokens[part], mask=sample.loss_mask[part],
                                      logprobs=sample.logprobs[part], advantages=adv[part],
-                                     staleness=version - oldest, reward=float(reward), lag=lag[part])
+                                     staleness=version - oldest, reward=float(reward))
                        for part in sample.sequences())
     return out
 
@@ -109,14 +108,13 @@ def _by_turn(group: Group, rewards: np.ndarray, algorithm: str, turns: TurnCredi
 
 def pack(shard: list[list[TrainSequence]], global_tokens: int, global_sequences: int = 0) -> bytes:
     return msgpack.packb({"global_tokens": global_tokens, "global_sequences": global_sequences, "micro_batches": [
-        [[s.tokens.tobytes(), s.mask.tobytes(), s.logprobs.tobytes(), s.advantages.tobytes(), s.staleness, s.reward,
-          s.lag.astype(np.int32).tobytes()] for s in mb] for mb in shard]})
+        [[s.tokens.tobytes(), s.mask.tobytes(), s.logprobs.tobytes(), s.advantages.tobytes(), s.staleness, s.reward]
+         for s in mb] for mb in shard]})
 
 
 def unpack(payload: bytes) -> tuple[list[list[TrainSequence]], int, int]:
     raw = msgpack.unpackb(payload)
     shard = [[TrainSequence(np.frombuffer(t, np.int32), np.frombuffer(m, np.uint8), np.frombuffer(lp, np.float32),
-                            np.frombuffer(a, np.float32), st, r, np.frombuffer(lag, np.int32))
-              for t, m, lp, a, st, r, lag in mb]
+                            np.frombuffer(a, np.float32), st, r) for t, m, lp, a, st, r in mb]
              for mb in raw["micro_batches"]]
     return shard, raw["global_tokens"], raw["global_sequences"]

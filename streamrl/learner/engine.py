@@ -307,17 +307,18 @@ MISMATCH = {key: 0.0 for key in ("mismatch_abs", "mismatch_max", "mismatch_kl", 
 
 def add_mismatch(stats: dict, learner_logp: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
     """Add a micro-batch's train/inference mismatch to ``stats``: |log pi_learner - log pi_behav| and the k3
-    estimate of KL(behav || learner) over the generated tokens, and again over the fresh ones (generated at
-    the learner's version: the same weights on both sides, so only numerics differ)."""
+    estimate of KL(behav || learner) over the generated tokens, and again over the fresh ones (of sequences
+    generated wholly by the learner's weights: only numerics differ; a sequence updated in flight attended
+    to keys and values of older weights)."""
     gap = (learner_logp - batch["logprobs"]).detach()
     k3 = kl(batch["logprobs"], learner_logp.detach(), "k3")
     generated = batch["mask"] > 0
-    for scope, where in (("", generated), ("fresh_", generated & (batch["lag"] == 0))):
+    for scope, where in (("", generated), ("fresh_", batch["fresh"])):
         stats[f"{scope}mismatch_abs"] += float(gap[where].abs().sum())
         stats[f"{scope}mismatch_kl"] += float(k3[where].sum())
         if where.any():
             stats[f"{scope}mismatch_max"] = max(stats[f"{scope}mismatch_max"], float(gap[where].abs().max()))
-    stats["fresh_tokens"] += float((generated & (batch["lag"] == 0)).sum())
+    stats["fresh_tokens"] += float(batch["fresh"].sum())
 
 
 def mismatch_means(stats: dict) -> None:

@@ -151,16 +151,17 @@ class Learner:
                                        config=cfg.redacted())
 
     def _collect(self) -> tuple[list, dict, dict[str, str]]:
-        """``groups_per_step`` fresh groups from the stream; stale ones dropped (and counted) or kept.
+        """``groups_per_step`` fresh groups from the stream; stale ones dropped (and counted) or kept, and with
+        ``learner.drop_no_signal`` groups whose rewards are all equal left out (and counted).
 
         Also returns the ledger outcome of every group read and not trained (group id -> outcome).
         """
-        want, groups, dropped, outcomes = self.cfg.learner.groups_per_step, [], 0, {}
+        want, groups, dropped, silent_dropped, outcomes = self.cfg.learner.groups_per_step, [], 0, 0, {}
         max_staleness = 0 if self.cfg.mode == "sync" else self.cfg.off_policy.max_staleness
         t0 = last_catch_up = time.perf_counter()
         while len(groups) < want:
             entries = self.reader.read(want - len(groups), block_ms=1000)
-            fresh_drops = 0
+            fresh_drops = silent = 0
             for entry in entries:
                 verdict = self._verdict(entry, max_staleness)
                 if verdict is None:
@@ -168,15 +169,21 @@ class Learner:
                     continue
                 outcomes[entry.group.group_id] = verdict
                 fresh_drops += verdict == "dropped:stale"
+                silent += verdict == "dropped:no_signal"
             if fresh_drops:  # at once: a dropped group gives its admission slot back
                 self.admission.count_dropped_stale(fresh_drops)
                 dropped += fresh_drops
+            if silent:
+                self.admission.count_dropped_no_signal(silent)
+                silent_dropped += silent
             # No data, or only stale data (a server behind the learner can keep the stream full of it,
             # and the learner pushes only after a step): bring lagging servers up to date.
             if (not entries or fresh_drops) and time.perf_counter() - last_catch_up > 2.0:
                 self._catch_up()
                 last_catch_up = time.perf_counter()
-        return groups, {"wait_s": time.perf_counter() - t0, "dropped_stale": dropped}, outcomes
+        silent_kept = sum(batching.no_signal(g) for g in groups)  # trained, for no gradient under rloo and grpo
+        return groups, {"wait_s": time.perf_counter() - t0, "dropped_stale": dropped, "dropped_no_signal": silent_dropped,
+                        "groups_no_signal": silent_kept + silent_dropped}, outcomes
 
     def _verdict(self, entry, max_staleness: int) -> str | None:
         """None to train on the entry's group, else the ledger outcome it gets instead."""
@@ -186,6 +193,8 @@ class Learner:
             return "dropped:dead"
         if batching.stale(entry.group, self.version, max_staleness) and self.cfg.off_policy.stale == "drop":
             return "dropped:stale"
+        if self.cfg.learner.drop_no_signal and batching.no_signal(entry.group):
+            return "dropped:no_signal"
         return None
 
     def step(self) -> dict:

@@ -33,7 +33,8 @@ def collate(mb: Sequence[TrainSequence], device: torch.device | str = "cpu") -> 
     """One micro-batch as one row ``[1, N]`` on ``device``, N its real token count.
 
     ``bounds`` (on the CPU) holds the sequences' start offsets and N (``cu_seqlens``); ``sequence``
-    the index of the sequence each token belongs to.
+    the index of the sequence each token belongs to; ``fresh`` marks the generated tokens of sequences
+    generated wholly at the learner's version (by the very weights it holds).
     """
     lengths = [len(s) for s in mb]
     bounds = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.long)
@@ -41,7 +42,7 @@ def collate(mb: Sequence[TrainSequence], device: torch.device | str = "cpu") -> 
         "input_ids": torch.as_tensor(np.concatenate([s.tokens for s in mb]).astype(np.int64)),
         "position_ids": torch.as_tensor(np.concatenate([np.arange(n) for n in lengths]), dtype=torch.long),
         "sequence": torch.repeat_interleave(torch.arange(len(mb)), torch.as_tensor(lengths)),
-        "lag": torch.as_tensor(np.concatenate([s.lag for s in mb]).astype(np.int64)),
+        "fresh": torch.as_tensor(np.concatenate([s.mask.astype(bool) & (s.staleness == 0) for s in mb])),
         **{name: torch.as_tensor(np.concatenate([getattr(s, name) for s in mb]).astype(np.float32))
            for name in FIELDS},
     }

@@ -69,25 +69,20 @@ def warm_start(model_dir: str, rows_path: Path, *, steps: int, batch: int, lr: f
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from streamrl.learner.engine import token_logprobs
+    from streamrl.learner import packing
     from streamrl.learner.ptx import PtxData
 
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=packing.attention())
     data = PtxData(str(rows_path), tokenizer)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     order = random.Random(seed)
     for step in range(steps):
-        seqs = [data.sequence(order.randrange(len(data.rows))) for _ in range(batch)]
-        width = max(len(s.tokens) for s in seqs)
-        ids = torch.zeros(batch, width, dtype=torch.long)
-        mask = torch.zeros(batch, width)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s.tokens)] = torch.from_numpy(s.tokens)
-            mask[i, : len(s.mask)] = torch.from_numpy(s.mask).float()
-        logp = token_logprobs(model(ids).logits, ids, 1.0)
+        rows = packing.collate([data.sequence(order.randrange(len(data.rows))) for _ in range(batch)])
+        logp, _ = packing.token_logprobs(packing.forward(model, rows), rows, 1.0)
+        mask = rows["mask"]
         loss = -(logp * mask).sum() / mask.sum()
         opt.zero_grad()
         loss.backward()
