@@ -8,7 +8,7 @@ AdamW step per batch, rotated per repeat in one process (a world of one, gloo):
 - plain loop, padded bands: right-padded micro-batches of sequences of similar length within the
   budget of padded tokens (how streamrl's learner batched before packing), a plain PyTorch loop;
 - plain loop, packed: the same packed rows as streamrl, a plain PyTorch loop (no framework);
-- streamrl: ``PolicyEngine.step`` on packed micro-batches (``share_prompts=false``);
+- streamrl: ``Policy.step`` on packed micro-batches (``share_prompts=false``);
 - streamrl, shared prompts: the default (each group's prompt forwarded once per micro-batch).
 
 Reported: real tokens per second, tokens computed per real token. ZeRO stages 0, 2 and 3 under
@@ -142,13 +142,13 @@ def workload(name: str, model_dir: str, repeats: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from streamrl.config import load_config
-    from streamrl.learner.engine import PolicyEngine
+    from streamrl.learner.policy import Policy
 
     shape = WORKLOADS[name]
     budget = shape["budget"]
     base = [f"model.path={model_dir}", "off_policy.correction=none", "learner.lr=1e-5"]
-    ours = {"streamrl": PolicyEngine(load_config(None, [*base, "learner.share_prompts=false"]), model_dir),
-            "streamrl-shared": PolicyEngine(load_config(None, base), model_dir)}
+    ours = {"streamrl": Policy(load_config(None, [*base, "learner.share_prompts=false"]), model_dir),
+            "streamrl-shared": Policy(load_config(None, base), model_dir)}
     plain = {"plain-padded": AutoModelForCausalLM.from_pretrained(model_dir).train(),
              "plain-packed": AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=packing.attention())}
     optimizers = {k: torch.optim.AdamW(m.parameters(), lr=1e-5) for k, m in plain.items()}
@@ -190,7 +190,7 @@ def workload(name: str, model_dir: str, repeats: int) -> dict:
 
 def run(quick: bool) -> dict:
     from streamrl.buffer.redis_server import free_port
-    from streamrl.learner.engine import init_distributed
+    from streamrl.learner.policy import init_distributed
     from streamrl.models import convert_smollm2
     from streamrl.recipes.reverse import make_model
 

@@ -34,14 +34,14 @@ def main(model_dir: str, stage: int, steps: int, out: Path, quick: bool) -> None
 
     from benchmarks.learner import ZERO_SHAPE, zero_sequences
     from streamrl.config import load_config
-    from streamrl.learner.engine import PolicyEngine, init_distributed
     from streamrl.learner.partition import plan_micro_batches
+    from streamrl.learner.policy import Policy, init_distributed
 
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = load_config(None, [f"model.path={model_dir}", "off_policy.correction=none", "learner.lr=1e-5",
                              f"learner.zero_stage={stage}"])
-    engine = PolicyEngine(cfg, model_dir)
+    engine = Policy(cfg, model_dir)
     shape = ZERO_SHAPE["quick" if quick else "full"]
     seconds, tokens = [], []
     for r in range(steps + 1):  # the first is a warm-up
@@ -54,7 +54,7 @@ def main(model_dir: str, stage: int, steps: int, out: Path, quick: bool) -> None
         if r:
             seconds.append(time.perf_counter() - t0)
             tokens.append(sum(len(s) for s in seqs))
-    held = held_bytes(engine.engine)
+    held = held_bytes(engine.model)
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64)
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     if rank == 0:

@@ -295,6 +295,13 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _kl_in_reward_runs_on_rank_zero(self) -> Config:
+        if self.learner.kl_in_reward and self.learner.kl_coef > 0 and self.learner.zero_stage == 3:
+            raise ValueError("learner.kl_in_reward runs the reference on rank 0 alone, which ZeRO-3's sharded weights "
+                             "do not allow: put the KL in the loss (kl_in_reward: false) or use zero_stage < 3")
+        return self
+
+    @model_validator(mode="after")
     def _no_signal_is_a_group_baselines_notion(self) -> Config:
         learner = self.learner
         if learner.drop_no_signal and (learner.algorithm == "ppo" or learner.credit == "turn"):

@@ -1,5 +1,6 @@
-"""Run under torchrun: a PolicyEngine step skipped for a non-finite loss on one rank, then one step on a fixed
-batch split unevenly over the ranks; rank 0 saves the weights."""
+"""Run under torchrun: a Policy step skipped for a non-finite loss on one rank, then one step on a fixed
+batch split unevenly over the ranks (with KL to the reference in the loss when kl > 0: under ZeRO-3 the
+reference is sharded too, and rank 0's empty micro-batch runs its stand-in forward); rank 0 saves the weights."""
 
 import sys
 from dataclasses import replace
@@ -11,15 +12,16 @@ import torch.distributed as dist
 
 from streamrl.config import load_config
 from streamrl.learner import batch as batching
-from streamrl.learner.engine import PolicyEngine
+from streamrl.learner.policy import Policy
 from streamrl.protocol import Group, Sample
 
-model_dir, out, agg, zero = sys.argv[1:5]
+model_dir, out, agg, zero, kl = sys.argv[1:6]
 deepspeed.init_distributed(dist_backend="gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 cfg = load_config(None, [f"model.path={model_dir}", "learner.optimizer=sgd", "learner.lr=1.0", "learner.grad_clip=1e9",
-                         "off_policy.correction=none", f"learner.loss_agg={agg}", f"learner.zero_stage={zero}"])
-engine = PolicyEngine(cfg, model_dir)
+                         "off_policy.correction=none", f"learner.loss_agg={agg}", f"learner.zero_stage={zero}",
+                         f"learner.kl_coef={kl}", "learner.kl_estimator=k1"])  # k1: a gradient at the reference too
+engine = Policy(cfg, model_dir)
 rng = np.random.default_rng(0)
 lengths = [40, 6, 9, 7, 5, 8, 12]  # one long sequence, six short ones
 prompt = rng.integers(3, 200, 3)  # one group's samples share their prompt (forwarded once per micro-batch)
@@ -59,3 +61,4 @@ if zero == "3":  # PPO's critic under ZeRO-3, with rank 0's empty micro-batch: i
 
     assert train(engine, [(shard, global_tokens, len(seqs))] * 2, epochs=2)[1] == 2
 dist.barrier()
+dist.destroy_process_group()  # an exit with the group up can abort in a gloo thread ("terminate called ...")

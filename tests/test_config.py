@@ -59,6 +59,11 @@ def test_override_beats_file(tmp_path):
         (["redis.url=http://x"], r"url must start with redis://"),
         (["run.name=a/b"], r"run\.name: String should match pattern"),
         (["learner.minibatches=9"], r"learner\.minibatches: 9 > learner\.groups_per_step = 8"),
+        (["learner.drop_no_signal=true", "learner.algorithm=ppo"], r"drop_no_signal is for rloo and grpo.*ppo's critic"),
+        (["learner.drop_no_signal=true", "learner.credit=turn"], r"drop_no_signal is for rloo and grpo.*turn credit"),
+        (["learner.kl_in_reward=true", "learner.kl_coef=0.1", "learner.zero_stage=3"],
+         r"kl_in_reward runs the reference on rank 0 alone"),
+        (["learner.balance=flop"], r"learner\.balance: Input should be 'tokens' or 'flops'"),
     ],
 )
 def test_bad_overrides_name_the_field_the_value_and_the_expectation(overrides, message):

@@ -192,9 +192,9 @@ def test_kl_in_the_reward_is_the_behaviour_minus_reference_logprob_sum(tiny_mode
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("agg, zero", [("token", 0), ("sequence", 0), ("token", 3)])
+@pytest.mark.parametrize("agg, zero, kl", [("token", 0, 0), ("sequence", 0, 0), ("token", 3, 0), ("token", 3, 0.5)])
 def test_the_deepspeed_step_on_an_uneven_two_rank_split_equals_one_rank_on_the_whole_batch(tiny_model_dir, tmp_path,
-                                                                                          agg, zero):
+                                                                                          agg, zero, kl):
     # Rank 1 gets five short sequences that share a prompt worth forwarding once, then one more; rank 0 one
     # long one, then nothing; one rank alone the seven (not worth sharing beside the long reply): shared
     # against plain forwards. Under ZeRO-3 the ranks must still run as many forwards (rank 1 sharing alone,
@@ -207,7 +207,7 @@ def test_the_deepspeed_step_on_an_uneven_two_rank_split_equals_one_rank_on_the_w
     for ranks in (1, 2):
         out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                               "--master_port", str(free_port()), script, tiny_model_dir, str(tmp_path / f"{ranks}.pt"),
-                              agg, str(zero)],
+                              agg, str(zero), str(kl)],
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
     one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
@@ -217,3 +217,14 @@ def test_the_deepspeed_step_on_an_uneven_two_rank_split_equals_one_rank_on_the_w
     assert max((one[k] - initial[k]).abs().max().item() for k in one) > 1e-4
     for k in one:
         assert torch.allclose(one[k], two[k], atol=1e-6), k
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: checks the reference sits on the learner's GPU")
+def test_the_reference_runs_on_the_learners_gpu_in_its_dtype(tiny_model_dir):
+    reference = Reference(tiny_model_dir, "cuda", torch.bfloat16, temperature=1.0)
+    assert {(p.device.type, p.dtype) for p in reference.model.parameters()} == {("cuda", torch.bfloat16)}
+    seqs = batching.sequences([synthetic_group(3, 12, prompt_len=4, vocab=200)], version=1, algorithm="grpo")
+    batch = packing.collate(seqs, "cuda")
+    logprobs = reference.logprobs(batch)
+    assert logprobs.device.type == "cuda" and logprobs.shape == batch["input_ids"].shape

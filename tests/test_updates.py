@@ -1,4 +1,4 @@
-"""One policy version's updates on a single PolicyEngine: the loss terms (PTX, PPO's critic), epochs,
+"""One policy version's updates on a single Policy: the loss terms (PTX, PPO's critic), epochs,
 minibatches against one proximal policy, the skip on non-finite values, and when the weights may move."""
 
 import numpy as np
@@ -18,7 +18,7 @@ def engine(tiny_model_dir):
 
     from streamrl.buffer.redis_server import free_port
     from streamrl.config import load_config
-    from streamrl.learner.engine import PolicyEngine
+    from streamrl.learner.policy import Policy
 
     launcher_env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                         MASTER_PORT=str(free_port()))
@@ -27,7 +27,7 @@ def engine(tiny_model_dir):
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "learner.lr=0.01", "learner.kl_coef=0.1",
                              "learner.entropy_coef=0.01", "off_policy.correction=decoupled", "learner.ptx_coef=1.0"])
-    yield PolicyEngine(cfg, tiny_model_dir)
+    yield Policy(cfg, tiny_model_dir)
     for key, value in saved.items():  # later tests start launchers of their own: leave no RANK behind
         if value is None:
             os.environ.pop(key, None)
@@ -182,8 +182,8 @@ def test_the_push_is_awaited_once_after_the_first_backwards_and_before_any_updat
     forwards and backwards run beside it, and calls ``before_update`` (the wait) before the optimizer moves them."""
     from streamrl.learner.main import train
 
-    backwards, backward = [], engine.engine.backward
-    monkeypatch.setattr(engine.engine, "backward", lambda loss: backwards.append(loss) or backward(loss))
+    backwards, backward = [], engine.model.backward
+    monkeypatch.setattr(engine.model, "backward", lambda loss: backwards.append(loss) or backward(loss))
     start = [p.detach().clone() for p in engine.module.parameters()]
     calls = []
 
@@ -222,7 +222,7 @@ def test_a_steps_first_forward_stands_in_for_the_proximal_forward(engine):
 def test_a_model_with_dropout_has_a_random_forward():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from streamrl.learner.engine import has_dropout
+    from streamrl.learner.policy import has_dropout
 
     def tiny(**kw):
         return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

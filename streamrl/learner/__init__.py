@@ -1,1 +1,2 @@
-"""The learner: partitioning, advantages and losses, the DeepSpeed engine, checkpoints, weight push."""
+"""The learner: packing and partitioning, advantages and losses, the policy and its reference under DeepSpeed,
+checkpoints, the weight push."""

@@ -15,24 +15,24 @@ from typing import Any
 import torch
 
 
-def save(engine: Any, root: Path, *, version: int, cursor: str) -> None:
+def save(model: Any, root: Path, *, version: int, cursor: str) -> None:
     """Collective: every rank calls it."""
     state = {"version": version, "cursor": cursor, "torch_rng": torch.get_rng_state()}
-    engine.save_checkpoint(str(root), tag=f"version-{version}", client_state=state)
+    model.save_checkpoint(str(root), tag=f"version-{version}", client_state=state)
 
 
-def load(engine: Any, root: Path) -> dict[str, Any] | None:
+def load(model: Any, root: Path) -> dict[str, Any] | None:
     """Restore the newest checkpoint under ``root``; None when there is none. Collective."""
     if not (root / "latest").is_file():
         return None
-    path, state = engine.load_checkpoint(str(root))
+    path, state = model.load_checkpoint(str(root))
     if path is None:
         raise RuntimeError(f"checkpoint under {root} could not be loaded")
     torch.set_rng_state(state["torch_rng"])
     return {"version": int(state["version"]), "cursor": str(state["cursor"]), "path": path}
 
 
-def export_hf(engine: Any, tokenizer_dir: str, root: Path, *, version: int, rank: int, zero_stage: int) -> Path | None:
+def export_hf(model: Any, tokenizer_dir: str, root: Path, *, version: int, rank: int, zero_stage: int) -> Path | None:
     """Write the policy as a plain HF directory ``root/version-N`` (then point ``root/latest`` at it).
 
     Loadable by transformers, vLLM and SGLang; late-joining rollout servers start from it.
@@ -45,14 +45,14 @@ def export_hf(engine: Any, tokenizer_dir: str, root: Path, *, version: int, rank
     from transformers import AutoTokenizer
 
     target = root / f"version-{version}"
-    params = list(engine.module.parameters())
+    params = list(model.module.parameters())
     gather = deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero_stage == 3 else _nothing()
     with gather:
         if rank != 0:
             return None
         tmp = root / f".version-{version}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        engine.module.save_pretrained(tmp, safe_serialization=True)
+        model.module.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)  # a reader sees the whole directory or none of it

@@ -15,8 +15,8 @@ import torch
 from streamrl.config import Config
 from streamrl.learner import packing
 from streamrl.learner.batch import TrainSequence
-from streamrl.learner.engine import deepspeed_config, empty_micro_batch_loss
 from streamrl.learner.losses import gae, normaliser
+from streamrl.learner.policy import deepspeed_config, empty_micro_batch_loss
 
 
 class ValueModel(torch.nn.Module):
@@ -59,12 +59,12 @@ class Critic:
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         model = ValueModel(path, dtype)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learner.critic_lr)
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg))
+        self.model, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
 
     @torch.no_grad()
     def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+        return self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
 
     def prepare(self, shard: list[list[TrainSequence]]) -> list[dict[str, Any] | None]:
         """Collate each micro-batch and put GAE advantages and returns into it (before any update)."""
@@ -73,17 +73,17 @@ class Critic:
             if not mb:
                 if self.cfg.learner.zero_stage == 3:
                     with torch.no_grad():
-                        empty_micro_batch_loss(self.engine, 3)  # in step with the other ranks' forwards
+                        empty_micro_batch_loss(self.model, 3)  # in step with the other ranks' forwards
                 out.append(None)
                 continue
-            batch = packing.collate(mb, self.engine.device)
+            batch = packing.collate(mb, self.model.device)
             batch["old_values"] = self.values(batch)
             adv, ret = gae_advantages(batch["old_values"].float().cpu(), mb, batch["bounds"], self.cfg.learner.gamma,
                                       self.cfg.learner.lam)
-            batch["advantages"], batch["returns"] = adv.to(self.engine.device), ret.to(self.engine.device)
+            batch["advantages"], batch["returns"] = adv.to(self.model.device), ret.to(self.model.device)
             out.append(batch)
         if self.cfg.learner.whiten_advantages:
-            _whiten([b for b in out if b is not None], self.engine.device)
+            _whiten([b for b in out if b is not None], self.model.device)
         return out
 
     def step(self, batches: list[dict[str, Any] | None], global_tokens: int) -> dict[str, float]:
@@ -91,17 +91,17 @@ class Critic:
         eps, total = self.cfg.learner.value_clip, 0.0
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1
-            self.engine.set_gradient_accumulation_boundary(last)
+            self.model.set_gradient_accumulation_boundary(last)
             if batch is None:
-                loss = empty_micro_batch_loss(self.engine, self.cfg.learner.zero_stage)
+                loss = empty_micro_batch_loss(self.model, self.cfg.learner.zero_stage)
             else:
-                v = self.engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+                v = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
                 old, ret, mask = batch["old_values"], batch["returns"], batch["mask"]
                 clipped = old + (v - old).clamp(-eps, eps)
                 loss = (0.5 * torch.maximum((v - ret) ** 2, (clipped - ret) ** 2) * mask).sum()
                 total += float(loss.detach())
-            self.engine.backward(loss * scale)
-            self.engine.step()
+            self.model.backward(loss * scale)
+            self.model.step()
         return {"value_loss": total / max(global_tokens, 1)}
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +22,9 @@ from streamrl.buffer import Admission, Ledger, Namespace, PolicyVersion, ReplayS
 from streamrl.config import Config
 from streamrl.learner import batch as batching
 from streamrl.learner import checkpoint, packing
-from streamrl.learner.engine import PolicyEngine, init_distributed
 from streamrl.learner.metrics import MetricsSink
 from streamrl.learner.partition import attention_cost, plan_micro_batches
+from streamrl.learner.policy import Policy, init_distributed
 from streamrl.learner.push import WeightPusher
 from streamrl.models import load_tokenizer
 
@@ -54,23 +55,20 @@ SUMMED = ("forward_s", "backward_s", "optimizer_s")  # phase times add up over a
 MAXED = ("is_weight_max", "adv_abs_max", "skipped", "mismatch_max", "fresh_mismatch_max")
 
 
-def train(policy: PolicyEngine, minibatches: list[Minibatch], epochs: int, critic=None, ptx=None,
+def train(policy: Policy, minibatches: list[Minibatch], epochs: int, critic=None, ptx=None,
           before_update: Callable[[], None] | None = None) -> tuple[dict, int]:
     """One policy version's updates: ``epochs`` passes over the minibatches, one optimizer step each.
 
-    Every minibatch is scored before the first update (the critic's values, and the proximal logprobs of
-    all but the first, whose own forward comes before any update), so the proximal policy is the weights
-    at the version's start and PPO's clip bounds how far the later updates move from it. Filling them here,
-    once, keeps every rank's forwards in step under ZeRO-3 (an empty micro-batch's stand-in forward runs
-    exactly when the others' proximal forwards do). A non-finite update stops the rest. ``before_update``
+    Every minibatch is scored before the first update (the critic's values, and the proximal logprobs:
+    ``Policy.score_proximal``), so the proximal policy is the weights at the version's start and PPO's clip
+    bounds how far the later updates move from it. Scoring here, once, keeps every rank's forwards in step
+    under ZeRO-3 (an empty micro-batch's stand-in forward runs exactly when the others' proximal forwards do). A non-finite update stops the rest. ``before_update``
     runs once, before the first optimizer step (the learner ends its weight push there). Returns the
     updates' merged statistics and how many minibatches were trained.
     """
     batches = [critic.prepare(shard) if critic else [packing.collate(mb, policy.device) if mb else None for mb in shard]
                for shard, _, _ in minibatches]
-    for i, batch in enumerate(batches):  # with dropout, the first's training forward is not the weights' own either
-        if i or policy.random_forward:
-            policy.fill_proximal(batch)
+    policy.score_proximal(batches)
     updates, landed = [], 0
     for _epoch in range(epochs):
         for i, ((shard, tokens, sequences), batch) in enumerate(zip(minibatches, batches)):
@@ -103,11 +101,26 @@ def merge(updates: list[dict], minibatches: int) -> dict:
     return merged
 
 
+@dataclass
+class Work:
+    """What rank 0 plans for a step: a payload per minibatch (one per rank), each minibatch's group ids, the
+    ledger outcome of the groups read and not trained, and the step's figures. Other ranks keep the Nones."""
+
+    minibatches: int
+    payloads: list = field(default_factory=list)
+    members: list[list[str]] = field(default_factory=list)
+    outcomes: dict[str, str] = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.payloads = [None] * self.minibatches  # what the other ranks pass to the scatter; rank 0 replaces it
+
+
 class Learner:
     def __init__(self, cfg: Config, redis_url: str):
         self.cfg = cfg
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.policy = PolicyEngine(cfg, cfg.model.path)
+        self.policy = Policy(cfg, cfg.model.path)
         self.vocab_size = self.policy.module.config.vocab_size
         self.hidden = self.policy.module.config.hidden_size
         self.critic = None
@@ -122,14 +135,14 @@ class Learner:
             tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
             self.ptx = PtxData(cfg.learner.ptx_dataset, tokenizer, max_len=cfg.learner.micro_batch_tokens)
         self.checkpoints = Path(cfg.run.path) / "checkpoints"
-        resumed = checkpoint.load(self.policy.engine, self.checkpoints) if cfg.learner.resume == "auto" else None
+        resumed = checkpoint.load(self.policy.model, self.checkpoints) if cfg.learner.resume == "auto" else None
         self.version = resumed["version"] if resumed else 0
         self.reference = None
         if self.rank == 0 and cfg.learner.kl_in_reward and cfg.learner.kl_coef > 0:
             from streamrl.learner.reference import Reference
 
             self.reference = Reference(cfg.model.path, self.policy.device, self.policy.module.dtype,
-                                       cfg.rollout.sampling.temperature)
+                                       cfg.rollout.sampling.temperature)  # rank 0 alone: whole, never sharded
         if self.rank == 0:
             ns = Namespace.open(redis_url, cfg.run.name, **cfg.redis.retry())
             self.stream = ReplayStream(ns)
@@ -150,12 +163,10 @@ class Learner:
                                        wandb_project=cfg.learner.wandb_project, run_name=cfg.run.name,
                                        config=cfg.redacted())
 
-    def _collect(self) -> tuple[list, dict, dict[str, str]]:
-        """``groups_per_step`` fresh groups from the stream; stale ones dropped (and counted) or kept, and with
-        ``learner.drop_no_signal`` groups whose rewards are all equal left out (and counted).
-
-        Also returns the ledger outcome of every group read and not trained (group id -> outcome).
-        """
+    def pull(self, work: Work) -> list:
+        """Rank 0: ``groups_per_step`` fresh groups from the stream; stale ones dropped (and counted) or kept,
+        and with ``learner.drop_no_signal`` groups whose rewards are all equal left out (and counted). The
+        ledger outcome of every group read and not trained goes into ``work.outcomes``."""
         want, groups, dropped, silent_dropped, outcomes = self.cfg.learner.groups_per_step, [], 0, 0, {}
         max_staleness = 0 if self.cfg.mode == "sync" else self.cfg.off_policy.max_staleness
         t0 = last_catch_up = time.perf_counter()
@@ -182,8 +193,10 @@ class Learner:
                 self._catch_up()
                 last_catch_up = time.perf_counter()
         silent_kept = sum(batching.no_signal(g) for g in groups)  # trained, for no gradient under rloo and grpo
-        return groups, {"wait_s": time.perf_counter() - t0, "dropped_stale": dropped, "dropped_no_signal": silent_dropped,
-                        "groups_no_signal": silent_kept + silent_dropped}, outcomes
+        work.outcomes = outcomes
+        work.info.update(wait_s=time.perf_counter() - t0, dropped_stale=dropped, dropped_no_signal=silent_dropped,
+                         groups_no_signal=silent_kept + silent_dropped)
+        return groups
 
     def _verdict(self, entry, max_staleness: int) -> str | None:
         """None to train on the entry's group, else the ledger outcome it gets instead."""
@@ -198,33 +211,36 @@ class Learner:
         return None
 
     def step(self) -> dict:
-        minibatches = self.cfg.learner.minibatches
-        payloads, info, outcomes, members = [None] * minibatches, {}, {}, []
+        """One policy version, as the algorithm reads. Rank 0 pulls and plans; every rank trains its shard."""
+        work = Work(self.cfg.learner.minibatches)
         if self.rank == 0:
-            groups, info, outcomes = self._collect()
-            payloads, members = self._plan(groups, info)
-        received = [batching.unpack(_send(p, self.policy.device)) for p in payloads]
+            groups = self.pull(work)  # 1. groups from the stream; 2. the staleness policy, dynamic sampling
+            minibatches = self.advantages(groups, work)  # 3. advantages, per minibatch of whole groups
+            self.partition(minibatches, work)  # 4. packed micro-batches, balanced over the ranks
+        shards = [batching.unpack(_send(payload, self.policy.device)) for payload in work.payloads]
         t0 = time.perf_counter()
         ptx = self.ptx.for_step(self.version, self.rank, self.world, self.cfg.learner.ptx_per_rank) if self.ptx else None
-        end_push = (lambda: self._end_push(info)) if self.rank == 0 else None
-        stats, landed = train(self.policy, received, self.cfg.learner.epochs, self.critic, ptx, end_push)
+        end_push = (lambda: self._end_push(work.info)) if self.rank == 0 else None
+        # 5. proximal, reference and critic forwards; 6. an optimizer step per minibatch, for each epoch
+        stats, landed = train(self.policy, shards, self.cfg.learner.epochs, self.critic, ptx, end_push)
+        return self.finish(stats, landed, work, time.perf_counter() - t0)  # 7. push, checkpoint, export
+
+    def finish(self, stats: dict, landed: int, work: Work, train_s: float) -> dict:
+        """After the updates: the new version (if any update landed), the ledger, the push, checkpoint and
+        export on their cadences, the metrics line."""
+        self._warn(stats, landed, len(work.payloads))
         if self.rank == 0:  # groups of a minibatch whose update was skipped reached no weights
-            outcomes |= {g: "trained" if i < landed else "dropped:skipped" for i, ids in enumerate(members) for g in ids}
-        if self.rank == 0 and stats.get("fresh_tokens") and stats["fresh_mismatch_kl"] > self.cfg.learner.mismatch_warn_kl:
-            log.warning("train/inference mismatch: KL(behaviour || learner) %.2e on %d tokens generated by these very "
-                        "weights (learner.mismatch_warn_kl %.0e): check dtypes, the chat template and the engine's "
-                        "logprobs", stats["fresh_mismatch_kl"], stats["fresh_tokens"], self.cfg.learner.mismatch_warn_kl)
-        if stats["skipped"]:
-            log.warning("update skipped: non-finite loss or gradient (%d of %d minibatches trained)", landed,
-                        len(received))
+            work.outcomes |= {g: "trained" if i < landed else "dropped:skipped"
+                              for i, ids in enumerate(work.members) for g in ids}
         if not landed:  # nothing reached the weights: the version stays, the batch is reported
             if self.rank == 0:
-                self.ledger.record(self.version + 1, self.reader.cursor, outcomes)
-                self._write({"step": self.version, "time": time.time(), **info, **stats, "cursor": self.reader.cursor})
+                self.ledger.record(self.version + 1, self.reader.cursor, work.outcomes)
+                self._write({"step": self.version, "time": time.time(), **work.info, **stats,
+                             "cursor": self.reader.cursor})
             return stats
         self.version += 1  # one policy version per step of the loop, however many updates it ran
         if self.rank == 0:
-            self.ledger.record(self.version, self.reader.cursor, outcomes)
+            self.ledger.record(self.version, self.reader.cursor, work.outcomes)
         if self.version % self.cfg.weight_sync.sync_every == 0:
             stats.update(self.push() or {})
             if self.cfg.mode == "sync" and self.rank == 0:  # no group may start before the servers have the weights
@@ -233,14 +249,24 @@ class Learner:
             self.checkpoint()
         if self.version % self.cfg.learner.export_every == 0:
             self.export()
-        if self.rank == 0:
-            self.versions.set(self.version)
-            record = {"step": self.version, "time": time.time(), "train_s": time.perf_counter() - t0, **info, **stats,
-                      "cursor": self.reader.cursor}
-            record["tokens_per_s"] = record["tokens_global"] / max(record["train_s"], 1e-9)
-            self._write(record)
-            return record
-        return stats
+        if self.rank != 0:
+            return stats
+        self.versions.set(self.version)
+        record = {"step": self.version, "time": time.time(), "train_s": train_s, **work.info, **stats,
+                  "cursor": self.reader.cursor}
+        record["tokens_per_s"] = record["tokens_global"] / max(train_s, 1e-9)
+        self._write(record)
+        return record
+
+    def _warn(self, stats: dict, landed: int, minibatches: int) -> None:
+        learner = self.cfg.learner
+        if self.rank == 0 and stats.get("fresh_tokens") and stats["fresh_mismatch_kl"] > learner.mismatch_warn_kl:
+            log.warning("train/inference mismatch: KL(behaviour || learner) %.2e on %d tokens generated by these very "
+                        "weights (learner.mismatch_warn_kl %.0e): check dtypes, the chat template and the engine's "
+                        "logprobs", stats["fresh_mismatch_kl"], stats["fresh_tokens"], learner.mismatch_warn_kl)
+        if stats["skipped"]:
+            log.warning("update skipped: non-finite loss or gradient (%d of %d minibatches trained)", landed,
+                        minibatches)
 
     def _end_push(self, info: dict) -> None:
         """Wait for the push in flight, if any, recording how long the learner stalled on it (``push_wait_s``).
@@ -252,44 +278,49 @@ class Learner:
         info.update(self.pusher.wait())
         info["push_wait_s"] = time.perf_counter() - t0
 
-    def _plan(self, groups: list, info: dict) -> tuple[list[list[bytes]], list[list[str]]]:
-        """Rank 0: the step's groups as ``learner.minibatches`` minibatches of whole groups, each partitioned
-        across the ranks (one payload per rank); also each minibatch's group ids. Fills ``info``."""
-        learner = self.cfg.learner
+    def advantages(self, groups: list, work: Work) -> list[tuple[list, list[batching.TrainSequence]]]:
+        """Rank 0: the groups as ``learner.minibatches`` minibatches of whole groups, each with its sequences
+        carrying their advantages (the reference's KL subtracted from the rewards first, with kl_in_reward)."""
+        learner, info = self.cfg.learner, work.info
         penalties = None
         if self.reference is not None:
             penalties = self.reference.kl_penalties(groups, learner.kl_coef, learner.kl_estimator,
                                                     learner.micro_batch_tokens)
             info["kl_penalty_mean"] = float(np.mean(np.concatenate(penalties)))
         turns = batching.TurnCredit(learner.turn_gamma, learner.turn_lam) if learner.credit == "turn" else None
-        payloads, members, everything, tokens_global, imbalance, per_rank = [], [], [], 0, 0.0, 0
+        out = []
         for part in np.array_split(np.arange(len(groups)), learner.minibatches):
             mine = [groups[i] for i in part]
-            seqs = batching.sequences(mine, self.version, learner.algorithm,
-                                      None if penalties is None else [penalties[i] for i in part], turns)
+            out.append((mine, batching.sequences(mine, self.version, learner.algorithm,
+                                                 None if penalties is None else [penalties[i] for i in part], turns)))
+        if turns is not None:  # samples whose turns could not be told apart were scored as one turn
+            info["turn_credit_fallbacks"] = sum(batching.turn_spans(s) is None for g in groups for s in g.samples)
+        rewards = [s.reward for g in groups for s in g.samples]
+        staleness = np.array([s.staleness for _, seqs in out for s in seqs])
+        info.update(reward_mean=float(np.mean(rewards)), reward_std=float(np.std(rewards)), groups=len(groups),
+                    staleness_hist={str(k): int(v) for k, v in zip(*np.unique(staleness, return_counts=True))},
+                    group_ids=[g.group_id for g in groups], staleness_max=int(staleness.max()))
+        return out
+
+    def partition(self, minibatches: list[tuple[list, list[batching.TrainSequence]]], work: Work) -> None:
+        """Rank 0: each minibatch's sequences packed into micro-batches, the same number on every rank and
+        balanced over them (``partition``), as one msgpack payload per rank."""
+        learner = self.cfg.learner
+        imbalance, per_rank, tokens_global = 0.0, 0, 0
+        work.payloads = []
+        for groups, seqs in minibatches:
             lengths = [len(s) for s in seqs]
             costs = [attention_cost(n, self.hidden) for n in lengths] if learner.balance == "flops" else None
             plan = plan_micro_batches(lengths, self.world, learner.micro_batch_tokens, costs)
             tokens = int(sum(s.mask.sum() for s in seqs))
-            payloads.append([batching.pack([[seqs[i] for i in mb] for mb in rank], tokens, len(seqs))
-                             for rank in plan.ranks])
-            members.append([g.group_id for g in mine])
-            loads = [sum(len(seqs[i]) for i in mb) for rank in plan.ranks for mb in rank]
+            work.payloads.append([batching.pack([[seqs[i] for i in mb] for mb in rank], tokens, len(seqs))
+                                  for rank in plan.ranks])
+            work.members.append([g.group_id for g in groups])
+            loads = [sum(lengths[i] for i in mb) for rank in plan.ranks for mb in rank]
             imbalance = max(imbalance, max(loads) / max(sum(loads) / len(loads), 1e-9))
-            tokens_global += tokens
             per_rank += plan.per_rank
-            everything += seqs
-        if turns is not None:  # samples whose turns could not be told apart were scored as one turn
-            info["turn_credit_fallbacks"] = sum(batching.turn_spans(s) is None for g in groups for s in g.samples)
-        rewards = [s.reward for g in groups for s in g.samples]
-        staleness = np.array([s.staleness for s in everything])
-        info.update(micro_batch_imbalance=imbalance,
-                    reward_mean=float(np.mean(rewards)), reward_std=float(np.std(rewards)), groups=len(groups),
-                    tokens_global=tokens_global,
-                    staleness_hist={str(k): int(v) for k, v in zip(*np.unique(staleness, return_counts=True))},
-                    group_ids=[g.group_id for g in groups], staleness_max=int(staleness.max()),
-                    micro_batches_per_rank=per_rank)
-        return payloads, members
+            tokens_global += tokens
+        work.info.update(micro_batch_imbalance=imbalance, micro_batches_per_rank=per_rank, tokens_global=tokens_global)
 
     def _catch_up(self) -> None:
         """While data is late, bring servers that lack the current weights up to date (plain DP only:
@@ -322,7 +353,7 @@ class Learner:
         return None
 
     def export(self) -> None:
-        checkpoint.export_hf(self.policy.engine, self.cfg.model.tokenizer or self.cfg.model.path,
+        checkpoint.export_hf(self.policy.model, self.cfg.model.tokenizer or self.cfg.model.path,
                              Path(self.cfg.run.path) / "export", version=self.version, rank=self.rank,
                              zero_stage=self.cfg.learner.zero_stage)
 
@@ -332,7 +363,7 @@ class Learner:
     def checkpoint(self) -> None:
         """Save on every rank (the cursor is rank 0's); then trim what the checkpoint covers."""
         cursor = self.reader.cursor if self.rank == 0 else ""
-        checkpoint.save(self.policy.engine, self.checkpoints, version=self.version, cursor=cursor)
+        checkpoint.save(self.policy.model, self.checkpoints, version=self.version, cursor=cursor)
         dist.barrier()
         if self.rank == 0:
             self.ledger.settle(self.version)

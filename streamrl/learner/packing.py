@@ -4,7 +4,8 @@ Position ids restart at each sequence, and every token attends within its own se
 packed forward computes exactly what one forward per sequence would. The attention reads the
 boundaries off the position ids (``attention()`` names the implementation the learner's models load
 with): flash-attention's varlen kernels where they are installed on a GPU (transformers passes them
-``cu_seqlens``), elsewhere ``varlen``, which runs PyTorch's causal SDPA once per sequence. transformers'
+``cu_seqlens``), elsewhere ``varlen``, which runs PyTorch's causal SDPA on the sequences of each length
+as one batch. transformers'
 own fallback for packed rows under SDPA, a dense block-diagonal mask over the whole row, costs
 (sum of lengths)² instead of the sum of squares: 10x the padded forward on the quickstart's batch.
 
@@ -81,7 +82,7 @@ def varlen(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, valu
            attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None, **kwargs
            ) -> tuple[torch.Tensor, None]:
     """Causal attention within each sequence of a packed row ``[1, H, N, D]``: transformers' SDPA once per
-    sequence, the sequences found where ``position_ids`` restart at 0."""
+    sequence length, the sequences of one length as a batch, found where ``position_ids`` restart at 0."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if attention_mask is not None or position_ids is None or query.shape[0] != 1 or key.shape[2] != query.shape[2]:
@@ -89,10 +90,19 @@ def varlen(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     starts = (position_ids[0] == 0).nonzero()[:, 0].tolist()
     if not starts or starts[0] != 0:
         raise ValueError("a packed row's position ids must start at 0")
-    ends = [*starts[1:], query.shape[2]]
-    pieces = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, **kwargs)[0]
-              for a, b in zip(starts, ends)]
-    return torch.cat(pieces, 1), None
+    by_length: dict[int, list[int]] = {}
+    for a, b in zip(starts, [*starts[1:], query.shape[2]]):
+        by_length.setdefault(b - a, []).append(a)
+    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [N, H, D], SDPA's output layout
+    for length, firsts in by_length.items():
+        index = (torch.tensor(firsts, device=query.device)[:, None] + torch.arange(length, device=query.device)).view(-1)
+
+        def take(x: torch.Tensor) -> torch.Tensor:  # [1, H, N, D] -> [sequences, H, length, D]
+            return x[0, :, index].unflatten(1, (len(firsts), length)).transpose(0, 1)
+
+        attended = sdpa_attention_forward(module, take(query), take(key), take(value), None, **kwargs)[0]
+        out = out.index_put((index,), attended.flatten(0, 1))
+    return out[None], None
 
 
 def forward(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

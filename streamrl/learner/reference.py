@@ -1,6 +1,9 @@
 """The frozen reference policy (the initial weights) that KL penalties are measured against.
 
-It lives on the learner's device, in the policy's dtype, and runs packed forwards like the policy.
+It lives on the learner's device, in the policy's dtype, and runs packed forwards like the policy. Under
+ZeRO-3 it is sharded the way the policy is (DeepSpeed's parameter partitioning, no optimizer): each rank
+holds a slice and every forward gathers it, so every rank runs as many reference forwards (``stand_in``
+for a rank with nothing to score).
 """
 
 from __future__ import annotations
@@ -15,17 +18,32 @@ from streamrl.protocol import Group
 
 
 class Reference:
-    def __init__(self, model_path: str, device: torch.device | str, dtype: torch.dtype, temperature: float):
+    def __init__(self, model_path: str, device: torch.device | str, dtype: torch.dtype, temperature: float,
+                 zero_stage: int = 0):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
-        self.model.eval().requires_grad_(False)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=packing.attention())
+        model.eval().requires_grad_(False)
+        if zero_stage == 3:
+            import deepspeed
+
+            config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+                      "bf16": {"enabled": dtype == torch.bfloat16}}
+            model = deepspeed.initialize(model=model, config=config)[0]
+            model.eval()  # DeepSpeed's engine returns None here, not itself
+        self.model = model if zero_stage == 3 else model.to(device)
         self.device, self.temperature = device, temperature
 
     @torch.no_grad()
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The reference's logprobs ``[1, N]`` of a packed micro-batch's tokens."""
         return packing.token_logprobs(packing.forward(self.model, batch), batch, self.temperature)[0]
+
+    @torch.no_grad()
+    def stand_in(self) -> None:
+        """A one-token forward, in step with the other ranks' reference forwards (ZeRO-3 gathers in each)."""
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        self.model(input_ids=ids, position_ids=ids, use_cache=False)
 
     def kl_penalties(self, groups: list[Group], coef: float, estimator: str, token_budget: int) -> list[np.ndarray]:
         """``coef * sum_t KL_t(pi_behav || pi_ref)`` over each sample's generated tokens (KL in the reward),

@@ -56,18 +56,21 @@ def init_distributed(**kwargs) -> str:
     return backend
 
 
-def empty_micro_batch_loss(engine, zero_stage: int) -> torch.Tensor:
+def empty_micro_batch_loss(model, zero_stage: int) -> torch.Tensor:
     """The zero loss of a rank's empty micro-batch. Under ZeRO-3 every forward gathers the weights from all
     ranks, so a rank with nothing to train runs a forward of one token like the others' forwards (skipping
     it breaks their weight gathers); below it, a zero that touches every parameter."""
     if zero_stage != 3:
-        return sum(p.sum() * 0.0 for p in engine.module.parameters())
-    ids = torch.zeros(1, 1, dtype=torch.long, device=engine.device)
-    out = engine(input_ids=ids, position_ids=ids)
+        return sum(p.sum() * 0.0 for p in model.module.parameters())
+    ids = torch.zeros(1, 1, dtype=torch.long, device=model.device)
+    out = model(input_ids=ids, position_ids=ids)
     return getattr(out, "logits", out).sum() * 0.0
 
 
-class PolicyEngine:
+class Policy:
+    """The trained policy: ``model`` is DeepSpeed's engine around it (forward, backward, step), ``module`` the
+    bare Hugging Face model."""
+
     def __init__(self, cfg: Config, model_path: str):
         import deepspeed
         from transformers import AutoModelForCausalLM
@@ -81,7 +84,7 @@ class PolicyEngine:
                      else torch.optim.SGD(model.parameters(), lr=cfg.learner.lr))
         warmup = cfg.learner.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+        self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg))
         self.loss = PolicyLoss(correction=cfg.off_policy.correction, clip_low=cfg.learner.clip_eps,
                                clip_high=cfg.learner.clip_eps_high, dual_clip=cfg.learner.dual_clip,
@@ -91,31 +94,37 @@ class PolicyEngine:
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.reference = None
         if cfg.learner.kl_coef > 0 and not cfg.learner.kl_in_reward:  # a frozen copy of the initial policy
-            self.reference = Reference(model_path, self.device, dtype, self.temperature)
+            self.reference = Reference(model_path, self.device, dtype, self.temperature, cfg.learner.zero_stage)
 
     @property
     def module(self) -> torch.nn.Module:
-        return self.engine.module
+        return self.model.module
 
     @property
     def device(self) -> torch.device:
         """Where batches and collective operands live (NCCL reduces only CUDA tensors)."""
-        return self.engine.device
+        return self.model.device
 
     @torch.no_grad()
     def proximal(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Logprobs of the weights at the start of the step (for tis / decoupled)."""
-        self.engine.eval()
+        self.model.eval()
         out = [packing.token_logprobs(self._logits(mb), mb, self.temperature)[0] for mb in micro_batches]
-        self.engine.train()
+        self.model.train()
         return out
 
-    def fill_proximal(self, batches: list[dict | None]) -> None:
-        """Put the current weights' logprobs into every micro-batch that lacks them, by a separate forward:
-        for micro-batches trained after the weights have moved (minibatches), or when the training forward
-        is random (dropout)."""
+    def score_proximal(self, minibatches: list[list[dict | None]]) -> None:
+        """The proximal rule, whole. The proximal policy is the weights at the version's start. The first
+        minibatch's training forward computes exactly its logprobs (the weights move only at the end of that
+        minibatch's accumulation), so ``_loss`` keeps them from there, unless the forward is random (dropout).
+        Every other minibatch, and every one with dropout, gets a no-grad forward here, before any update."""
         if self.cfg.off_policy.correction == "none":
             return
+        for i, batches in enumerate(minibatches):
+            if i or self.random_forward:
+                self._fill_proximal(batches)
+
+    def _fill_proximal(self, batches: list[dict | None]) -> None:
         for b in batches:
             if b is None and self.cfg.learner.zero_stage == 3:
                 with torch.no_grad():
@@ -142,8 +151,8 @@ class PolicyEngine:
                     b.update(prefix.layout(mb, self.device) or {})
             if self.cfg.learner.zero_stage == 3:
                 self._share_on_every_rank_or_none(batches)
-        if self.random_forward and collated_here:
-            self.fill_proximal(batches)  # with dropout the training forward is not the weights' own distribution
+        if collated_here:  # one minibatch, on its own
+            self.score_proximal([batches])
         by_sequence = self.cfg.learner.loss_agg == "sequence"
         if by_sequence:
             global_sequences = global_sequences or self._sum_over_ranks(float(sum(len(mb) for mb in shard)))
@@ -159,24 +168,24 @@ class PolicyEngine:
         timer = _Timer()
         for i, (batch, loss_of, weight) in enumerate(work):
             last = i == len(work) - 1
-            self.engine.set_gradient_accumulation_boundary(last)
+            self.model.set_gradient_accumulation_boundary(last)
             with timer("forward_s"):
-                loss = self._empty_loss() if batch is None else loss_of(batch)
+                loss = self._empty_micro_batch() if batch is None else loss_of(batch)
             if not torch.isfinite(loss):
                 bad, loss = True, self._discarded(loss)
             with timer("backward_s"):
-                self.engine.backward(loss * weight)
+                self.model.backward(loss * weight)
             if not last:
-                self.engine.step()
+                self.model.step()
         if before_update:
             before_update()
         with timer("optimizer_s"):
             if self._any_rank(bad or not self._grads_finite()):
-                self.engine.zero_grad()
-                self.engine.optimizer.zero_grad()
+                self.model.zero_grad()
+                self.model.optimizer.zero_grad()
                 stats["skipped"] = 1.0
             else:
-                self.engine.step()
+                self.model.step()
                 stats["skipped"] = 0.0
         stats.update(timer.totals)
         n = max(stats["tokens"], 1.0)
@@ -197,10 +206,8 @@ class PolicyEngine:
         logits = self._logits(batch)
         logp, entropy = packing.token_logprobs(logits, batch, self.temperature, entropy=self.cfg.learner.entropy_coef > 0)
         prox = batch.get("proximal")
-        if prox is None and self.cfg.off_policy.correction != "none":
-            # The weights move only at the step's end (accumulation), so this first forward *is* the
-            # proximal policy's: no second forward. Kept on the batch for later epochs.
-            prox = batch["proximal"] = logp.detach()
+        if prox is None and self.cfg.off_policy.correction != "none":  # the first minibatch: see score_proximal
+            prox = batch["proximal"] = logp.detach()  # kept on the batch for later epochs
         mask = batch["mask"]
         per_token, s = self.loss(logp, batch["logprobs"], prox, batch["advantages"], mask)
         add_mismatch(stats, prox if prox is not None else logp.detach(), batch)
@@ -228,7 +235,7 @@ class PolicyEngine:
         return per_token.sum()
 
     def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return packing.forward(self.engine, batch)
+        return packing.forward(self.model, batch)
 
     def _ptx_loss(self, batch: dict[str, torch.Tensor], stats: dict) -> torch.Tensor:
         """Summed token cross-entropy on SFT rows, weighted by ``ptx_coef``."""
@@ -259,18 +266,26 @@ class PolicyEngine:
 
     def _zero_loss(self) -> torch.Tensor:
         """A zero that still touches every parameter, for an empty or discarded micro-batch (below ZeRO-3)."""
-        return sum(p.sum() * 0.0 for p in self.engine.module.parameters())
+        return sum(p.sum() * 0.0 for p in self.model.module.parameters())
 
     def _discarded(self, loss: torch.Tensor) -> torch.Tensor:
         """A zero in place of a non-finite loss, whose backward keeps the ranks' collectives in step (the step
         is then skipped). Under ZeRO-3 it must run back through the forward that gathered the weights."""
         return loss * 0.0 if self.cfg.learner.zero_stage == 3 else self._zero_loss()
 
+    def _empty_micro_batch(self) -> torch.Tensor:
+        """The zero loss of a rank with nothing to train here; under ZeRO-3 with the forwards the other ranks'
+        micro-batches run, in their order (the policy's, then the reference's for KL in the loss)."""
+        loss = self._empty_loss()
+        if self.reference is not None and self.cfg.learner.zero_stage == 3:
+            self.reference.stand_in()
+        return loss
+
     def _empty_loss(self) -> torch.Tensor:
-        return empty_micro_batch_loss(self.engine, self.cfg.learner.zero_stage)
+        return empty_micro_batch_loss(self.model, self.cfg.learner.zero_stage)
 
     def _grads_finite(self) -> bool:
-        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        grads = [p.grad for p in self.model.module.parameters() if p.grad is not None]
         return all(bool(torch.isfinite(g).all()) for g in grads)
 
     def _any_rank(self, flag: bool) -> bool:
