@@ -1,4 +1,4 @@
-"""Learner throughput: packed micro-batches against today's padded length bands and a plain PyTorch loop.
+"""Learner throughput: packed micro-batches against right-padded length bands and a plain PyTorch loop.
 
 Two workloads, same model and batches on every side: the quickstart's batch (its tiny model, 16 groups
 of 8 short samples) and SmolLM2-135M-Instruct on long-tailed lengths (50-1024 tokens; a tiny model of
@@ -11,7 +11,8 @@ AdamW step per batch, rotated per repeat in one process (a world of one, gloo):
 - streamrl: ``Policy.step`` on packed micro-batches (``share_prompts=false``);
 - streamrl, shared prompts: the default (each group's prompt forwarded once per micro-batch).
 
-Reported: real tokens per second, tokens computed per real token. ZeRO stages 0, 2 and 3 under
+Reported: real tokens per second, tokens computed per real token, and how far the process's resident
+memory rose during the step (sampled every 2 ms, heap trimmed before each side). ZeRO stages 0, 2 and 3 under
 ``torchrun --nproc_per_node 2`` (``benchmarks.learner_zero``): tokens/s over both ranks, the optimizer
 state and parameters rank 0 holds, and the peak RSS of a rank.
 
@@ -121,6 +122,33 @@ def _padded(mb: list[batching.TrainSequence]) -> dict[str, torch.Tensor]:
     return out
 
 
+class PeakMemory:
+    """How far the process's resident memory rose above its level at entry (a thread samples it every 2 ms;
+    freed heap goes back to the OS first, so an earlier side's high water does not hide this one's)."""
+
+    def __enter__(self) -> PeakMemory:
+        import ctypes
+        import threading
+
+        import psutil
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        self.process, self.peak = psutil.Process(), 0
+        self.base = self.process.memory_info().rss
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self.done.wait(0.002):
+            self.peak = max(self.peak, self.process.memory_info().rss - self.base)
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
+
+
 def plain_step(model, optimizer, shard, global_tokens, loss_fn, packed: bool) -> None:
     for mb in shard:
         if packed:
@@ -170,18 +198,22 @@ def workload(name: str, model_dir: str, repeats: int) -> dict:
     for side in SIDES:
         run_side(side, warm)
     samples: dict[str, list[float]] = {side: [] for side in SIDES}
+    peaks: dict[str, list[float]] = {side: [] for side in SIDES}
     computed = []
     order = list(SIDES)
     for r in range(repeats):
         seqs = make_sequences(shape, vocab, r + 1)
         computed.append(computed_per_real(seqs, budget))
         for side in order[r % len(order):] + order[: r % len(order)]:
-            t0 = time.perf_counter()
-            run_side(side, seqs)
-            samples[side].append(sum(len(s) for s in seqs) / (time.perf_counter() - t0))
+            with PeakMemory() as memory:
+                t0 = time.perf_counter()
+                run_side(side, seqs)
+                samples[side].append(sum(len(s) for s in seqs) / (time.perf_counter() - t0))
+            peaks[side].append(memory.peak)
         console.log(f"{name} {r + 1}/{repeats}: " + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in samples.items()))
     med = {k: median(v) for k, v in samples.items()}
-    return {"shape": shape, "tokens_per_s": samples, "median": med,
+    return {"shape": shape, "tokens_per_s": samples, "median": med, "peak_bytes": peaks,
+            "peak_mb": {k: median(v) / 2**20 for k, v in peaks.items()},
             "computed_per_real": {k: median([c[k] for c in computed]) for k in SIDES},
             "packed_vs_padded": med["streamrl"] / med["plain-padded"],
             "packed_vs_plain": med["streamrl"] / med["plain-packed"],
@@ -233,10 +265,10 @@ def report(data: dict, out: Path) -> None:
     rows = []
     for name, w in data["workloads"].items():
         base = w["median"]["plain-padded"]
-        rows += [[name, label, w["median"][side], w["median"][side] / base, w["computed_per_real"][side]]
-                 for side, label in SIDES.items()]
+        rows += [[name, label, w["median"][side], w["median"][side] / base, w["computed_per_real"][side],
+                  w["peak_mb"][side]] for side, label in SIDES.items()]
     print_table(f"Learner step, real tokens/s (fwd+bwd+AdamW), medians of {data['repeats']}",
-                ["workload", "side", "tokens/s", "vs padded bands", "computed / real"], rows)
+                ["workload", "side", "tokens/s", "vs padded bands", "computed / real", "peak memory (MB)"], rows)
     zero = data["zero"]
     print_table("ZeRO stages, 2 ranks × 1 thread (gloo)",
                 ["stage", "tokens/s", "optimizer state, rank 0 (MB)", "parameters, rank 0 (MB)", "peak RSS (MB)"],

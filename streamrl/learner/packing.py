@@ -93,16 +93,21 @@ def varlen(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     by_length: dict[int, list[int]] = {}
     for a, b in zip(starts, [*starts[1:], query.shape[2]]):
         by_length.setdefault(b - a, []).append(a)
-    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [N, H, D], SDPA's output layout
+    pieces: dict[int, torch.Tensor] = {}  # start -> the sequence's output [length, H, D]
     for length, firsts in by_length.items():
+        if len(firsts) == 1:  # a length of its own: a view, no gather
+            a = firsts[0]
+            pieces[a] = sdpa_attention_forward(module, query[:, :, a:a + length], key[:, :, a:a + length],
+                                               value[:, :, a:a + length], None, **kwargs)[0][0]
+            continue
         index = (torch.tensor(firsts, device=query.device)[:, None] + torch.arange(length, device=query.device)).view(-1)
 
         def take(x: torch.Tensor) -> torch.Tensor:  # [1, H, N, D] -> [sequences, H, length, D]
             return x[0, :, index].unflatten(1, (len(firsts), length)).transpose(0, 1)
 
         attended = sdpa_attention_forward(module, take(query), take(key), take(value), None, **kwargs)[0]
-        out = out.index_put((index,), attended.flatten(0, 1))
-    return out[None], None
+        pieces.update(zip(firsts, attended.unbind(0)))
+    return torch.cat([pieces[a] for a in starts])[None], None
 
 
 def forward(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
