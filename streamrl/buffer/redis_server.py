@@ -130,11 +130,13 @@ class EmbeddedRedis:
                 if self.proc.poll() is not None:
                     return False
                 try:
-                    # Another server already on this port would answer too: check it is ours.
-                    if client.info("server")["process_id"] == self.proc.pid:
+                    # Another server already on this port would answer too: check it is ours. INFO answers
+                    # while the AOF is replayed, when every other command fails with LOADING: wait for it.
+                    info = client.info()
+                    if info["process_id"] == self.proc.pid and not info.get("loading", 0):
                         return True
                 except redis.RedisError:
-                    pass  # still starting, or replaying its AOF
+                    pass  # still starting
                 time.sleep(0.05)
         finally:
             client.close()
