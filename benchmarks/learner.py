@@ -6,7 +6,7 @@ SmolLM2's width with ``--quick``). Sides, each one forward, fp32 logprobs, clipp
 AdamW step per batch, rotated per repeat in one process (a world of one, gloo):
 
 - plain loop, padded bands: right-padded micro-batches of sequences of similar length within the
-  budget of padded tokens (how streamrl's learner batched before packing), a plain PyTorch loop;
+  budget of padded tokens, a plain PyTorch loop;
 - plain loop, packed: the same packed rows as streamrl, a plain PyTorch loop (no framework);
 - streamrl: ``Policy.step`` on packed micro-batches (``share_prompts=false``);
 - streamrl, shared prompts: the default (each group's prompt forwarded once per micro-batch).
@@ -80,7 +80,7 @@ def zero_sequences(shape: dict, vocab: int, seed: int) -> list[batching.TrainSeq
 
 
 def padded_bands(lengths: list[int], budget: int) -> list[list[int]]:
-    """streamrl's plan before packing, on one rank: sequences by length, cut into the fewest bands of
+    """Right-padded length bands, on one rank: sequences by length, cut into the fewest bands of
     near-equal tokens whose right-padded size (count × longest) fits the budget."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
     total = sum(lengths)

@@ -57,7 +57,7 @@ if zero == "3":  # PPO's critic under ZeRO-3, with rank 0's empty micro-batch: i
     assert engine.step(shard, global_tokens, global_sequences=len(seqs))["skipped"] == 0.0
     # ... and over two minibatches for two epochs: each proximal is filled once, before the first update,
     # so rank 0's stand-in forwards and rank 1's proximal ones stay paired in the second epoch too
-    from streamrl.learner.main import train
+    from streamrl.learner.updates import train
 
     assert train(engine, [(shard, global_tokens, len(seqs))] * 2, epochs=2)[1] == 2
 dist.barrier()

@@ -161,7 +161,7 @@ def _updates_of(engine, monkeypatch) -> list[dict]:
 
 @pytest.mark.slow
 def test_later_minibatches_train_against_the_weights_at_the_versions_start(engine, monkeypatch):
-    from streamrl.learner.main import train
+    from streamrl.learner.updates import train
 
     first, n1 = _shard()
     second, n2 = _shard()
@@ -180,7 +180,7 @@ def test_later_minibatches_train_against_the_weights_at_the_versions_start(engin
 def test_the_push_is_awaited_once_after_the_first_backwards_and_before_any_update(engine, monkeypatch):
     """The learner's previous push reads the weights in the background: ``train`` lets the first minibatch's
     forwards and backwards run beside it, and calls ``before_update`` (the wait) before the optimizer moves them."""
-    from streamrl.learner.main import train
+    from streamrl.learner.updates import train
 
     backwards, backward = [], engine.model.backward
     monkeypatch.setattr(engine.model, "backward", lambda loss: backwards.append(loss) or backward(loss))
@@ -198,7 +198,7 @@ def test_the_push_is_awaited_once_after_the_first_backwards_and_before_any_updat
 
 @pytest.mark.slow
 def test_a_non_finite_minibatch_stops_the_updates_after_it(engine):
-    from streamrl.learner.main import train
+    from streamrl.learner.updates import train
 
     good, n1 = _shard()
     bad, n2 = _shard(advantage=float("nan"))
