@@ -86,12 +86,16 @@ class Policy:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if self.world_size == 1 and cfg.learner.zero_stage == 0:
+            # nothing to average, but DeepSpeed would copy every gradient into a flat buffer and back (ZeRO's
+            # optimizers collect their gradients on that path, so they keep it)
+            self.model.enable_backward_allreduce = False
         self.loss = PolicyLoss(correction=cfg.off_policy.correction, clip_low=cfg.learner.clip_eps,
                                clip_high=cfg.learner.clip_eps_high, dual_clip=cfg.learner.dual_clip,
                                tis_cap=cfg.off_policy.tis_cap, behav_cap=cfg.off_policy.behav_weight_cap)
         self.temperature = cfg.rollout.sampling.temperature
         self.random_forward = has_dropout(model)
-        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.reference = None
         if cfg.learner.kl_coef > 0 and not cfg.learner.kl_in_reward:  # a frozen copy of the initial policy
             self.reference = Reference(model_path, self.device, dtype, self.temperature, cfg.learner.zero_stage)
@@ -286,7 +290,7 @@ class Policy:
 
     def _grads_finite(self) -> bool:
         grads = [p.grad for p in self.model.module.parameters() if p.grad is not None]
-        return all(bool(torch.isfinite(g).all()) for g in grads)
+        return not grads or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))  # one pass, no [P] bool copy
 
     def _any_rank(self, flag: bool) -> bool:
         import torch.distributed as dist
