@@ -85,6 +85,12 @@ class Staging:
         ring.append(ring.pop(0))
         return ring[-1][:nbytes]
 
+    def untake(self, key: Hashable) -> None:
+        """Undo the last ``take(key)``: its buffer was not adopted (a push dropped half way), so the next
+        ``take(key)`` returns it again, not the buffer an engine may still be serving from."""
+        ring = self.buffers[key]
+        ring.insert(0, ring.pop())
+
 
 def make_group(master_address: str, master_port: int, rank: int, world_size: int, *, backend: str = "gloo",
                group_name: str = "weight_update_group", timeout_s: float = 60.0) -> dist.ProcessGroup:

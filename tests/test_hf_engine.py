@@ -194,3 +194,53 @@ def test_a_request_longer_than_the_context_is_refused_with_the_reason(engine):
     with pytest.raises(ValueError, match="3 prompt tokens \\+ max_new_tokens 1022 exceed the model's context of 1024"):
         engine.submit("too-long", [1, 2, 3], SamplingParams(max_new_tokens=1022))
     assert engine.submit("fits", [1, 2, 3], SamplingParams(max_new_tokens=4)).result(30).output_ids
+
+
+def test_a_push_is_swapped_in_whole_or_not_at_all(model, engine):
+    """The receiver holds a version's buckets until every parameter came: half a push (the learner died)
+    leaves the served weights as they were, the next version lands whole, a bucket the model cannot take is
+    refused after its broadcast (the learner is sending it)."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from streamrl.buffer.redis_server import free_port
+    from streamrl.weightsync import broadcast, buckets, make_group, metas, pack
+
+    receiver, port = engine.weight_receiver(), free_port()
+    served = {n: p.detach().clone() for n, p in model.named_parameters()}
+    loop = asyncio.new_event_loop()
+    with ThreadPoolExecutor(1) as pool:
+        learner = pool.submit(make_group, "127.0.0.1", port, 0, 2, group_name="push", timeout_s=60)
+        loop.run_until_complete(receiver.init("127.0.0.1", port, 1, 2, "gloo", "push", 60))
+        group = learner.result()
+
+        def send(named: list, version: int) -> int:
+            cast = pool.submit(broadcast, group, pack([t for _, t in named]))
+            got = loop.run_until_complete(receiver.receive([n for n, _ in named], [str(t.dtype) for _, t in named],
+                                                           [list(t.shape) for _, t in named], version))
+            cast.result()
+            return got
+
+        def version(scale: float) -> list[list]:
+            named = [(n, p.detach() * scale) for n, p in model.named_parameters()]
+            tensors = dict(named)
+            return [[(m.name, tensors[m.name]) for m in b] for b in buckets(metas(named), bucket_bytes=64 * 1024)]
+
+        half = version(2.0)
+        assert len(half) > 2
+        for bucket in half[:-1]:
+            send(bucket, version=1)
+        assert engine.version == 0
+        assert all(torch.equal(p, served[n]) for n, p in model.named_parameters())  # nothing swapped in yet
+        whole = version(3.0)
+        for bucket in whole:
+            send(bucket, version=2)
+        assert engine.version == 2
+        assert all(torch.equal(p, served[n] * 3.0) for n, p in model.named_parameters())
+        with pytest.raises(KeyError, match="no parameter 'nope'"):
+            send([("nope", torch.zeros(3))], version=3)
+        wrong = whole[0][0][0]
+        with pytest.raises(ValueError, match=f"'{wrong}' has shape"):
+            send([(wrong, torch.zeros(3))], version=3)
+        assert engine.version == 2 and all(torch.equal(p, served[n] * 3.0) for n, p in model.named_parameters())
+    loop.close()

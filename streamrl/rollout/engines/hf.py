@@ -146,7 +146,7 @@ class HFEngine:
         return self._thread.is_alive()
 
     def weight_receiver(self) -> HostReceiver:
-        return HostReceiver(self)
+        return HostReceiver(self, self.model)
 
     def shutdown(self) -> None:
         self._stop = True
