@@ -1,28 +1,41 @@
-"""streamrl against TRL's GRPOTrainer: same model, task, samples and machine.
+"""streamrl against TRL's GRPOTrainer on the real-model task: SmolLM2-135M-Instruct learning two-digit addition
+(``configs/smollm2.yaml``), on the same machine.
 
-Both start from the quickstart's warm-started model and train on the same prompts (reverse a
-word, exact-match reward) for the same number of samples (steps × groups × n; 40 steps, the
-quickstart's length, by which both have converged) with the same learning rate, no KL term and
-temperature 1.0. TRL (``pip install trl``; CPU, its own
-``model.generate``) generates a batch, then trains on it; streamrl runs ``streamrl up`` (async,
-max staleness 2). Advantages: TRL's GRPO with ``scale_rewards="none"`` is ``r - mean``, RLOO is
-the same times n/(n-1). Time to the target eval accuracy counts only training: TRL's evaluation
-pauses its clock; streamrl's evaluator runs beside training (so it is charged to streamrl). Start-up
-is off both clocks: TRL's starts when its training loop starts (model loaded, trainer built, baseline
-evaluated); streamrl's when its rollout worker begins generating (every part started up, baseline
-evaluated; whatever is left of the learner's start-up is on the clock). "Steady" samples/s is
-streamrl's rate between the ends of step 2 and the last step, once its pipeline is full; TRL has no
-pipeline to fill, so its steady rate is its overall rate. After training, both
-final models are scored greedily on the same 512 held-out prompts, off the clock.
+Both sides get the same model, training prompts, group size (``n``), groups per step, max new tokens,
+temperature (1.0, no top-p/top-k), learning rate (constant, AdamW), no KL term, and number of samples
+(steps × groups × n). Prompts and rewards come from the config's env on both sides: TRL's prompts are the
+env's first observation of each row, and its reward function plays the env's ``step`` on each completion.
+Loss: token-level, normalised by the batch's token count on both sides (TRL ``loss_type="dapo"``);
+advantages r - mean (TRL ``scale_rewards="none"``) against streamrl's RLOO, the same times n/(n-1).
 
-    python -m benchmarks.against_trl [--quick]      (or: streamrl bench trl)
+TRL runs one process on every core; its generation backend is chosen with ``--trl-generation``: ``hf``
+(``model.generate``, its default), ``paged`` (transformers' continuous batching) or ``vllm`` (vLLM colocated
+in the trainer's process; the CPU build here). TRL's GRPOTrainer has no padding-free option (its SFT and DPO
+trainers have one). streamrl runs ``streamrl up`` (every part its own process, async, max staleness 2).
+
+Clocks: TRL's from the start of its training loop to its end; streamrl's from its rollout worker's opening
+report (every part started, the version-0 eval done) to the learner's last step. The final weights of both
+are then scored by one greedy evaluation, off the clock: the first ``max_new_tokens`` greedy tokens of
+SmolLM2 (``model.generate``) on the recipe's held-out questions, scored by the env. Repeat r runs both
+sides at seed r; the accuracy difference is paired by seed.
+
+The bound: a sample costs at least 2N FLOPs a token to generate (prompt and completion) and 6N a token to
+train on, at this machine's fp32 matmul rate (measured first, on every core); each system's samples/s is
+reported as a fraction of what that allows.
+
+    python -m benchmarks.against_trl [--quick] [--trl-generation hf|paged|vllm]   (or: streamrl bench trl)
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import importlib.util
 import json
+import os
+import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,22 +43,25 @@ from pathlib import Path
 from benchmarks.common import (
     cli,
     console,
+    matmul_flops,
+    median,
     new_figure,
     paired_difference,
+    percent,
     points,
     print_table,
     save_figure,
+    settings,
     write_json,
 )
-from benchmarks.e2e import (
-    HELD_OUT,
-    TARGET,
-    greedy_accuracy,
-    held_out_rows,
-    medians,
-    one_run,
-    prepare_shared,
-)
+from streamrl.buffer.redis_server import free_port
+from streamrl.config import Config, load_config
+from streamrl.envs.base import Action
+from streamrl.envs.registry import env_factory
+from streamrl.launch.local import prepare
+from streamrl.rollout.evaluate import read_records
+
+CONFIG = "configs/smollm2.yaml"
 
 
 def require_trl() -> None:
@@ -54,108 +70,231 @@ def require_trl() -> None:
         raise SystemExit("`streamrl bench trl` needs TRL: pip install 'streamrl[bench]'")
 
 
-def trl_run(prepared: Path, out: Path, *, steps: int, groups: int, n: int, lr: float, eval_every: int,
-            seed: int) -> dict:
+def prepare_shared(tmp: Path) -> tuple[Config, Path]:
+    """The recipe's model, training rows and held-out questions, made once for every run."""
+    overrides = [f"run.dir={tmp}", "run.name=prep"]
+    return prepare(load_config(CONFIG, overrides), CONFIG, overrides), tmp / "prep" / "prepared"
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def play(cfg: Config, items: list[dict], replies: list[str] | None = None) -> list:
+    """The env's first observation of each item; with ``replies``, the env's verdict on each reply instead."""
+    make = env_factory(cfg.rollout.env, cfg.rollout.env_args)
+
+    async def one(item, reply):
+        env = make()
+        first = await env.reset(item)
+        return first.messages if reply is None else await env.step(Action(text=reply, token_ids=[]))
+
+    async def every():
+        return await asyncio.gather(*(one(i, r) for i, r in zip(items, replies or [None] * len(items))))
+
+    return asyncio.run(every())
+
+
+def greedy_accuracy(cfg: Config, model, tokenizer, items: list[dict], batch: int = 64) -> float:
+    """The share of ``items`` whose greedy reply the env counts correct (as the online evaluator does)."""
+    import torch
+
+    was_training, side = model.training, tokenizer.padding_side
+    model.eval()
+    tokenizer.padding_side = "left"
+    replies = []
+    for i in range(0, len(items), batch):
+        conversations = play(cfg, items[i: i + batch])
+        text = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+        enc = tokenizer(text, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=cfg.rollout.sampling.max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        replies += tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
+    model.train(was_training)
+    tokenizer.padding_side = side
+    verdicts = play(cfg, items, replies)
+    return sum(bool(v.info.get("correct", v.reward >= 1.0)) for v in verdicts) / len(items)
+
+
+def score_final(cfg: Config, model_dir: Path, held_out: list[dict]) -> float:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return greedy_accuracy(cfg, AutoModelForCausalLM.from_pretrained(model_dir),
+                           AutoTokenizer.from_pretrained(model_dir), held_out)
+
+
+def trl_args(cfg: Config, out: Path, steps: int, seed: int, generation: str):
+    from trl import GRPOConfig
+
+    s = cfg.rollout.sampling
+    backend = {"hf": {}, "paged": {"use_transformers_continuous_batching": True},
+               "vllm": {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": cfg.rollout.max_context}}
+    return GRPOConfig(output_dir=str(out), per_device_train_batch_size=cfg.learner.groups_per_step * s.n,
+                      num_generations=s.n, max_completion_length=s.max_new_tokens, temperature=s.temperature,
+                      top_p=1.0, learning_rate=cfg.learner.lr, lr_scheduler_type="constant", warmup_steps=0,
+                      max_steps=steps, beta=0.0, scale_rewards="none", loss_type="dapo", use_cpu=True, report_to=[],
+                      logging_steps=1, save_strategy="no", seed=seed, disable_tqdm=True, **backend[generation])
+
+
+def trl_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: int, generation: str) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
-    tokenizer = AutoTokenizer.from_pretrained(prepared / "model", padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(prepared / "model")
-    train = [json.loads(x) for x in (prepared / "train.jsonl").read_text().splitlines()]
-    held_out = held_out_rows(prepared)[:64]  # as streamrl's online eval.size
-    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
-                              for r in train])
+    model_dir = Path(cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    train = rows(prepared / "train.jsonl")
+    data = Dataset.from_list([{"prompt": p, "row": json.dumps(r)} for p, r in zip(play(cfg, train), train)])
 
-    def exact_match(completions, answer, **_):
-        return [float(c[0]["content"].strip() == a) for c, a in zip(completions, answer)]
+    def env_reward(completions, row, **_):
+        return [v.reward for v in play(cfg, [json.loads(x) for x in row], [c[0]["content"] for c in completions])]
 
-    evals, paused = [], [0.0]
-    start = [0.0]
+    clock = {}
 
-    class Evaluate(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kw):
-            start[0] = time.perf_counter()
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *a, **kw):
+            clock["start"] = time.perf_counter()
 
-        def on_step_end(self, args, state, control, **kw):
-            if state.global_step % eval_every == 0 or state.global_step == steps:
-                t0 = time.perf_counter()
-                acc = greedy_accuracy(kw["model"], tokenizer, held_out)
-                paused[0] += time.perf_counter() - t0
-                evals.append({"step": state.global_step, "accuracy": acc,
-                              "train_s": t0 - start[0] - (paused[0] - (time.perf_counter() - t0))})
+        def on_train_end(self, *a, **kw):
+            clock["end"] = time.perf_counter()
 
-    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=groups * n, num_generations=n,
-                      max_completion_length=12, learning_rate=lr, lr_scheduler_type="constant", max_steps=steps,
-                      beta=0.0, temperature=1.0, scale_rewards="none", loss_type="dapo", use_cpu=True,
-                      report_to=[], logging_steps=1, save_strategy="no", seed=seed, disable_tqdm=True)
-    trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=args, train_dataset=data,
-                          processing_class=tokenizer, callbacks=[Evaluate()])
+    args = trl_args(cfg, out, steps, seed, generation)
+    trainer = GRPOTrainer(model=model, reward_funcs=env_reward, args=args, train_dataset=data,
+                          processing_class=tokenizer, callbacks=[Clock()])
     trainer.remove_callback(PrinterCallback)  # a dict per step on stdout would bury the benchmark's own log
-    before = greedy_accuracy(model, tokenizer, held_out)
     trainer.train()
-    wall = time.perf_counter() - start[0] - paused[0]
-    reached = [e for e in evals if e["accuracy"] >= TARGET]
-    samples = steps * groups * n
-    settings = {k: getattr(args, k) for k in ("per_device_train_batch_size", "num_generations",
-                                              "max_completion_length", "learning_rate", "max_steps", "beta",
-                                              "temperature", "scale_rewards", "loss_type", "num_iterations")}
-    settings["versions"] = {name: importlib.metadata.version(name) for name in ("trl", "transformers", "torch")}
-    return {"wall_s": wall, "samples": samples, "samples_per_s": samples / wall, "steady_samples_per_s": samples / wall,
-            "eval_first": before, "held_out_final": greedy_accuracy(model, tokenizer, held_out_rows(prepared)),
-            "eval_final": evals[-1]["accuracy"], "time_to_target_s": reached[0]["train_s"] if reached else None,
-            "evals": evals, "settings": settings}
+    wall = clock["end"] - clock["start"]
+    samples = steps * args.per_device_train_batch_size
+    rewards = [r["reward"] for r in trainer.state.log_history if "reward" in r]
+    lengths = [r["completions/mean_length"] for r in trainer.state.log_history if "completions/mean_length" in r]
+    given = {k: getattr(args, k) for k in ("per_device_train_batch_size", "num_generations", "max_completion_length",
+                                           "temperature", "top_p", "learning_rate", "max_steps", "beta",
+                                           "scale_rewards", "loss_type", "num_iterations", "use_vllm",
+                                           "use_transformers_continuous_batching")}
+    given["versions"] = {name: importlib.metadata.version(name) for name in ("trl", "transformers", "torch")}
+    return {"wall_s": wall, "samples": samples, "samples_per_s": samples / wall,
+            "completion_tokens": sum(lengths) / len(lengths),
+            "train_reward_last5": sum(rewards[-5:]) / max(1, len(rewards[-5:])),
+            "held_out_final": greedy_accuracy(cfg, model, tokenizer, rows(prepared / "eval.jsonl")),
+            "settings": given}
 
 
-def run(quick: bool, repeats: int | None = None) -> dict:
-    default_repeats, steps = (1, 12) if quick else (3, 40)  # 40: the quickstart's length, as in e2e
-    repeats = repeats or default_repeats
+def streamrl_run(cfg: Config, prepared: Path, runs: Path, *, steps: int, seed: int) -> dict:
+    name = f"streamrl-{seed}"
+    shutil.rmtree(runs / name, ignore_errors=True)
+    shutil.copytree(prepared, runs / name / "prepared")
+    argv = [sys.executable, "-m", "streamrl", "up", CONFIG, f"run.dir={runs}", f"run.name={name}",
+            f"run.seed={seed}", f"learner.max_steps={steps}", f"eval.every={steps}",
+            f"learner.export_every={steps}", f"router.port={free_port()}", f"router.prometheus_port={free_port()}",
+            f"server.base_port={free_port()}", "supervise.display=plain"]
+    done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} failed ({done.returncode}):\n{done.stdout[-3000:]}")
+    path = runs / name
+    trained = [r for r in read_records(path / "metrics" / "learner.jsonl") if "loss" in r]
+    start = read_records(path / "metrics" / "rollout-worker-0.jsonl")[0]["time"]  # the worker begins generating
+    samples = sum(r["groups"] for r in trained) * cfg.rollout.sampling.n
+    wall = trained[-1]["time"] - start
+    return {"wall_s": wall, "samples": samples, "samples_per_s": samples / wall,
+            "completion_tokens": sum(r["tokens_global"] for r in trained) / samples,
+            "train_reward_last5": sum(r["reward_mean"] for r in trained[-5:]) / len(trained[-5:]),
+            "eval_online_final": read_records(path / "metrics" / "eval.jsonl")[-1]["eval/accuracy"],
+            "held_out_final": score_final(cfg, path / "export" / f"version-{trained[-1]['step']}",
+                                          rows(prepared / "eval.jsonl"))}
+
+
+def bound(cfg: Config, prepared: Path) -> dict:
+    """The compute bound of a sample: generating it (2N FLOPs a token, prompt and completion) and training on it
+    (6N a token), at this machine's measured fp32 matmul rate; what each system adds (streamrl's proximal
+    forward, padding) counts against it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = Path(cfg.model.path)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+                     .parameters())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    conversations = play(cfg, rows(prepared / "train.jsonl")[:256])
+    prompt = sum(len(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True)) for c in conversations)
+    return {"params": params, "prompt_tokens": prompt / len(conversations), "matmul_flops": matmul_flops()}
+
+
+def fraction_of_bound(row: dict, b: dict) -> float:
+    flops_per_sample = 8 * b["params"] * (b["prompt_tokens"] + row["completion_tokens"])
+    return row["samples_per_s"] * flops_per_sample / b["matmul_flops"]
+
+
+def run(quick: bool, repeats: int | None, steps: int | None, generation: str) -> dict:
+    repeats = repeats or (1 if quick else 3)
+    steps = steps or (3 if quick else 20)
     results = {"streamrl": [], "trl": []}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        console.log("warm start (once, shared by both systems)")
         cfg, prepared = prepare_shared(tmp)
-        groups, n, lr = cfg.learner.groups_per_step, cfg.rollout.sampling.n, cfg.learner.lr
+        held_out = rows(prepared / "eval.jsonl")
+        limit = bound(cfg, prepared)
+        console.log(f"fp32 matmul rate {limit['matmul_flops'] / 1e9:.0f} GFLOP/s; {limit['params'] / 1e6:.1f}M params, "
+                    f"{limit['prompt_tokens']:.1f} prompt tokens a sample")
+        console.log(f"base model: greedy accuracy on {len(held_out)} held-out questions")
+        before = score_final(cfg, Path(cfg.model.path), held_out)
         for r in range(repeats):
-            for side in (("streamrl", "trl") if r % 2 == 0 else ("trl", "streamrl")):
+            for side in (("streamrl", "trl") if r % 2 == 0 else ("trl", "streamrl")):  # who goes first rotates
                 if side == "trl":
-                    row = trl_run(prepared, tmp / f"trl-{r}", steps=steps, groups=groups, n=n, lr=lr,
-                                  eval_every=max(1, steps // 4), seed=r)
+                    row = trl_run(cfg, prepared, tmp / f"trl-{r}", steps=steps, seed=r, generation=generation)
                 else:
-                    row = one_run(tmp / "runs", prepared, "single-turn", "async", steps, 2, seed=r)
+                    row = streamrl_run(cfg, prepared, tmp / "runs", steps=steps, seed=r)
+                row["fraction_of_bound"] = fraction_of_bound(row, limit)
                 results[side].append(row)
-                console.log(f"{side}: {row['samples_per_s']:.1f} samples/s, eval {row['eval_first']:.2f} → "
-                            f"{row['eval_final']:.2f}")
-    med = {side: medians(rows) for side, rows in results.items()}
-    return {"study": "trl", "repeats": repeats, "max_steps": steps, "target": TARGET,
-            "streamrl_settings": {"config": "configs/quickstart.yaml", "mode": "async", "max_staleness": 2,
-                                  "groups_per_step": groups, "n": n, "lr": lr},
+                console.log(f"{side} seed {r}: {row['samples_per_s']:.2f} samples/s over {row['wall_s']:.0f} s, "
+                            f"held-out {before:.3f} → {row['held_out_final']:.3f}")
+    med = {side: {k: median([x[k] for x in rs]) for k in ("samples_per_s", "wall_s", "held_out_final",
+                                                           "train_reward_last5", "completion_tokens",
+                                                           "fraction_of_bound")}
+           for side, rs in results.items()}
+    return {"study": "trl", "config": CONFIG, "repeats": repeats, "max_steps": steps, "trl_generation": generation,
+            "samples": results["trl"][0]["samples"], "held_out": len(held_out), "held_out_before": before,
+            "bound": limit,
+            "streamrl_settings": {"mode": cfg.mode, "max_staleness": cfg.off_policy.max_staleness,
+                                  "engine": cfg.server.engine, "algorithm": cfg.learner.algorithm},
             "runs": results, "median": med, "ratio": med["streamrl"]["samples_per_s"] / med["trl"]["samples_per_s"],
-            "steady_ratio": med["streamrl"]["steady_samples_per_s"] / med["trl"]["steady_samples_per_s"],
             "held_out_vs_trl": paired_difference([x["held_out_final"] for x in results["streamrl"]],
                                                  [x["held_out_final"] for x in results["trl"]])}
 
 
 def report(data: dict, out: Path) -> None:
     m = data["median"]
-    print_table(f"streamrl vs TRL GRPOTrainer, {data['max_steps']} steps, same samples, medians of {data['repeats']}",
-                ["system", "samples/s", "steady samples/s", "train wall s", f"s to eval ≥ {data['target']}",
-                 "final eval (64)", f"final held-out ({HELD_OUT})"],
-                [[side, m[side]["samples_per_s"], m[side]["steady_samples_per_s"], m[side]["wall_s"],
-                  f"{m[side]['time_to_target_s']:.0f} ({m[side]['reached_target']})", m[side]["eval_final"],
-                  m[side]["held_out_final"]]
+    print_table(f"streamrl vs TRL GRPOTrainer ({data['trl_generation']} generation), SmolLM2-135M two-digit addition, "
+                f"{data['max_steps']} steps ({data['samples']} samples), medians of {data['repeats']}",
+                ["system", "samples/s", "train wall s", "completion tokens", "of the compute bound",
+                 "train reward (last 5 steps)",
+                 f"held-out greedy accuracy ({data['held_out']}; base {data['held_out_before']:.3f})"],
+                [[side, m[side]["samples_per_s"], m[side]["wall_s"], m[side]["completion_tokens"],
+                  percent(m[side]["fraction_of_bound"]), m[side]["train_reward_last5"], m[side]["held_out_final"]]
                  for side in ("streamrl", "trl")]
-                + [["streamrl / TRL", data["ratio"], data["steady_ratio"], "", "", "", points(data["held_out_vs_trl"])]])
+                + [["streamrl / TRL", data["ratio"], "", "", "", "", points(data["held_out_vs_trl"])]])
     json_path = write_json(out, "trl", data)
-    fig, (ax,) = new_figure(1, "Samples/s on the quickstart task (same model, samples, machine)")
-    ax.bar(["streamrl (async)", "TRL GRPOTrainer"], [m["streamrl"]["samples_per_s"], m["trl"]["samples_per_s"]])
-    ax.set_ylabel("samples/s")
+    fig, (ax1, ax2) = new_figure(2, "streamrl vs TRL GRPOTrainer: SmolLM2-135M, same samples and machine")
+    sides = ["streamrl", "trl"]
+    for ax, key, label in ((ax1, "samples_per_s", "samples/s"), (ax2, "held_out_final", "held-out greedy accuracy")):
+        for r in range(data["repeats"]):  # every seed, over the median's bar
+            ax.scatter(sides, [data["runs"][s][r][key] for s in sides], color="black", zorder=3, s=12)
+        ax.bar(["streamrl (async)", f"TRL ({data['trl_generation']})"], [m[s][key] for s in sides])
+        ax.set_ylabel(label)
+    ax2.axhline(data["held_out_before"], color="grey", linestyle="--", label="base model")
+    ax2.legend(loc="upper right", fontsize=8)
     save_figure(fig, out, "trl", json_path)
 
 
-def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None) -> dict:
+def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None,
+         steps: int | None = None, trl_generation: str = "hf") -> dict:
     require_trl()
-    data = run(quick, repeats)
+    if trl_generation not in ("hf", "paged", "vllm"):
+        raise SystemExit(f"--trl-generation: {trl_generation!r} is not one of hf, paged, vllm")
+    settings.update(trl_generation=trl_generation)
+    data = run(quick, repeats, steps, trl_generation)
     report(data, out)
     return data
 

@@ -36,6 +36,19 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def matmul_flops(size: int = 2048, seconds: float = 3.0) -> float:
+    """This machine's fp32 matmul rate (FLOP/s) on torch's threads: the compute bound of a model's work."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm-up
+    done, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        done += 1
+    return done * 2 * size**3 / (time.perf_counter() - t0)
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -145,6 +158,11 @@ def cli(main, doc: str) -> None:
         parser.add_argument("--model", help="HF model directory")
     if "repeats" in main.__code__.co_varnames:
         parser.add_argument("--repeats", type=int, help="runs of each arm (default: the study's own)")
+    if "steps" in main.__code__.co_varnames:
+        parser.add_argument("--steps", type=int, help="learner steps of each run (default: the study's own)")
+    if "trl_generation" in main.__code__.co_varnames:
+        parser.add_argument("--trl-generation", choices=["hf", "paged", "vllm"], default="hf",
+                            help="TRL's generation backend")
     if "study" in main.__code__.co_varnames:
         parser.add_argument("--study", help="one of the module's studies (default: all)")
     args = vars(parser.parse_args())

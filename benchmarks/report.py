@@ -81,8 +81,9 @@ def headlines(results: Path) -> list[str]:
     if trl := load("trl"):
         m = trl["median"]
         steady = f", steady state {trl['steady_ratio']:.2f}×" if "steady_ratio" in trl else ""
-        lines.append(f"- **streamrl / TRL GRPOTrainer**: {trl['ratio']:.2f}× samples/s{steady} "
-                     f"({m['streamrl']['samples_per_s']:.0f} vs {m['trl']['samples_per_s']:.0f}; medians of "
+        task = " on SmolLM2-135M" if trl.get("config") == "configs/smollm2.yaml" else ""
+        lines.append(f"- **streamrl / TRL GRPOTrainer{task}**: {trl['ratio']:.2f}× samples/s{steady} "
+                     f"({m['streamrl']['samples_per_s']:.3g} vs {m['trl']['samples_per_s']:.3g}; medians of "
                      f"{trl['repeats']})" + (f", final accuracy {m['streamrl']['held_out_final']:.2f} vs "
                                              f"{m['trl']['held_out_final']:.2f}" if "held_out_final" in m["trl"] else "")
                      + (f" (paired difference {points(trl['held_out_vs_trl'])})" if "held_out_vs_trl" in trl else ""))

@@ -7,6 +7,9 @@ single flat buffer of the same bytes from this process to the same number of pee
 processes, timed in the same repeats. Ratio = bound seconds / push seconds (1.0 = the push
 costs no more than moving the bytes). When vLLM is installed, the largest model is pushed into
 a ``vllm`` server too (its workers receive through vLLM's weight-transfer API), beside its bound.
+The largest model is also pushed while this process trains it (forward and backward in a loop on
+another thread, one torch thread: the learner's load in ``streamrl up`` on two cores), with the bound
+timed under the same load.
 
     python -m benchmarks.weight_push [--quick]      (or: streamrl bench weight-push)
 """
@@ -18,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -59,8 +63,34 @@ def peers(count: int, nbytes: int, repeats: int):
             proc.wait(120)
 
 
+@contextmanager
+def training(model_dir: str, tokens: int = 1024):
+    """The learner's load beside a push: another thread training the same model, one torch thread."""
+    from transformers import AutoModelForCausalLM
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    ids = torch.randint(0, model.config.vocab_size, (tokens // 256, 256))
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            model(input_ids=ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+
+    worker = threading.Thread(target=loop, daemon=True)
+    worker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        worker.join()
+        torch.set_num_threads(threads)
+
+
 def measure(model_dir: str, redis_url: str, run_dir: Path, n_servers: int, buckets_mb: list[float],
-            repeats: int, engine: str = "hf") -> dict:
+            repeats: int, engine: str = "hf", load: str = "idle") -> dict:
     from transformers import AutoModelForCausalLM
 
     named = [(k, v.contiguous()) for k, v in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items()]
@@ -82,6 +112,8 @@ def measure(model_dir: str, redis_url: str, run_dir: Path, n_servers: int, bucke
         group = stack.enter_context(peers(n_servers, nbytes, repeats + 1))
         flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in named])
         broadcast(group, flat)  # warm-up of the bound's group
+        if load == "training":
+            stack.enter_context(training(model_dir))
         version = 1
         for _ in range(repeats):  # sides interleaved within each repeat: the machine's drift hits both
             t0 = time.perf_counter()
@@ -96,7 +128,7 @@ def measure(model_dir: str, redis_url: str, run_dir: Path, n_servers: int, bucke
                 samples[f"push_{b:g}MB"].append(stats["push_s"])
     params = sum(t.numel() for _, t in named)
     medians = {k: median(v) for k, v in samples.items()}
-    return {"engine": engine, "params": params, "bytes": nbytes, "servers": n_servers, "join_s": join_s,
+    return {"engine": engine, "load": load, "params": params, "bytes": nbytes, "servers": n_servers, "join_s": join_s,
             "samples": samples,
             "median_s": medians, "ratio": {k: medians["bound"] / v for k, v in medians.items() if k != "bound"}}
 
@@ -117,12 +149,14 @@ def run(quick: bool) -> dict:
         else:  # the largest model into one vllm server
             rows.append(measure(model_dir, redis.url, Path(tmp) / "runs", 1, BUCKETS_MB[mode], repeats, "vllm"))
             _log(rows[-1])
+        rows.append(measure(model_dir, redis.url, Path(tmp) / "runs", 1, BUCKETS_MB[mode], repeats, load="training"))
+        _log(rows[-1])
     return {"study": "weight-push", "repeats": repeats, "buckets_mb": BUCKETS_MB[mode], "transport": "gloo (CPU)",
             "rows": rows}
 
 
 def _log(row: dict) -> None:
-    console.log(f"{row['params'] / 1e6:.1f}M params, {row['servers']} {row['engine']} server(s): bound "
+    console.log(f"{row['params'] / 1e6:.1f}M params, {row['servers']} {row['engine']} server(s), {row['load']}: bound "
                 f"{row['median_s']['bound']:.3f}s, "
                 + ", ".join(f"{k} {v:.3f}s" for k, v in row["median_s"].items() if k != "bound"))
 
@@ -131,13 +165,15 @@ def report(data: dict, out: Path) -> None:
     keys = [f"push_{b:g}MB" for b in data["buckets_mb"]]
     print_table(f"Seconds per weight push (gloo, loopback), medians of {data['repeats']}; "
                 "ratio = raw flat broadcast / push",
-                ["params", "engine", "servers", "raw broadcast s", *(f"{k[5:]} bucket s" for k in keys), "best ratio"],
-                [[f"{r['params'] / 1e6:.1f}M", r.get("engine", "hf"), r["servers"], r["median_s"]["bound"],
+                ["params", "engine", "servers", "learner", "raw broadcast s", *(f"{k[5:]} bucket s" for k in keys), "best ratio"],
+                [[f"{r['params'] / 1e6:.1f}M", r.get("engine", "hf"), r["servers"], r.get("load", "idle"),
+                  r["median_s"]["bound"],
                   *(r["median_s"][k] for k in keys), max(r["ratio"].values())] for r in data["rows"]])
     json_path = write_json(out, "weight_push", data)
     fig, (ax1, ax2) = new_figure(2, "Weight push vs one raw broadcast of the same bytes")
     for engine, n, style in (("hf", 1, "-"), ("hf", 2, "--"), ("vllm", 1, ":")):
-        rows = [r for r in data["rows"] if r["servers"] == n and r.get("engine", "hf") == engine]
+        rows = [r for r in data["rows"] if r["servers"] == n and r.get("engine", "hf") == engine
+                and r.get("load", "idle") == "idle"]
         params = [r["params"] for r in rows]
         if not rows:
             continue

@@ -270,6 +270,9 @@ def bench(
     model: Annotated[Path | None, typer.Option(help="HF model directory, for studies that run a model.")] = None,
     repeats: Annotated[int | None, typer.Option(help="Runs of each arm, for e2e, ablation and trl (default: the "
                                                    "study's own).", min=1)] = None,
+    steps: Annotated[int | None, typer.Option(help="trl: learner steps of each run (default: 20).", min=1)] = None,
+    trl_generation: Annotated[str | None, typer.Option(help="trl: TRL's generation backend: hf (model.generate), "
+                                                            "paged (continuous batching) or vllm (colocated).")] = None,
     study: Annotated[str | None, typer.Option(help="ablation: one of its studies: credit, late-groups, is-weights, minibatches, minibatches-sync, longer (default: all).")] = None,
 ) -> None:
     """Throughput studies; each prints a table and writes JSON and a PNG plot."""
@@ -289,6 +292,12 @@ def bench(
             err.print(f"--repeats applies to e2e, ablation and trl, not {suite}")
             raise typer.Exit(2)
         options["repeats"] = repeats
+    for name, value in (("steps", steps), ("trl_generation", trl_generation)):
+        if value is not None:
+            if suite != "trl":
+                err.print(f"--{name.replace('_', '-')} applies to trl, not {suite}")
+                raise typer.Exit(2)
+            options[name] = value
     if study:
         if suite != "ablation":
             err.print(f"--study applies to ablation, not {suite}")

@@ -140,3 +140,18 @@ def test_the_report_keeps_the_sections_and_headlines_of_studies_not_rerun(tmp_pa
     assert "old queue table" in text and "old trl table" not in text and "*new trl*" in text
     assert "3.00×" in text and "1.10×" not in text and "1.34× samples/s" in text
     assert text.index("3.00×") < text.index("1.34×") < text.index("## Replay stream") < text.index("## Against TRL")
+
+
+def test_trl_study_gives_trl_the_envs_prompts_and_rewards_and_counts_the_bound(tmp_path):
+    from benchmarks.against_trl import fraction_of_bound, play
+    from streamrl.config import load_config
+
+    cfg = load_config("configs/smollm2.yaml", [f"run.dir={tmp_path}"])
+    items = [{"question": "What is 12 + 30?", "answer": 42}, {"question": "What is 1 + 1?", "answer": 2}]
+    assert play(cfg, items)[0] == [{"role": "user", "content": "What is 12 + 30? Answer with the number only."}]
+    verdicts = play(cfg, items, ["42", "The answer is 3"])
+    assert [v.reward for v in verdicts] == [pytest.approx(1.1), 0.0]  # right and bare; wrong
+    assert [v.info["correct"] for v in verdicts] == [True, False]
+    # 2 samples/s of (30 + 10) tokens at 8 FLOPs per parameter a token, 100 params, on 128 kFLOP/s: half the bound
+    b = {"params": 100, "prompt_tokens": 30.0, "matmul_flops": 128_000.0}
+    assert fraction_of_bound({"samples_per_s": 2.0, "completion_tokens": 10.0}, b) == pytest.approx(0.5)

@@ -67,7 +67,7 @@ def test_the_learner_pushes_to_every_registered_server_and_survives_a_dead_one(c
 
     import numpy as np
 
-    from streamrl.buffer import ReplayStream
+    from streamrl.buffer import PolicyVersion, ReplayStream
     from streamrl.testing import synthetic_group
 
     (a, _), (b, b_proc) = cluster.server(), cluster.server()
@@ -95,6 +95,7 @@ def test_the_learner_pushes_to_every_registered_server_and_survives_a_dead_one(c
     assert 0 <= pushes[0]["push_wait_s"] <= pushes[0]["push_s"] and pushes[0]["step"] == 2
     for url in (a, b):
         assert httpx.get(f"{url}/get_server_info").json()["weight_version"] == 2
+    assert PolicyVersion(cluster.ns).get() == 2  # published once its push landed
     pushed = AutoModelForCausalLM.from_pretrained(cluster.run_path / "export" / "version-2").eval()
     body = httpx.post(f"{a}/generate", timeout=60, json={
         "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 10, "ignore_eos": True},
@@ -145,9 +146,12 @@ def test_a_generation_running_across_an_in_flight_push_switches_version_at_the_s
             "return_logprob": True})
         while httpx.get(f"{url}/get_load").json()[0]["num_tokens"] < len(prompt) + 40:
             time.sleep(0.01)
-        stats = pusher.push(list(new.state_dict().items()), version=1)
+        seen = []  # the server's version when the pusher says the push landed (admission counts it from then)
+        pusher.start(list(new.state_dict().items()), version=1,
+                     landed=lambda: seen.append(httpx.get(f"{url}/get_server_info").json()["weight_version"]))
+        stats = pusher.wait()
         body = running.result().json()
-    assert stats["push_targets"] == 1.0
+    assert stats["push_targets"] == 1.0 and seen == [1]
     meta = body["meta_info"]
     assert meta["completion_tokens"] == length and meta["finish_reason"]["type"] == "length"
     spans = meta["weight_versions"]

@@ -9,6 +9,7 @@ steps; rank 0 bumps the policy version in Redis and writes a metrics line.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,6 +104,7 @@ class Learner:
             self.admission = Admission(ns, max_staleness=cfg.off_policy.max_staleness,
                                        groups_per_step=cfg.learner.groups_per_step)
             self.versions.set(self.version)
+            self.published, self.publish_lock = self.version, threading.Lock()
             self.ledger = Ledger(ns)
             forgotten = self.ledger.rollback(self.version, self.reader.cursor)  # gone with the lost weights
             if forgotten:
@@ -190,7 +192,8 @@ class Learner:
         self.version += 1  # one policy version per step of the loop, however many updates it ran
         if self.rank == 0:
             self.ledger.record(self.version, self.reader.cursor, work.outcomes)
-        if self.version % self.cfg.weight_sync.sync_every == 0:
+        pushing = self.version % self.cfg.weight_sync.sync_every == 0
+        if pushing:
             stats.update(self.push() or {})
             if self.cfg.mode == "sync" and self.rank == 0:  # no group may start before the servers have the weights
                 self._end_push(stats)
@@ -200,7 +203,8 @@ class Learner:
             self.export()
         if self.rank != 0:
             return stats
-        self.versions.set(self.version)
+        if not (pushing and self.pusher.pending):  # a push in flight publishes its version when it lands
+            self._publish(self.version)
         record = {"step": self.version, "time": time.time(), "train_s": train_s, **work.info, **stats,
                   "cursor": self.reader.cursor}
         record["tokens_per_s"] = record["tokens_global"] / max(train_s, 1e-9)
@@ -290,8 +294,10 @@ class Learner:
         """
         params = list(self.policy.module.named_parameters())
         if self.cfg.learner.zero_stage != 3:
-            if self.rank == 0:
-                self.pusher.start([(name, p.detach()) for name, p in params], self.version)
+            if self.rank == 0:  # admission counts this version once the servers serve it (``_publish``)
+                version = self.version
+                self.pusher.start([(name, p.detach()) for name, p in params], version,
+                                  landed=lambda: self._publish(version))
             return None
         import deepspeed
 
@@ -300,6 +306,18 @@ class Learner:
                 stats = self.pusher.push([(name, p.detach()) for name, p in params], self.version)
                 return {**stats, "push_wait_s": stats["push_s"]}  # the learner waited for all of it
         return None
+
+    def _publish(self, version: int) -> None:
+        """The policy version admission counts: the newest the servers serve, or between pushes the learner's.
+
+        A push runs in flight for a second or so on CPU. Were slots of a version handed out before its push
+        landed, the groups they start would begin on the weights before it and could reach the learner one
+        version past the staleness bound, to be dropped: 17% of the groups on SmolLM2. Called from the push's
+        thread as well: never moves the version back."""
+        with self.publish_lock:
+            if version > self.published:
+                self.versions.set(version)
+                self.published = version
 
     def export(self) -> None:
         checkpoint.export_hf(self.policy.model, self.cfg.model.tokenizer or self.cfg.model.path,

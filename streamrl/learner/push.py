@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import httpx
@@ -66,10 +67,20 @@ class WeightPusher:
             except Exception as e:
                 log.warning("could not set up a weight group with %s: %s", url, e)
 
-    def start(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
-        """Push in the background; the tensors must not change until ``wait`` returns."""
+    def start(self, named_tensors: list[tuple[str, torch.Tensor]], version: int,
+              landed: Callable[[], None] | None = None) -> None:
+        """Push in the background; the tensors must not change until ``wait`` returns. ``landed`` is called
+        (on the push's thread) once the push is over, whether or not every server took it."""
         self.wait()
-        self.pending = self.pool.submit(self.push, named_tensors, version)
+
+        def push() -> dict[str, float]:
+            try:
+                return self.push(named_tensors, version)
+            finally:  # before ``wait`` returns
+                if landed is not None:
+                    landed()
+
+        self.pending = self.pool.submit(push)
 
     def wait(self) -> dict[str, float]:
         """Finish the background push, if any, and return its figures."""
