@@ -117,6 +117,8 @@ def test_info_load_and_metrics_endpoints(served):
     _gen(client, input_ids=[1, 2], sampling_params={"max_new_tokens": 3, "ignore_eos": True})
     text = client.get("/metrics").text
     assert "streamrl_generated_tokens_total" in text and "streamrl_num_reqs" in text
+    busy = next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("streamrl_busy_seconds "))
+    assert busy > 0  # time spent generating: tokens / busy is the engine's speed while it has work
 
 
 @pytest.mark.parametrize("path", ["/pause_generation", "/continue_generation", "/flush_cache", "/abort_request",

@@ -118,6 +118,9 @@ class _Metrics:
                 lambda key=key: engine.load()[key])
         Gauge("streamrl_weight_version", "weight version served", registry=self.registry).set_function(
             lambda: engine.version)
+        if hasattr(engine, "busy_s"):  # the hf engine: seconds it spent generating, for tokens/s while it has work
+            Gauge("streamrl_busy_seconds", "seconds spent prefilling and decoding", registry=self.registry
+                  ).set_function(lambda: engine.busy_s)
 
     def served(self, served: list[tuple[list[int], Any, list[tuple[str, Completion]]]], latency: float) -> None:
         """Count one answered /generate: per prompt, its ids, scores and samples."""

@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ class HFEngine:
         eos = config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else []
         self.eos_token_ids = tuple(eos_token_ids) or tuple(eos)
         self.version = 0
+        self.busy_s = 0.0  # time spent prefilling and decoding: generated tokens / busy_s is its speed with work
         # larger priority first, then first come first served
         self._waiting: queue.PriorityQueue[tuple[int, int, _Sequence]] = queue.PriorityQueue()
         self._arrivals = itertools.count()
@@ -173,9 +175,11 @@ class HFEngine:
         while not self._stop:
             while not self._control.empty():  # runs while paused too: a push is pause, swap, continue
                 self._control.get()()
+            t0 = time.perf_counter()
             if self._unpaused.is_set():
                 self._admit()
             if not self._rows or not self._unpaused.is_set():
+                self.busy_s += time.perf_counter() - t0
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
@@ -187,6 +191,7 @@ class HFEngine:
                     if not seq.future.done():
                         seq.future.set_exception(e)
                 self._rows, self._cache, self._mask = [], None, None
+            self.busy_s += time.perf_counter() - t0
 
     def _score(self, input_ids: list[int], k: int) -> PromptScores:
         """One unbatched forward of the prompt: position i's distribution predicts token i + 1."""
