@@ -3,7 +3,9 @@
 Samples each part's threads for ``--seconds`` (py-spy, ``--rate`` Hz, active threads only), writes each
 part's collapsed stacks to ``RUN/profiles/PART.txt`` (speedscope and flamegraph.pl open them), and prints per part
 its busy share (samples over rate × seconds, summed over threads: 1.0 is one core kept busy) and the
-functions that held most of its samples, by self time and by total time.
+functions that held most of its samples, by self time and by total time. For each ``hf`` server it also
+reads, over the same window, the tokens it generated per second it was busy (``streamrl_busy_seconds``)
+and the share of the window it was busy.
 
     python -m benchmarks.profile_run runs/smollm2 [--seconds 60] [--rate 50]
 """
@@ -14,10 +16,14 @@ import argparse
 import json
 import shutil
 import subprocess
+import time
 from collections import Counter
 from pathlib import Path
 
+import httpx
+
 from benchmarks.common import console, print_table
+from streamrl.config import load_config
 
 PYTHON_PARTS = ("learner", "server", "rollout", "evaluator")  # redis and the router are not Python
 
@@ -40,6 +46,25 @@ def record(run: Path, seconds: int, rate: int) -> dict[str, Path]:
     for proc in procs:
         proc.wait()
     return raw
+
+
+def server_counters(url: str) -> dict[str, float]:
+    """A server's generated tokens and busy seconds so far, from its /metrics."""
+    values = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        name, _, value = line.partition(" ")
+        values[name] = float(value) if value and not name.startswith("#") else None
+    return {"tokens": values.get("streamrl_generated_tokens_total") or 0.0,
+            "busy_s": values.get("streamrl_busy_seconds") or 0.0, "time": time.monotonic()}
+
+
+def generation(urls: list[str], before: list[dict], after: list[dict]) -> dict[str, dict]:
+    out = {}
+    for url, a, b in zip(urls, before, after):
+        tokens, busy, wall = (b[k] - a[k] for k in ("tokens", "busy_s", "time"))
+        out[url] = {"tokens_per_busy_s": tokens / busy if busy else None, "busy_share": busy / wall,
+                    "tokens_per_s": tokens / wall}
+    return out
 
 
 def summarise(path: Path, seconds: int, rate: int, top: int = 6) -> dict:
@@ -66,9 +91,16 @@ def main() -> None:
     parser.add_argument("--rate", type=int, default=50)
     args = parser.parse_args()
     console.log(f"profiling every part of {args.run} for {args.seconds} s")
-    found = {name: summarise(path, args.seconds, args.rate) for name, path in record(args.run, args.seconds,
-                                                                                       args.rate).items()}
-    (args.run / "profiles" / "summary.json").write_text(json.dumps(found, indent=1))
+    cfg = load_config(args.run / "config.yaml")
+    urls = [f"http://{cfg.server.host}:{cfg.server.base_port + i}" for i in range(cfg.server.count)]
+    before = [server_counters(u) for u in urls]
+    raw = record(args.run, args.seconds, args.rate)
+    servers = generation(urls, before, [server_counters(u) for u in urls])
+    found = {name: summarise(path, args.seconds, args.rate) for name, path in raw.items()}
+    (args.run / "profiles" / "summary.json").write_text(json.dumps({"parts": found, "servers": servers}, indent=1))
+    for url, g in servers.items():
+        console.print(f"{url}: {g['tokens_per_s']:.1f} tok/s over the window, busy {100 * g['busy_share']:.0f}% of it, "
+                      f"{g['tokens_per_busy_s'] or 0:.1f} tok/s while busy")
     print_table(f"CPU by part over {args.seconds} s (busy: cores kept busy; self: share of the part's samples)",
                 ["part", "busy cores", "functions by self time"],
                 [[name, s["busy_cores"], "; ".join(f"{k} {100 * v:.0f}%" for k, v in s["self"].items())]
