@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -30,7 +32,8 @@ PYTHON_PARTS = ("learner", "server", "rollout", "evaluator")  # redis and the ro
 
 def record(run: Path, seconds: int, rate: int) -> dict[str, Path]:
     """py-spy on every Python part at once; the collapsed stacks of each."""
-    if shutil.which("py-spy") is None:
+    spy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    if spy is None:
         raise SystemExit("py-spy is not installed: pip install 'streamrl[bench]'")
     parts = json.loads((run / "parts.json").read_text())
     out = run / "profiles"
@@ -40,7 +43,7 @@ def record(run: Path, seconds: int, rate: int) -> dict[str, Path]:
         if part["kind"] not in PYTHON_PARTS:
             continue
         raw[name] = out / f"{name}.txt"
-        procs.append(subprocess.Popen(["py-spy", "record", "--pid", str(part["pid"]), "--duration", str(seconds),
+        procs.append(subprocess.Popen([spy, "record", "--pid", str(part["pid"]), "--duration", str(seconds),
                                        "--rate", str(rate), "--format", "raw", "--output", str(raw[name]),
                                        "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     for proc in procs:

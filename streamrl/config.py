@@ -223,7 +223,11 @@ class SuperviseConfig(Section):
     ready_timeout_s: float = Field(180.0, gt=0, description="how long a part may take to become ready")
     display: Literal["auto", "live", "plain"] = Field("auto", description="auto: live on a terminal, else plain")
     refresh_s: float = Field(1.0, gt=0)
-    threads: int | None = Field(None, ge=1, description="torch threads per server/worker (default: cores / parts)")
+    threads: int | None = Field(None, ge=1, description="torch threads per server and learner rank (default: "
+                                "cores / (servers + learner ranks))")
+    learner_threads: int | None = Field(
+        None, ge=1, description="torch threads per learner rank, when not `threads`: a learner-bound run, whose "
+                                "servers wait on admission most of the time, may give its learner every core")
 
 
 class RayConfig(Section):

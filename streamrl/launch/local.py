@@ -56,7 +56,7 @@ def _has_eval(cfg: Config, step: int) -> bool:
     return any(r.get("step") == step for r in read_records(cfg.run.path / "metrics" / "eval.jsonl"))
 
 
-def _threads(cfg: Config) -> dict[str, str]:
+def _threads(cfg: Config, learner: bool = False) -> dict[str, str]:
     """Torch threads per server and learner rank: the cores shared among the parts that compute.
 
     Sync mode too, though its generation and training take turns: on two cores, giving each phase both
@@ -64,6 +64,8 @@ def _threads(cfg: Config) -> dict[str, str]:
     gain less from a second thread than they lose waiting on it beside the other processes).
     """
     n = cfg.supervise.threads or max(1, (os.cpu_count() or 1) // (cfg.server.count + cfg.learner.nproc))
+    if learner and cfg.supervise.learner_threads:
+        n = cfg.supervise.learner_threads
     return {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)}
 
 
@@ -81,7 +83,7 @@ def parts(cfg: Config, config_file: Path, redis: EmbeddedRedis | None = None) ->
         learner = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(cfg.learner.nproc),
                    "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "streamrl",
                    "launch-learner", cfg_arg]
-    out.append(Part("learner", "learner", learner, logs / "learner.log", env=_threads(cfg)))
+    out.append(Part("learner", "learner", learner, logs / "learner.log", env=_threads(cfg, learner=True)))
     out.append(Part("router", "router", [*me, "launch-router", cfg_arg], logs / "router.log",
                     ready=lambda: _healthy(router_url)))
     for i in range(cfg.server.count):
