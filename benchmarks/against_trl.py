@@ -10,7 +10,10 @@ advantages r - mean (TRL ``scale_rewards="none"``) against streamrl's RLOO, the 
 
 TRL runs one process on every core; its generation backend is chosen with ``--trl-generation``: ``hf``
 (``model.generate``, its default), ``paged`` (transformers' continuous batching) or ``vllm`` (vLLM colocated
-in the trainer's process; the CPU build here). TRL's GRPOTrainer has no padding-free option (its SFT and DPO
+in the trainer's process). ``hf`` is TRL's fastest here: ``paged`` took 46 s a step against its 37 s (the
+first 3 steps), and ``vllm`` does not run: TRL 1.16 supports vLLM 0.22-0.31, and with 0.32's CPU build (the
+one built for this torch) its colocated engine fails at the first weight sync (``'Parameter' object has no
+attribute 'weight_loader'``, vLLM issue 34201). TRL's GRPOTrainer has no padding-free option (its SFT and DPO
 trainers have one). streamrl runs ``streamrl up`` (every part its own process, async, max staleness 2).
 
 Clocks: TRL's from the start of its training loop to its end; streamrl's from its rollout worker's opening
@@ -41,6 +44,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import (
+    chat_prompt_ids,
     cli,
     console,
     matmul_flops,
@@ -218,8 +222,8 @@ def bound(cfg: Config, prepared: Path) -> dict:
                      .parameters())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     conversations = play(cfg, rows(prepared / "train.jsonl")[:256])
-    prompt = sum(len(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True)) for c in conversations)
-    return {"params": params, "prompt_tokens": prompt / len(conversations), "matmul_flops": matmul_flops()}
+    prompt = sum(map(len, chat_prompt_ids(tokenizer, conversations))) / len(conversations)
+    return {"params": params, "prompt_tokens": prompt, "matmul_flops": matmul_flops()}
 
 
 def fraction_of_bound(row: dict, b: dict) -> float:

@@ -49,6 +49,13 @@ def matmul_flops(size: int = 2048, seconds: float = 3.0) -> float:
     return done * 2 * size**3 / (time.perf_counter() - t0)
 
 
+def chat_prompt_ids(tokenizer, conversations: list[list[dict]]) -> list[list[int]]:
+    """Each conversation's prompt tokens, generation prompt included (transformers 5 returns a dict unless told
+    not to: its length would be 2)."""
+    return [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)
+            for c in conversations]
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 

@@ -19,7 +19,7 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.common import console, serve_processes
+from benchmarks.common import chat_prompt_ids, console, serve_processes
 from benchmarks.profile_run import server_counters
 from streamrl.config import load_config
 from streamrl.envs.registry import env_factory
@@ -42,7 +42,7 @@ def prompts(cfg, limit: int = 512) -> list[list[int]]:
     async def every():
         return await asyncio.gather(*(first(r) for r in rows))
 
-    return [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True) for m in asyncio.run(every())]
+    return chat_prompt_ids(tokenizer, asyncio.run(every()))
 
 
 async def load(url: str, cfg, ids: list[list[int]], seconds: float) -> None:

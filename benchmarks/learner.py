@@ -1,8 +1,9 @@
 """Learner throughput: packed micro-batches against right-padded length bands and a plain PyTorch loop.
 
-Two workloads, same model and batches on every side: the quickstart's batch (its tiny model, 16 groups
-of 8 short samples) and SmolLM2-135M-Instruct on long-tailed lengths (50-1024 tokens; a tiny model of
-SmolLM2's width with ``--quick``). Sides, each one forward, fp32 logprobs, clipped loss, backward and
+Three workloads, same model and batches on every side: the quickstart's batch (its tiny model, 16 groups
+of 8 short samples), SmolLM2-135M-Instruct on long-tailed lengths (50-1024 tokens; a tiny model of
+SmolLM2's width with ``--quick``), and SmolLM2 on its recipe's step (``configs/smollm2.yaml``: 8 groups of
+8, 45-token prompts, 2-32 new tokens). Sides, each one forward, fp32 logprobs, clipped loss, backward and
 AdamW step per batch, rotated per repeat in one process (a world of one, gloo):
 
 - plain loop, padded bands: right-padded micro-batches of sequences of similar length within the
@@ -45,6 +46,8 @@ MODEL = {"hidden": 512, "layers": 8}  # the ZeRO study's model
 WORKLOADS = {
     "quickstart": {"groups": 16, "n": 8, "prompt": 40, "lengths": (46, 52), "tail": False, "budget": 8192},
     "smollm2": {"groups": 4, "n": 4, "prompt": 40, "lengths": (50, 1024), "tail": True, "budget": 4096},
+    # configs/smollm2.yaml's step: 8 groups of 8, a 45-token chat prompt, up to 32 new tokens
+    "smollm2-recipe": {"groups": 8, "n": 8, "prompt": 45, "lengths": (47, 77), "tail": False, "budget": 2048},
 }
 SIDES = {"plain-padded": "plain loop, padded bands", "plain-packed": "plain loop, packed",
          "streamrl": "streamrl (packed)", "streamrl-shared": "streamrl, shared prompts"}
@@ -240,6 +243,7 @@ def run(quick: bool) -> dict:
             models["smollm2"] = make_tiny_model(Path(tmp) / "smollm2", vocab_size=49152, hidden=576, layers=2)
         else:
             models["smollm2"] = convert_smollm2(Path(tmp) / "smollm2")
+        models["smollm2-recipe"] = models["smollm2"]
         workloads = {name: workload(name, str(path), repeats) for name, path in models.items()}
         model_dir = make_tiny_model(Path(tmp) / "zero-model", **MODEL)
         zero = {stage: zero_stage(model_dir, stage, steps=2 if quick else 4, quick=quick) for stage in ZERO_STAGES}

@@ -155,3 +155,16 @@ def test_trl_study_gives_trl_the_envs_prompts_and_rewards_and_counts_the_bound(t
     # 2 samples/s of (30 + 10) tokens at 8 FLOPs per parameter a token, 100 params, on 128 kFLOP/s: half the bound
     b = {"params": 100, "prompt_tokens": 30.0, "matmul_flops": 128_000.0}
     assert fraction_of_bound({"samples_per_s": 2.0, "completion_tokens": 10.0}, b) == pytest.approx(0.5)
+
+
+def test_chat_prompt_ids_are_the_rendered_prompts_tokens(tmp_path):
+    from transformers import AutoTokenizer
+
+    from benchmarks.common import chat_prompt_ids
+    from streamrl.testing import make_tiny_model
+
+    tokenizer = AutoTokenizer.from_pretrained(make_tiny_model(tmp_path / "m"))
+    chat = [{"role": "user", "content": "What is 12 + 30?"}]
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    want = tokenizer(text, add_special_tokens=False).input_ids
+    assert len(want) > 10 and chat_prompt_ids(tokenizer, [chat, chat]) == [want, want]
