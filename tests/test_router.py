@@ -1,6 +1,8 @@
 """Real processes: rollout servers, the registry in a real redis-server, and the real sglang-router."""
 
 import asyncio
+import json
+import logging
 import signal
 import time
 
@@ -8,8 +10,10 @@ import httpx
 import pytest
 
 from streamrl.buffer import ServerRegistry
+from streamrl.config import load_config
 from streamrl.rollout.client import GenerateClient, GenerateError
 from streamrl.rollout.engines.base import SamplingParams
+from streamrl.rollout.evaluate import Evaluator
 
 pytestmark = pytest.mark.slow
 
@@ -94,3 +98,28 @@ def test_client_raises_on_4xx_without_retrying(cluster):
     with pytest.raises(GenerateError, match="refused the request: HTTP 400"):
         asyncio.run(bad())
     assert time.monotonic() - t0 < 2
+
+
+def test_an_evaluation_rides_out_a_router_without_servers(cluster, tmp_path, caplog):
+    """The router answers 503 while no server is up: the evaluator tries again (bounded) instead of dying."""
+    router_url, _ = cluster.router()
+    rows = tmp_path / "eval.jsonl"
+    rows.write_text("".join(json.dumps({"question": f"{a} + 1 =", "answer": a + 1}) + "\n" for a in range(3)))
+    cfg = load_config(None, [*cluster.common, f"rollout.router_url={router_url}", f"eval.dataset={rows}",
+                             "rollout.sampling.max_new_tokens=4"])
+    evaluator = Evaluator(cfg, cfg.redis.url)
+
+    async def run():
+        async with GenerateClient(router_url, retries=1, backoff_s=0.1) as evaluator.client:
+            with pytest.raises(GenerateError, match="no_available_workers"):  # out of patience
+                await evaluator._evaluate_patiently(0, patience_s=1.0, pause_s=0.4)
+            attempt = asyncio.ensure_future(evaluator._evaluate_patiently(0, pause_s=0.4))
+            await asyncio.sleep(1.0)
+            assert not attempt.done()
+            await asyncio.to_thread(cluster.server)  # joins the registry; the router follows it
+            return await attempt
+
+    with caplog.at_level(logging.WARNING, logger="streamrl.evaluate"):
+        record = asyncio.run(run())
+    assert record["eval/prompts"] == 3 and record["eval/version_min"] == 0
+    assert "evaluation at step 0 failed, trying again" in caplog.text

@@ -44,13 +44,20 @@ def _learner_rank(run_path, rank: int) -> int:
     return ranks[0].pid
 
 
+def _exited(up, run_path) -> str:
+    """What a run that stopped early printed, and the end of each part's log (CI keeps no run directory)."""
+    tails = [f"--- {log.name}:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-25:])
+             for log in sorted((run_path / "logs").glob("*.log"))]
+    return "\n".join([up.stdout.read(), *tails])
+
+
 def _kill_and_wait_for_restart(up, run_path, name: str, pid: int | None = None) -> int:
     """SIGKILL part ``name`` (or ``pid``, a process inside it); wait until the supervisor restarts the part."""
     victim = _parts(run_path)[name]["pid"]
     os.kill(pid or victim, signal.SIGKILL)
     deadline = time.monotonic() + 120
     while _parts(run_path)[name]["pid"] == victim:
-        assert up.poll() is None, up.stdout.read()
+        assert up.poll() is None, _exited(up, run_path)
         assert time.monotonic() < deadline, f"{name} was not restarted"
         time.sleep(0.2)
     return _parts(run_path)[name]["pid"]
@@ -77,7 +84,7 @@ def _check_locked_down(run_path) -> None:
 def _wait_for_step(up, run_path, step: int) -> None:
     deadline = time.monotonic() + 400
     while _version(run_path) < step:
-        assert up.poll() is None, up.stdout.read()
+        assert up.poll() is None, _exited(up, run_path)
         assert time.monotonic() < deadline, f"the run did not reach step {step}"
         time.sleep(0.3)
 
@@ -147,9 +154,10 @@ def test_up_survives_killing_each_part_in_turn_and_its_ledger_balances(tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM: scripts/test.sh installs its CPU build")
-def test_up_with_the_vllm_engine_learns_and_survives_a_server_kill(tmp_path):
-    """The quickstart served by vLLM's CPU build: it learns, and a SIGKILLed server comes back from the
-    learner's newest export (a late joiner), is caught up by a push, and serves the last weights."""
+def test_up_with_the_vllm_engine_learns_and_survives_a_dead_engine_and_a_server_kill(tmp_path):
+    """The quickstart served by vLLM's CPU build: it learns; a server whose engine core was killed exits
+    and is restarted; a SIGKILLed server comes back from the learner's newest export (a late joiner), is
+    caught up by a push, and serves the last weights."""
     run_path = tmp_path / "onvllm"
     argv = [sys.executable, "-m", "streamrl", "up", "configs/quickstart.yaml", "server.engine=vllm",
             f"run.dir={tmp_path}", "run.name=onvllm", f"router.port={free_port()}",
@@ -159,7 +167,11 @@ def test_up_with_the_vllm_engine_learns_and_survives_a_server_kill(tmp_path):
     up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env={**os.environ, "COLUMNS": "200"})
     try:
-        _wait_for_step(up, run_path, 12)  # after the export at step 10
+        _wait_for_step(up, run_path, 5)
+        server = psutil.Process(_parts(run_path)["server-0"]["pid"])
+        core = next(p for p in server.children() if "EngineCore" in " ".join([p.name(), *p.cmdline()]))
+        _kill_and_wait_for_restart(up, run_path, "server-0", pid=core.pid)
+        _wait_for_step(up, run_path, 22)  # after the export at step 20
         server = psutil.Process(_parts(run_path)["server-0"]["pid"])
         engine_processes = server.children(recursive=True)  # vLLM's engine core and worker
         _kill_and_wait_for_restart(up, run_path, "server-0")
@@ -168,8 +180,9 @@ def test_up_with_the_vllm_engine_learns_and_survives_a_server_kill(tmp_path):
         if up.poll() is None:
             up.kill()
     assert up.returncode == 0, output[-4000:]
-    assert _parts(run_path)["server-0"]["restarts"] == 1
+    assert _parts(run_path)["server-0"]["restarts"] == 2
     log = (run_path / "logs" / "server-0.log").read_text()
+    assert "the engine died: shutting the server down" in log
     assert "late joiner: serving the learner's export" in log
     evals = read_records(run_path / "metrics" / "eval.jsonl")
     assert evals[0]["eval/accuracy"] < 0.5 and evals[-1]["eval/accuracy"] >= 0.9

@@ -455,4 +455,4 @@ def test_a_dead_worker_is_reported_and_refused_cleanly(engine, receiver):
     client = TestClient(create_app(engine, model_path="m"))
     assert client.get("/health").status_code == 503
     r = client.post("/generate", json={"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 4}})
-    assert r.status_code == 500 and "engine error" in r.json()["error"]["message"]
+    assert r.status_code == 503 and "the engine is dead" in r.json()["error"]["message"]

@@ -20,7 +20,7 @@ from streamrl.config import Config
 from streamrl.envs import env_factory
 from streamrl.models import load_tokenizer
 from streamrl.protocol import Sample
-from streamrl.rollout.client import GenerateClient, run_event_loop
+from streamrl.rollout.client import GenerateClient, GenerateError, run_event_loop
 from streamrl.rollout.dataset import load_rows
 from streamrl.rollout.engines.base import SamplingParams
 from streamrl.rollout.episode import ChatRenderer, run_episode
@@ -65,7 +65,20 @@ class Evaluator:
                 pending = [s for s in pending if s > step]
                 target = due[-1] if step < last else last
                 await self._servers_reach(target)
-                self.write(await self.evaluate(target))
+                self.write(await self._evaluate_patiently(target))
+
+    async def _evaluate_patiently(self, version: int, patience_s: float = 300.0, pause_s: float = 5.0) -> dict:
+        """``evaluate``, again while no server answers (one restarting, the router's circuit open): a run
+        should not stop because its evaluator met a gap the rollout workers ride out."""
+        deadline = time.monotonic() + patience_s
+        while True:
+            try:
+                return await self.evaluate(version)
+            except GenerateError as e:
+                if time.monotonic() + pause_s > deadline:
+                    raise
+                log.warning("evaluation at step %d failed, trying again in %.0f s: %s", version, pause_s, e)
+                await asyncio.sleep(pause_s)
 
     async def _servers_reach(self, version: int, timeout_s: float = 60.0) -> None:
         """Wait (bounded) until every live server reports weights of ``version`` or newer.
@@ -83,7 +96,13 @@ class Evaluator:
 
     async def evaluate(self, step: int) -> dict[str, Any]:
         t0 = time.perf_counter()
-        samples = await asyncio.gather(*(self._episode(row) for row in self.rows))
+        episodes = [asyncio.ensure_future(self._episode(row)) for row in self.rows]
+        try:
+            samples = await asyncio.gather(*episodes)
+        except BaseException:  # one failed: the rest would run on unawaited
+            for episode in episodes:
+                episode.cancel()
+            raise
         correct = [bool(s.env_info.get("correct", s.reward >= 1.0)) for s in samples]
         versions = [int(v) for s in samples for v in s.versions if v >= 0]
         record = {"step": step, "time": time.time(), "eval/accuracy": sum(correct) / len(correct),

@@ -37,6 +37,8 @@ def serve(cfg: Config, *, host: str | None = None, port: int | None = None) -> N
                      engine_name=cfg.server.engine)
     url = f"http://{host}:{port}"
     stop = threading.Event()
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    threading.Thread(target=_watch, args=(engine, server, stop), daemon=True).start()
     if cfg.redis.url:
         ns = Namespace.open(cfg.redis.url, cfg.run.name, **cfg.redis.retry())
         registry = ServerRegistry(ns, ttl_s=cfg.server.registry_ttl_s)
@@ -45,12 +47,25 @@ def serve(cfg: Config, *, host: str | None = None, port: int | None = None) -> N
     else:
         log.warning("redis.url is not set: %s will not announce itself in a registry", url)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        server.run()
     finally:
         stop.set()
         if cfg.redis.url:
             registry.remove(url)
+        died = not engine.healthy()
         engine.shutdown()
+    if died:  # a non-zero exit: the supervisor restarts this server
+        raise RuntimeError(f"the {cfg.server.engine} engine behind {url} stopped serving (its error is above)")
+
+
+def _watch(engine, server: uvicorn.Server, stop: threading.Event, every_s: float = 1.0) -> None:
+    """Stop the HTTP server once the engine dies: a live front end over a dead engine would stay
+    registered and be routed to (the router only marks it unhealthy) instead of being restarted."""
+    while not stop.wait(every_s):
+        if not engine.healthy():
+            log.error("the engine died: shutting the server down")
+            server.should_exit = True
+            return
 
 
 def newest_weights(cfg: Config) -> tuple[str, int]:

@@ -198,6 +198,8 @@ def create_app(engine: Engine, *, model_path: str, tokenizer: Any = None, token:
             raise HTTPException(400, str(e)) from None
         except Exception as e:  # an engine fault: 5xx, so the router retries elsewhere
             metrics.requests.labels("error").inc()
+            if not engine.healthy():  # the engine died (said once, by serve's watch): no trace per request
+                raise HTTPException(503, f"the engine is dead: {e}") from None
             log.exception("generate %s failed in the engine", rids[0])
             raise HTTPException(500, f"engine error: {e}") from None
         latency = time.perf_counter() - start
