@@ -51,15 +51,18 @@ def test_a_packed_row_lays_sequences_end_to_end_with_restarting_positions():
     assert True in fresh and False in fresh
 
 
-def test_token_logprobs_are_the_tempered_logprobs_of_each_next_token_restarting_per_sequence():
-    logits = torch.randn(1, 6, 7)
-    batch = {"input_ids": torch.tensor([[1, 2, 3, 4, 5, 6]]), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]])}
+def test_token_logprobs_are_the_tempered_logprobs_of_the_scored_tokens_only():
+    # sequences [1 2 3] and [4 5 6]; generated: 3, then 4 5 6 (4 starts its sequence: nothing predicts it)
+    batch = {"input_ids": torch.tensor([[1, 2, 3, 4, 5, 6]]), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]]),
+             "mask": torch.tensor([[0.0, 0, 1, 1, 1, 1]])}
+    assert packing.scored(batch).tolist() == [2, 4, 5]
+    logits = torch.randn(3, 7)  # forward's: from positions 1, 3 and 4, predicting tokens 2, 4 and 5
     logp, entropy = packing.token_logprobs(logits, batch, temperature=0.5, entropy=True)
-    dist = torch.log_softmax(logits[0] / 0.5, -1)
-    for t in (1, 2, 4, 5):  # predicted by position t - 1 of the same sequence
-        assert logp[0, t] == pytest.approx(float(dist[t - 1, t + 1]), abs=1e-6)
-        assert entropy[0, t] == pytest.approx(float(-(dist[t - 1].exp() * dist[t - 1]).sum()), abs=1e-5)
-    assert logp[0, 0] == logp[0, 3] == entropy[0, 3] == 0  # sequence starts: nothing predicts them
+    dist = torch.log_softmax(logits / 0.5, -1)
+    for row, t in enumerate((2, 4, 5)):
+        assert logp[0, t] == pytest.approx(float(dist[row, t + 1]), abs=1e-6)
+        assert entropy[0, t] == pytest.approx(float(-(dist[row].exp() * dist[row]).sum()), abs=1e-5)
+    assert logp[0, [0, 1, 3]].tolist() == entropy[0, [0, 1, 3]].tolist() == [0, 0, 0]
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "varlen"])
@@ -76,8 +79,10 @@ def test_packed_logprobs_equal_one_forward_per_sequence(tiny_model_dir, attentio
         ids = torch.as_tensor(s.tokens.astype(np.int64))[None]
         dist = torch.log_softmax(plain(input_ids=ids).logits[0, :-1].float() / 0.7, -1)
         want = dist.gather(-1, ids[0, 1:, None])[:, 0]
-        assert float((logp[0, a + 1: b] - want).abs().max()) <= TOL
-        assert float((entropy[0, a + 1: b] + (dist.exp() * dist).sum(-1)).abs().max()) <= TOL
+        scored = batch["mask"][0, a + 1: b] > 0  # the generated tokens
+        assert scored.any() and (logp[0, a + 1: b][~scored] == 0).all()
+        assert float((logp[0, a + 1: b] - want)[scored].abs().max()) <= TOL
+        assert float((entropy[0, a + 1: b] + (dist.exp() * dist).sum(-1))[scored].abs().max()) <= TOL
 
 
 def _padded_loss(model, seqs):

@@ -9,9 +9,11 @@ as one batch. transformers'
 own fallback for packed rows under SDPA, a dense block-diagonal mask over the whole row, costs
 (sum of lengths)² instead of the sum of squares: 10x the padded forward on the quickstart's batch.
 
-Per-token quantities (logprob of the token taken, entropy of the distribution it came from) are
-gathered from the logits a chunk of positions at a time: no ``[T, V]`` fp32 copy of the logits is
-ever made, and under autograd each chunk is recomputed in the backward instead of kept.
+Only the scored tokens (the generated ones: ``mask``) get logits: the model's head runs on the positions
+that predict them and nowhere else, so a prompt costs its share of the body but nothing of the head or of
+the softmax over the vocabulary. Per-token quantities (logprob of the token taken, entropy of the
+distribution it came from) are gathered from those logits a chunk at a time: no ``[T, V]`` fp32 copy of
+the logits is ever made, and under autograd each chunk is recomputed in the backward instead of kept.
 """
 
 from __future__ import annotations
@@ -110,35 +112,42 @@ def varlen(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     return torch.cat([pieces[a] for a in starts])[None], None
 
 
+def scored(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Offsets ``[M]`` in the row of the tokens that are scored: generated (``mask``), not a sequence's first."""
+    return ((batch["mask"][0] > 0) & (batch["position_ids"][0] > 0)).nonzero()[:, 0]
+
+
 def forward(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``model``'s logits ``[1, N, V]`` for a packed row (no attention mask, no cache: the restarting
-    position ids keep the sequences apart); each shared prompt forwarded once where ``prefix`` laid it out."""
+    """``model``'s logits ``[M, V]`` at the positions that predict the scored tokens, in the row's order.
+    One packed row (no attention mask, no cache: the restarting position ids keep the sequences apart), or each
+    shared prompt forwarded once where ``prefix`` laid it out."""
     if "prompt_ids" in batch:
-        return prefix.logits(model, batch)
-    return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        return prefix.logits(model, batch, scored(batch))
+    return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
+                 logits_to_keep=scored(batch) - 1).logits[0]
 
 
 def token_logprobs(logits: torch.Tensor, batch: dict[str, torch.Tensor], temperature: float,
                    entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``logp[0, t]``: token t's logprob under the tempered distribution at position t-1, in fp32, and with
-    ``entropy`` that distribution's entropy; both 0 at each sequence's first token.
+    """``logp[0, t]``: scored token t's logprob under the tempered distribution at position t-1, in fp32, and
+    with ``entropy`` that distribution's entropy; both 0 at the tokens not scored. ``logits``: ``forward``'s.
 
     The same quantity the rollout engine reports: tempered, before any truncation.
     """
     scale = 1.0 / (temperature or 1.0)
-    targets = batch["input_ids"][0, 1:]
-    rows = logits[0, :-1]
-    step = max(1, CHUNK_ELEMENTS // max(rows.shape[-1], 1))
-    recompute = torch.is_grad_enabled() and rows.requires_grad and rows.shape[0] > step
+    where = scored(batch)
+    targets = batch["input_ids"][0, where]
+    step = max(1, CHUNK_ELEMENTS // max(logits.shape[-1], 1))
+    recompute = torch.is_grad_enabled() and logits.requires_grad and logits.shape[0] > step
     picked, spread = [], []
-    for start in range(0, rows.shape[0], step):
-        args = (rows[start: start + step], targets[start: start + step], scale, entropy)
+    for start in range(0, logits.shape[0], step):
+        args = (logits[start: start + step], targets[start: start + step], scale, entropy)
         lp, h = checkpoint(_gather, *args, use_reentrant=False) if recompute else _gather(*args)
         picked.append(lp)
         spread.append(h)
-    first = batch["position_ids"][0] == 0  # across a boundary the previous position is another sequence's
-    logp = _shift(torch.cat(picked) if picked else rows.new_zeros(0, dtype=torch.float32), first)
-    return logp, (_shift(torch.cat(spread), first) if entropy and spread else None)
+    width = batch["input_ids"].shape[1]
+    logp = _place(torch.cat(picked) if picked else logits.new_zeros(0, dtype=torch.float32), where, width)
+    return logp, (_place(torch.cat(spread), where, width) if entropy and spread else None)
 
 
 def _gather(logits: torch.Tensor, targets: torch.Tensor, scale: float, entropy: bool
@@ -148,10 +157,9 @@ def _gather(logits: torch.Tensor, targets: torch.Tensor, scale: float, entropy: 
     return picked, (-(logp.exp() * logp).sum(-1) if entropy else torch.zeros_like(picked))
 
 
-def _shift(values: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-    """Per-position values of positions 1..N-1 as a row ``[1, N]``, 0 where a sequence starts."""
-    out = torch.nn.functional.pad(values, (1, 0))
-    return out.masked_fill(first, 0.0)[None]
+def _place(values: torch.Tensor, where: torch.Tensor, width: int) -> torch.Tensor:
+    """``values [M]`` at offsets ``where`` of a row ``[1, width]`` of zeros."""
+    return values.new_zeros(width).index_put((where,), values)[None]
 
 
 def per_sequence(values: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -4,8 +4,8 @@ A group's samples continue the same context, so a micro-batch of padded sequence
 most of its forward (and backward) on identical prompt tokens when prompts are long and
 answers short. Here each distinct prompt runs once, its keys and values are gathered to
 every sequence that continues it, and only the continuations run per sequence. The logits
-are put back in the packed row's layout (``packing``), so the loss code sees no difference; the
-gather's backward sums the prompt's gradient over its continuations, as the plain forward
+come out as the packed forward's do (one row per scored token, ``packing.forward``), so the loss code sees
+no difference; the gather's backward sums the prompt's gradient over its continuations, as the plain forward
 would. The prompt is what precedes a sequence's first generated token.
 """
 
@@ -54,8 +54,8 @@ def layout(mb: list[TrainSequence], device: torch.device | str = "cpu") -> dict[
     return {k: v.to(device) for k, v in tensors.items()}
 
 
-def logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``[1, N, V]`` logits in the packed row's layout (zeros where nothing is predicted from)."""
+def logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], where: torch.Tensor) -> torch.Tensor:
+    """``[M, V]`` logits predicting the row's tokens at offsets ``where`` (each after its sequence's prompt)."""
     prompt_mask, rows, starts = batch["prompt_mask"], batch["prompt_row"], batch["prompt_len"]
     positions = (prompt_mask.cumsum(1) - 1).clamp(min=0)
     head = model(input_ids=batch["prompt_ids"], attention_mask=prompt_mask, position_ids=positions, use_cache=True,
@@ -67,10 +67,10 @@ def logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tens
     rest_positions = (starts[:, None] + torch.arange(rest_mask.shape[1], device=starts.device)) * rest_mask
     tail = model(input_ids=batch["rest_ids"], attention_mask=torch.cat([prompt_mask[rows], rest_mask], 1),
                  position_ids=rest_positions, past_key_values=cache, use_cache=True).logits
-    offsets = batch["bounds"][:-1].to(starts.device)  # each sequence's start in the packed row
-    seq, j = rest_mask.nonzero(as_tuple=True)
-    out = tail.new_zeros(batch["input_ids"].shape[1], tail.shape[-1])
-    out.index_put_((offsets[seq] + starts[seq] + j,), tail[seq, j])
-    # the prompt's last position predicts each sequence's first generated token
-    out.index_put_((offsets + starts - 1,), head.logits[rows, -1])
-    return out[None]
+    seq = batch["sequence"][0, where]
+    k = where - batch["bounds"][:-1].to(where.device)[seq] - starts[seq]  # the token's place after its prompt
+    first, later = (k == 0).nonzero()[:, 0], (k > 0).nonzero()[:, 0]
+    out = tail.new_empty(len(where), tail.shape[-1])
+    # the prompt's last position predicts each sequence's first generated token; rest slot j the token after it
+    out = out.index_put((first,), head.logits[rows[seq[first]], -1])
+    return out.index_put((later,), tail[seq[later], k[later] - 1])
