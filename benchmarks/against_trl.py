@@ -16,6 +16,11 @@ one built for this torch) its colocated engine fails at the first weight sync (`
 attribute 'weight_loader'``, vLLM issue 34201). TRL's GRPOTrainer has no padding-free option (its SFT and DPO
 trainers have one). streamrl runs ``streamrl up`` (every part its own process, async, max staleness 2).
 
+Precision (``--precision``): ``fp32`` on both sides, or ``bf16`` on both: streamrl with ``model.dtype=bfloat16``
+(bf16 weights served and trained, DeepSpeed's fp32 master copy for AdamW), TRL with ``bf16=True`` (autocast
+over its fp32 model: its own mixed precision; a model loaded in bf16 under plain AdamW would round most
+updates of lr 1e-5 away). Both final models are scored in fp32.
+
 Clocks: TRL's from the start of its training loop to its end; streamrl's from its rollout worker's opening
 report (every part started, the version-0 eval done) to the learner's last step. The final weights of both
 are then scored by one greedy evaluation, off the clock: the first ``max_new_tokens`` greedy tokens of
@@ -26,7 +31,8 @@ The bound: a sample costs at least 2N FLOPs a token to generate (prompt and comp
 train on, at this machine's fp32 matmul rate (measured first, on every core); each system's samples/s is
 reported as a fraction of what that allows.
 
-    python -m benchmarks.against_trl [--quick] [--trl-generation hf|paged|vllm]   (or: streamrl bench trl)
+    python -m benchmarks.against_trl [--quick] [--trl-generation hf|paged|vllm] [--precision fp32|bf16]
+    (or: streamrl bench trl)
 """
 
 from __future__ import annotations
@@ -122,13 +128,15 @@ def greedy_accuracy(cfg: Config, model, tokenizer, items: list[dict], batch: int
 
 
 def score_final(cfg: Config, model_dir: Path, held_out: list[dict]) -> float:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return greedy_accuracy(cfg, AutoModelForCausalLM.from_pretrained(model_dir),
+    # in fp32 whatever was trained: TRL's model is scored as it stands, in its fp32 master weights
+    return greedy_accuracy(cfg, AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
                            AutoTokenizer.from_pretrained(model_dir), held_out)
 
 
-def trl_args(cfg: Config, out: Path, steps: int, seed: int, generation: str):
+def trl_args(cfg: Config, out: Path, steps: int, seed: int, generation: str, precision: str):
     from trl import GRPOConfig
 
     s = cfg.rollout.sampling
@@ -138,10 +146,12 @@ def trl_args(cfg: Config, out: Path, steps: int, seed: int, generation: str):
                       num_generations=s.n, max_completion_length=s.max_new_tokens, temperature=s.temperature,
                       top_p=1.0, learning_rate=cfg.learner.lr, lr_scheduler_type="constant", warmup_steps=0,
                       max_steps=steps, beta=0.0, scale_rewards="none", loss_type="dapo", use_cpu=True, report_to=[],
-                      logging_steps=1, save_strategy="no", seed=seed, disable_tqdm=True, **backend[generation])
+                      logging_steps=1, save_strategy="no", seed=seed, disable_tqdm=True, bf16=precision == "bf16",
+                      **backend[generation])
 
 
-def trl_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: int, generation: str) -> dict:
+def trl_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: int, generation: str,
+            precision: str) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import GRPOTrainer
@@ -164,7 +174,7 @@ def trl_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: int, ge
         def on_train_end(self, *a, **kw):
             clock["end"] = time.perf_counter()
 
-    args = trl_args(cfg, out, steps, seed, generation)
+    args = trl_args(cfg, out, steps, seed, generation, precision)
     trainer = GRPOTrainer(model=model, reward_funcs=env_reward, args=args, train_dataset=data,
                           processing_class=tokenizer, callbacks=[Clock()])
     trainer.remove_callback(PrinterCallback)  # a dict per step on stdout would bury the benchmark's own log
@@ -176,7 +186,7 @@ def trl_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: int, ge
     given = {k: getattr(args, k) for k in ("per_device_train_batch_size", "num_generations", "max_completion_length",
                                            "temperature", "top_p", "learning_rate", "max_steps", "beta",
                                            "scale_rewards", "loss_type", "num_iterations", "use_vllm",
-                                           "use_transformers_continuous_batching")}
+                                           "use_transformers_continuous_batching", "bf16")}
     given["versions"] = {name: importlib.metadata.version(name) for name in ("trl", "transformers", "torch")}
     return {"wall_s": wall, "samples": samples, "samples_per_s": samples / wall,
             "completion_tokens": sum(lengths) / len(lengths),
@@ -185,14 +195,15 @@ def trl_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: int, ge
             "settings": given}
 
 
-def streamrl_run(cfg: Config, prepared: Path, runs: Path, *, steps: int, seed: int) -> dict:
+def streamrl_run(cfg: Config, prepared: Path, runs: Path, *, steps: int, seed: int, precision: str) -> dict:
     name = f"streamrl-{seed}"
     shutil.rmtree(runs / name, ignore_errors=True)
     shutil.copytree(prepared, runs / name / "prepared")
     argv = [sys.executable, "-m", "streamrl", "up", CONFIG, f"run.dir={runs}", f"run.name={name}",
             f"run.seed={seed}", f"learner.max_steps={steps}", f"eval.every={steps}",
             f"learner.export_every={steps}", f"router.port={free_port()}", f"router.prometheus_port={free_port()}",
-            f"server.base_port={free_port()}", "supervise.display=plain"]
+            f"server.base_port={free_port()}", "supervise.display=plain",
+            f"model.dtype={'bfloat16' if precision == 'bf16' else 'float32'}"]
     done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
     if done.returncode != 0:
         raise RuntimeError(f"{name} failed ({done.returncode}):\n{done.stdout[-3000:]}")
@@ -209,10 +220,10 @@ def streamrl_run(cfg: Config, prepared: Path, runs: Path, *, steps: int, seed: i
                                           rows(prepared / "eval.jsonl"))}
 
 
-def bound(cfg: Config, prepared: Path) -> dict:
+def bound(cfg: Config, prepared: Path, precision: str) -> dict:
     """The compute bound of a sample: generating it (2N FLOPs a token, prompt and completion) and training on it
-    (6N a token), at this machine's measured fp32 matmul rate; what each system adds (streamrl's proximal
-    forward, padding) counts against it."""
+    (6N a token), at this machine's measured matmul rate in ``precision``; what each system adds (padding, casts,
+    the ops that are not matmuls) counts against it."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -223,7 +234,8 @@ def bound(cfg: Config, prepared: Path) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     conversations = play(cfg, rows(prepared / "train.jsonl")[:256])
     prompt = sum(map(len, chat_prompt_ids(tokenizer, conversations))) / len(conversations)
-    return {"params": params, "prompt_tokens": prompt, "matmul_flops": matmul_flops()}
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    return {"params": params, "prompt_tokens": prompt, "matmul_flops": matmul_flops(dtype=dtype)}
 
 
 def fraction_of_bound(row: dict, b: dict) -> float:
@@ -231,7 +243,7 @@ def fraction_of_bound(row: dict, b: dict) -> float:
     return row["samples_per_s"] * flops_per_sample / b["matmul_flops"]
 
 
-def run(quick: bool, repeats: int | None, steps: int | None, generation: str) -> dict:
+def run(quick: bool, repeats: int | None, steps: int | None, generation: str, precision: str) -> dict:
     repeats = repeats or (1 if quick else 3)
     steps = steps or (3 if quick else 20)
     results = {"streamrl": [], "trl": []}
@@ -239,17 +251,18 @@ def run(quick: bool, repeats: int | None, steps: int | None, generation: str) ->
         tmp = Path(tmp)
         cfg, prepared = prepare_shared(tmp)
         held_out = rows(prepared / "eval.jsonl")
-        limit = bound(cfg, prepared)
-        console.log(f"fp32 matmul rate {limit['matmul_flops'] / 1e9:.0f} GFLOP/s; {limit['params'] / 1e6:.1f}M params, "
+        limit = bound(cfg, prepared, precision)
+        console.log(f"{precision} matmul rate {limit['matmul_flops'] / 1e9:.0f} GFLOP/s; {limit['params'] / 1e6:.1f}M params, "
                     f"{limit['prompt_tokens']:.1f} prompt tokens a sample")
         console.log(f"base model: greedy accuracy on {len(held_out)} held-out questions")
         before = score_final(cfg, Path(cfg.model.path), held_out)
         for r in range(repeats):
             for side in (("streamrl", "trl") if r % 2 == 0 else ("trl", "streamrl")):  # who goes first rotates
                 if side == "trl":
-                    row = trl_run(cfg, prepared, tmp / f"trl-{r}", steps=steps, seed=r, generation=generation)
+                    row = trl_run(cfg, prepared, tmp / f"trl-{r}", steps=steps, seed=r, generation=generation,
+                                  precision=precision)
                 else:
-                    row = streamrl_run(cfg, prepared, tmp / "runs", steps=steps, seed=r)
+                    row = streamrl_run(cfg, prepared, tmp / "runs", steps=steps, seed=r, precision=precision)
                 row["fraction_of_bound"] = fraction_of_bound(row, limit)
                 results[side].append(row)
                 console.log(f"{side} seed {r}: {row['samples_per_s']:.2f} samples/s over {row['wall_s']:.0f} s, "
@@ -259,6 +272,7 @@ def run(quick: bool, repeats: int | None, steps: int | None, generation: str) ->
                                                            "fraction_of_bound")}
            for side, rs in results.items()}
     return {"study": "trl", "config": CONFIG, "repeats": repeats, "max_steps": steps, "trl_generation": generation,
+            "precision": precision,
             "samples": results["trl"][0]["samples"], "held_out": len(held_out), "held_out_before": before,
             "bound": limit,
             "streamrl_settings": {"mode": cfg.mode, "max_staleness": cfg.off_policy.max_staleness,
@@ -270,7 +284,8 @@ def run(quick: bool, repeats: int | None, steps: int | None, generation: str) ->
 
 def report(data: dict, out: Path) -> None:
     m = data["median"]
-    print_table(f"streamrl vs TRL GRPOTrainer ({data['trl_generation']} generation), SmolLM2-135M two-digit addition, "
+    print_table(f"streamrl vs TRL GRPOTrainer ({data['trl_generation']} generation, {data.get('precision', 'fp32')}), "
+                "SmolLM2-135M two-digit addition, "
                 f"{data['max_steps']} steps ({data['samples']} samples), medians of {data['repeats']}",
                 ["system", "samples/s", "train wall s", "completion tokens", "of the compute bound",
                  "train reward (last 5 steps)",
@@ -293,12 +308,14 @@ def report(data: dict, out: Path) -> None:
 
 
 def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None,
-         steps: int | None = None, trl_generation: str = "hf") -> dict:
+         steps: int | None = None, trl_generation: str = "hf", precision: str = "fp32") -> dict:
     require_trl()
     if trl_generation not in ("hf", "paged", "vllm"):
         raise SystemExit(f"--trl-generation: {trl_generation!r} is not one of hf, paged, vllm")
-    settings.update(trl_generation=trl_generation)
-    data = run(quick, repeats, steps, trl_generation)
+    if precision not in ("fp32", "bf16"):
+        raise SystemExit(f"--precision: {precision!r} is not one of fp32, bf16")
+    settings.update(trl_generation=trl_generation, precision=precision)
+    data = run(quick, repeats, steps, trl_generation, precision)
     report(data, out)
     return data
 

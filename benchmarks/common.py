@@ -36,11 +36,12 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def matmul_flops(size: int = 2048, seconds: float = 3.0) -> float:
-    """This machine's fp32 matmul rate (FLOP/s) on torch's threads: the compute bound of a model's work."""
+def matmul_flops(size: int = 2048, seconds: float = 3.0, dtype=None) -> float:
+    """This machine's matmul rate (FLOP/s) in ``dtype`` (fp32 by default) on torch's threads: the compute
+    bound of a model's work."""
     import torch
 
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     a @ b  # warm-up
     done, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
