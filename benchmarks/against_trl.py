@@ -16,10 +16,12 @@ one built for this torch) its colocated engine fails at the first weight sync (`
 attribute 'weight_loader'``, vLLM issue 34201). TRL's GRPOTrainer has no padding-free option (its SFT and DPO
 trainers have one). streamrl runs ``streamrl up`` (every part its own process, async, max staleness 2).
 
-Precision (``--precision``): ``fp32`` on both sides, or ``bf16`` on both: streamrl with ``model.dtype=bfloat16``
-(bf16 weights served and trained, DeepSpeed's fp32 master copy for AdamW), TRL with ``bf16=True`` (autocast
-over its fp32 model: its own mixed precision; a model loaded in bf16 under plain AdamW would round most
-updates of lr 1e-5 away). Both final models are scored in fp32.
+Precision (``--precision``, and ``--trl-precision`` for TRL when it differs): ``fp32``, or ``bf16`` mixed
+precision: fp32 weights and AdamW, matmuls under bf16 autocast (streamrl ``model.dtype=bfloat16
+learner.mixed_precision=true``, its servers serving bf16 copies; TRL ``bf16=True``). bf16 weights themselves
+(streamrl without ``mixed_precision``) learned less in 20 steps: lr 1e-5 moves a weight by less than its bf16
+rounding step. TRL's bf16 is slower than its fp32 here (784 s against 581 s for 20 steps, seed 0), so its
+best configuration is fp32. Both final models are scored in fp32.
 
 Clocks: TRL's from the start of its training loop to its end; streamrl's from its rollout worker's opening
 report (every part started, the version-0 eval done) to the learner's last step. The final weights of both
@@ -31,8 +33,7 @@ The bound: a sample costs at least 2N FLOPs a token to generate (prompt and comp
 train on, at this machine's fp32 matmul rate (measured first, on every core); each system's samples/s is
 reported as a fraction of what that allows.
 
-    python -m benchmarks.against_trl [--quick] [--trl-generation hf|paged|vllm] [--precision fp32|bf16]
-    (or: streamrl bench trl)
+    python -m benchmarks.against_trl [--quick] [--trl-generation G] [--precision P] [--trl-precision P]
 """
 
 from __future__ import annotations
@@ -203,7 +204,7 @@ def streamrl_run(cfg: Config, prepared: Path, runs: Path, *, steps: int, seed: i
             f"run.seed={seed}", f"learner.max_steps={steps}", f"eval.every={steps}",
             f"learner.export_every={steps}", f"router.port={free_port()}", f"router.prometheus_port={free_port()}",
             f"server.base_port={free_port()}", "supervise.display=plain",
-            f"model.dtype={'bfloat16' if precision == 'bf16' else 'float32'}"]
+            *(["model.dtype=bfloat16", "learner.mixed_precision=true"] if precision == "bf16" else [])]
     done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
     if done.returncode != 0:
         raise RuntimeError(f"{name} failed ({done.returncode}):\n{done.stdout[-3000:]}")
@@ -220,10 +221,10 @@ def streamrl_run(cfg: Config, prepared: Path, runs: Path, *, steps: int, seed: i
                                           rows(prepared / "eval.jsonl"))}
 
 
-def bound(cfg: Config, prepared: Path, precision: str) -> dict:
+def bound(cfg: Config, prepared: Path) -> dict:
     """The compute bound of a sample: generating it (2N FLOPs a token, prompt and completion) and training on it
-    (6N a token), at this machine's measured matmul rate in ``precision``; what each system adds (padding, casts,
-    the ops that are not matmuls) counts against it."""
+    (6N a token), at this machine's measured fp32 matmul rate; what each system adds (padding, the ops that are
+    not matmuls) counts against it. The bf16 rate is measured too: a side computing in bf16 can pass the bound."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -234,8 +235,8 @@ def bound(cfg: Config, prepared: Path, precision: str) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     conversations = play(cfg, rows(prepared / "train.jsonl")[:256])
     prompt = sum(map(len, chat_prompt_ids(tokenizer, conversations))) / len(conversations)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    return {"params": params, "prompt_tokens": prompt, "matmul_flops": matmul_flops(dtype=dtype)}
+    return {"params": params, "prompt_tokens": prompt, "matmul_flops": matmul_flops(),
+            "matmul_flops_bf16": matmul_flops(dtype=torch.bfloat16)}
 
 
 def fraction_of_bound(row: dict, b: dict) -> float:
@@ -243,7 +244,7 @@ def fraction_of_bound(row: dict, b: dict) -> float:
     return row["samples_per_s"] * flops_per_sample / b["matmul_flops"]
 
 
-def run(quick: bool, repeats: int | None, steps: int | None, generation: str, precision: str) -> dict:
+def run(quick: bool, repeats: int | None, steps: int | None, generation: str, precision: dict[str, str]) -> dict:
     repeats = repeats or (1 if quick else 3)
     steps = steps or (3 if quick else 20)
     results = {"streamrl": [], "trl": []}
@@ -251,8 +252,9 @@ def run(quick: bool, repeats: int | None, steps: int | None, generation: str, pr
         tmp = Path(tmp)
         cfg, prepared = prepare_shared(tmp)
         held_out = rows(prepared / "eval.jsonl")
-        limit = bound(cfg, prepared, precision)
-        console.log(f"{precision} matmul rate {limit['matmul_flops'] / 1e9:.0f} GFLOP/s; {limit['params'] / 1e6:.1f}M params, "
+        limit = bound(cfg, prepared)
+        console.log(f"matmul rate fp32 {limit['matmul_flops'] / 1e9:.0f} GFLOP/s, bf16 "
+                    f"{limit['matmul_flops_bf16'] / 1e9:.0f} GFLOP/s; {limit['params'] / 1e6:.1f}M params, "
                     f"{limit['prompt_tokens']:.1f} prompt tokens a sample")
         console.log(f"base model: greedy accuracy on {len(held_out)} held-out questions")
         before = score_final(cfg, Path(cfg.model.path), held_out)
@@ -260,9 +262,10 @@ def run(quick: bool, repeats: int | None, steps: int | None, generation: str, pr
             for side in (("streamrl", "trl") if r % 2 == 0 else ("trl", "streamrl")):  # who goes first rotates
                 if side == "trl":
                     row = trl_run(cfg, prepared, tmp / f"trl-{r}", steps=steps, seed=r, generation=generation,
-                                  precision=precision)
+                                  precision=precision["trl"])
                 else:
-                    row = streamrl_run(cfg, prepared, tmp / "runs", steps=steps, seed=r, precision=precision)
+                    row = streamrl_run(cfg, prepared, tmp / "runs", steps=steps, seed=r,
+                                       precision=precision["streamrl"])
                 row["fraction_of_bound"] = fraction_of_bound(row, limit)
                 results[side].append(row)
                 console.log(f"{side} seed {r}: {row['samples_per_s']:.2f} samples/s over {row['wall_s']:.0f} s, "
@@ -284,8 +287,9 @@ def run(quick: bool, repeats: int | None, steps: int | None, generation: str, pr
 
 def report(data: dict, out: Path) -> None:
     m = data["median"]
-    print_table(f"streamrl vs TRL GRPOTrainer ({data['trl_generation']} generation, {data.get('precision', 'fp32')}), "
-                "SmolLM2-135M two-digit addition, "
+    precision = data.get("precision", {"streamrl": "fp32", "trl": "fp32"})
+    print_table(f"streamrl ({precision['streamrl']}) vs TRL GRPOTrainer ({data['trl_generation']} generation, "
+                f"{precision['trl']}), SmolLM2-135M two-digit addition, "
                 f"{data['max_steps']} steps ({data['samples']} samples), medians of {data['repeats']}",
                 ["system", "samples/s", "train wall s", "completion tokens", "of the compute bound",
                  "train reward (last 5 steps)",
@@ -308,14 +312,17 @@ def report(data: dict, out: Path) -> None:
 
 
 def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None,
-         steps: int | None = None, trl_generation: str = "hf", precision: str = "fp32") -> dict:
+         steps: int | None = None, trl_generation: str = "hf", precision: str = "fp32",
+         trl_precision: str | None = None) -> dict:
     require_trl()
     if trl_generation not in ("hf", "paged", "vllm"):
         raise SystemExit(f"--trl-generation: {trl_generation!r} is not one of hf, paged, vllm")
-    if precision not in ("fp32", "bf16"):
-        raise SystemExit(f"--precision: {precision!r} is not one of fp32, bf16")
-    settings.update(trl_generation=trl_generation, precision=precision)
-    data = run(quick, repeats, steps, trl_generation, precision)
+    sides = {"streamrl": precision, "trl": trl_precision or precision}
+    for flag, value in (("--precision", precision), ("--trl-precision", sides["trl"])):
+        if value not in ("fp32", "bf16"):
+            raise SystemExit(f"{flag}: {value!r} is not one of fp32, bf16")
+    settings.update(trl_generation=trl_generation, precision=sides)
+    data = run(quick, repeats, steps, trl_generation, sides)
     report(data, out)
     return data
 

@@ -273,8 +273,10 @@ def bench(
     steps: Annotated[int | None, typer.Option(help="trl: learner steps of each run (default: 20).", min=1)] = None,
     trl_generation: Annotated[str | None, typer.Option(help="trl: TRL's generation backend: hf (model.generate), "
                                                             "paged (continuous batching) or vllm (colocated).")] = None,
-    precision: Annotated[str | None, typer.Option(help="trl: fp32, or bf16 on both sides (streamrl model.dtype="
-                                                       "bfloat16; TRL bf16=True, fp32 master weights).")] = None,
+    precision: Annotated[str | None, typer.Option(help="trl: fp32, or bf16 mixed precision (fp32 weights, bf16 "
+                                                       "autocast) for both sides.")] = None,
+    trl_precision: Annotated[str | None, typer.Option(help="trl: TRL's precision when it differs from "
+                                                           "--precision.")] = None,
     study: Annotated[str | None, typer.Option(help="ablation: one of its studies: credit, late-groups, is-weights, minibatches, minibatches-sync, longer (default: all).")] = None,
 ) -> None:
     """Throughput studies; each prints a table and writes JSON and a PNG plot."""
@@ -294,7 +296,8 @@ def bench(
             err.print(f"--repeats applies to e2e, ablation and trl, not {suite}")
             raise typer.Exit(2)
         options["repeats"] = repeats
-    for name, value in (("steps", steps), ("trl_generation", trl_generation), ("precision", precision)):
+    for name, value in (("steps", steps), ("trl_generation", trl_generation), ("precision", precision),
+                        ("trl_precision", trl_precision)):
         if value is not None:
             if suite != "trl":
                 err.print(f"--{name.replace('_', '-')} applies to trl, not {suite}")

@@ -164,6 +164,11 @@ class LearnerConfig(Section):
     mismatch_warn_kl: float = Field(0.01, ge=0, description="warn when KL(behaviour || learner) on tokens generated "
                                     "at the learner's own version exceeds this (the same weights on both sides: a "
                                     "dtype, chat-template or engine-logprob bug)")
+    mixed_precision: bool = Field(False, description="with model.dtype bfloat16: the policy's weights and AdamW stay "
+                                  "fp32 and its forwards and backwards run under bfloat16 autocast (the servers "
+                                  "serve bfloat16 copies of each push); off, the weights themselves are bfloat16 and "
+                                  "an update smaller than their rounding step waits for the fp32 master copy to "
+                                  "cross it")
     zero_stage: int = Field(0, ge=0, le=3)
     grad_clip: float = Field(1.0, gt=0)
     clip_eps: float = Field(0.2, gt=0)
@@ -282,6 +287,13 @@ class Config(Section):
             raise ValueError("rollout.sampling.top_p/top_k: vLLM reports logprobs renormalised after top-p/top-k "
                              "truncation, which would not match the learner's; use top_p=1 and top_k=-1 with "
                              "server.engine=vllm, or the hf engine")
+        return self
+
+    @model_validator(mode="after")
+    def _mixed_precision_needs_bfloat16(self) -> Config:
+        if self.learner.mixed_precision and self.model.dtype != "bfloat16":
+            raise ValueError(f"learner.mixed_precision computes in bfloat16 over fp32 weights; model.dtype is "
+                             f"{self.model.dtype!r}: set model.dtype=bfloat16 (float16 would need loss scaling)")
         return self
 
     @model_validator(mode="after")

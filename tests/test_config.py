@@ -108,3 +108,9 @@ def test_settings_the_chosen_engine_would_not_honour_are_refused():
         assert load_config(None, [truncation])  # the hf engine reports logprobs before truncation
         with pytest.raises(ConfigError, match="use top_p=1 and top_k=-1 with server.engine=vllm"):
             load_config(None, ["server.engine=vllm", truncation])
+
+
+def test_mixed_precision_is_refused_without_bfloat16():
+    with pytest.raises(ValueError, match="learner.mixed_precision computes in bfloat16"):
+        load_config(None, ["learner.mixed_precision=true"])
+    assert load_config(None, ["learner.mixed_precision=true", "model.dtype=bfloat16"]).learner.mixed_precision

@@ -229,3 +229,27 @@ def test_a_model_with_dropout_has_a_random_forward():
                                             num_attention_heads=2, num_key_value_heads=2, **kw))
 
     assert not has_dropout(tiny()) and has_dropout(tiny(attention_dropout=0.1))
+
+
+@pytest.mark.slow
+def test_mixed_precision_computes_in_bf16_and_keeps_updates_bf16_weights_round_away(engine, tiny_model_dir):
+    """An AdamW step of lr 1e-6 moves each weight by about 1e-6, under half the bf16 rounding step of a
+    weight of 0.02: bf16 weights stay put (their fp32 master moved); fp32 weights under autocast move."""
+    from streamrl.config import load_config
+    from streamrl.learner.policy import Policy
+
+    def changed_after_a_step(mixed: bool) -> tuple[Policy, float]:
+        cfg = load_config(None, [f"model.path={tiny_model_dir}", "learner.lr=1e-6", "model.dtype=bfloat16",
+                                 f"learner.mixed_precision={mixed}"])
+        policy = Policy(cfg, tiny_model_dir)
+        before = [p.detach().clone() for p in policy.module.parameters()]
+        assert policy.step(*_shard())["skipped"] == 0.0
+        moved = sum(int((a != b).sum()) for a, b in zip(before, policy.module.parameters()))
+        return policy, moved / sum(a.numel() for a in before)
+
+    mixed, moved = changed_after_a_step(True)
+    assert {p.dtype for p in mixed.module.parameters()} == {torch.float32} and moved > 0.5  # all but unused embedding rows
+    shard, _ = _shard()
+    assert mixed._logits(packing.collate(shard[0], mixed.device)).dtype == torch.bfloat16
+    plain, moved = changed_after_a_step(False)
+    assert {p.dtype for p in plain.module.parameters()} == {torch.bfloat16} and moved < 0.05

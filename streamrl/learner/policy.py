@@ -27,7 +27,7 @@ def deepspeed_config(cfg: Config) -> dict[str, Any]:
         import json
 
         return json.loads(cfg.learner.deepspeed_config.read_text())
-    bf16 = cfg.model.dtype == "bfloat16"
+    bf16 = cfg.model.dtype == "bfloat16" and not cfg.learner.mixed_precision
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,  # boundaries are set per step instead
@@ -76,7 +76,9 @@ class Policy:
         from transformers import AutoModelForCausalLM
 
         self.cfg = cfg
-        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        compute = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        self.mixed = cfg.learner.mixed_precision
+        dtype = torch.float32 if self.mixed else compute
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=packing.attention())
         model.config.use_cache = False
         # torch's optimizers: nothing to compile, the same on CPU and GPU
@@ -98,7 +100,7 @@ class Policy:
         self.random_forward = has_dropout(model)
         self.reference = None
         if cfg.learner.kl_coef > 0 and not cfg.learner.kl_in_reward:  # a frozen copy of the initial policy
-            self.reference = Reference(model_path, self.device, dtype, self.temperature, cfg.learner.zero_stage)
+            self.reference = Reference(model_path, self.device, compute, self.temperature, cfg.learner.zero_stage)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -239,7 +241,9 @@ class Policy:
         return per_token.sum()
 
     def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return packing.forward(self.model, batch)
+        # under autocast the backward's matmuls run in bfloat16 too; the gradients land on the fp32 weights
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.mixed):
+            return packing.forward(self.model, batch)
 
     def _ptx_loss(self, batch: dict[str, torch.Tensor], stats: dict) -> torch.Tensor:
         """Summed token cross-entropy on SFT rows, weighted by ``ptx_coef``."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -37,7 +38,7 @@ def serve(cfg: Config, *, host: str | None = None, port: int | None = None) -> N
                      engine_name=cfg.server.engine)
     url = f"http://{host}:{port}"
     stop = threading.Event()
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5))
     threading.Thread(target=_watch, args=(engine, server, stop), daemon=True).start()
     if cfg.redis.url:
         ns = Namespace.open(cfg.redis.url, cfg.run.name, **cfg.redis.retry())
@@ -58,13 +59,17 @@ def serve(cfg: Config, *, host: str | None = None, port: int | None = None) -> N
         raise RuntimeError(f"the {cfg.server.engine} engine behind {url} stopped serving (its error is above)")
 
 
-def _watch(engine, server: uvicorn.Server, stop: threading.Event, every_s: float = 1.0) -> None:
+def _watch(engine, server: uvicorn.Server, stop: threading.Event, every_s: float = 1.0,
+           grace_s: float = 10.0) -> None:
     """Stop the HTTP server once the engine dies: a live front end over a dead engine would stay
     registered and be routed to (the router only marks it unhealthy) instead of being restarted."""
     while not stop.wait(every_s):
         if not engine.healthy():
             log.error("the engine died: shutting the server down")
             server.should_exit = True
+            if not stop.wait(grace_s):  # requests stuck on the dead engine keep uvicorn from stopping
+                log.error("the server did not stop within %.0f s: exiting now", grace_s)
+                os._exit(1)
             return
 
 
