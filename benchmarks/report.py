@@ -121,7 +121,7 @@ def build(results: Path, page: Path) -> Path:
         data = json.loads((results / f"{name}.json").read_text())
         parts.append(heading(name) + "\n")
         m = data["machine"]
-        parts.append(f"Run {m['time']} on {m['cpu_count']} CPU cores"
+        parts.append(f"Run {m['time']} on {m['cpu_count']} CPU cores" + (f" ({m['cpu']})" if "cpu" in m else "")
                      + (" (quick setting: fewer repeats and sizes)" if data.get("quick") else "") + ".\n")
         parts.append(about(name))
         parts.extend(markdown_table(t) for t in data.get("tables", []))

@@ -132,6 +132,21 @@ def test_ppo_critic_learns_the_returns(engine, tiny_model_dir):
     assert value_losses[-1] < value_losses[0]
 
 
+@pytest.mark.slow
+def test_a_mixed_precision_critic_keeps_fp32_weights_and_computes_in_bf16(engine, tiny_model_dir):
+    from streamrl.config import load_config
+    from streamrl.learner.critic import Critic
+
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "learner.algorithm=ppo", "model.dtype=bfloat16",
+                             "learner.mixed_precision=true"])
+    critic = Critic(cfg, tiny_model_dir)
+    assert {p.dtype for p in critic.model.module.parameters()} == {torch.float32}
+    seen = []  # the dtype a linear layer computes in, inside the critic's forward
+    critic.model.module.backbone.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    critic.values(packing.collate(_shard()[0][0]))
+    assert seen == [torch.bfloat16]
+
+
 def _on_policy(engine, shard):
     """Behaviour logprobs of the current weights, as if the data had just been generated."""
     for s in (s for mb in shard for s in mb):

@@ -20,10 +20,11 @@ from streamrl.learner.policy import deepspeed_config, empty_micro_batch_loss
 
 
 class ValueModel(torch.nn.Module):
-    def __init__(self, path: str, dtype: torch.dtype = torch.float32):
+    def __init__(self, path: str, dtype: torch.dtype = torch.float32, autocast: bool = False):
         from transformers import AutoModel
 
         super().__init__()
+        self.autocast = autocast  # bf16 compute over these (fp32) weights: learner.mixed_precision
         self.backbone = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=packing.attention())
         self.head = torch.nn.Linear(self.backbone.config.hidden_size, 1, dtype=dtype)
         torch.nn.init.zeros_(self.head.weight)
@@ -31,8 +32,9 @@ class ValueModel(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Values ``[1, N]`` of a packed row's positions."""
-        hidden = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
-        return self.head(hidden).squeeze(-1).float()
+        with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            hidden = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+            return self.head(hidden).squeeze(-1).float()
 
 
 def gae_advantages(values: torch.Tensor, seqs: list[TrainSequence], bounds: torch.Tensor, gamma: float, lam: float
@@ -56,8 +58,9 @@ class Critic:
         import deepspeed
 
         self.cfg = cfg
-        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-        model = ValueModel(path, dtype)
+        mixed = cfg.learner.mixed_precision  # as the policy: fp32 weights and AdamW, bf16 compute
+        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" and not mixed else torch.float32
+        model = ValueModel(path, dtype, autocast=mixed)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learner.critic_lr)
         self.model, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
