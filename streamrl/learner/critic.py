@@ -16,7 +16,7 @@ from streamrl.config import Config
 from streamrl.learner import packing
 from streamrl.learner.batch import TrainSequence
 from streamrl.learner.losses import gae, normaliser
-from streamrl.learner.policy import deepspeed_config, empty_micro_batch_loss
+from streamrl.learner.policy import deepspeed_config, empty_micro_batch_loss, weights_dtype
 
 
 class ValueModel(torch.nn.Module):
@@ -58,9 +58,7 @@ class Critic:
         import deepspeed
 
         self.cfg = cfg
-        mixed = cfg.learner.mixed_precision  # as the policy: fp32 weights and AdamW, bf16 compute
-        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" and not mixed else torch.float32
-        model = ValueModel(path, dtype, autocast=mixed)
+        model = ValueModel(path, weights_dtype(cfg), autocast=cfg.learner.mixed_precision)  # as the policy
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learner.critic_lr)
         self.model, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))

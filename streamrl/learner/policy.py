@@ -22,12 +22,19 @@ from streamrl.learner.losses import PolicyLoss, kl, normaliser
 from streamrl.learner.reference import Reference
 
 
+def weights_dtype(cfg: Config) -> torch.dtype:
+    """The dtype the learner holds its weights in: fp32, unless model.dtype is bfloat16 without mixed precision
+    (under ``learner.mixed_precision`` the weights stay fp32 and only the compute is bf16)."""
+    bf16 = cfg.model.dtype == "bfloat16" and not cfg.learner.mixed_precision
+    return torch.bfloat16 if bf16 else torch.float32
+
+
 def deepspeed_config(cfg: Config) -> dict[str, Any]:
     if cfg.learner.deepspeed_config:
         import json
 
         return json.loads(cfg.learner.deepspeed_config.read_text())
-    bf16 = cfg.model.dtype == "bfloat16" and not cfg.learner.mixed_precision
+    bf16 = weights_dtype(cfg) == torch.bfloat16
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,  # boundaries are set per step instead
@@ -78,8 +85,8 @@ class Policy:
         self.cfg = cfg
         compute = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         self.mixed = cfg.learner.mixed_precision
-        dtype = torch.float32 if self.mixed else compute
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=packing.attention())
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=weights_dtype(cfg),
+                                                     attn_implementation=packing.attention())
         model.config.use_cache = False
         # torch's optimizers: nothing to compile, the same on CPU and GPU
         optimizer = (torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr) if cfg.learner.optimizer == "adamw"
