@@ -18,9 +18,10 @@ from benchmarks.common import console, points
 TITLES = {"queue": "Replay stream", "partition": "Micro-batch partitioning", "generate": "Generation",
           "learner": "Learner", "weight_push": "Weight push", "e2e": "End to end: async vs sync",
           "ablation": "Ablations on the agentic workload", "trl": "Against TRL", "simulate": "Simulated fleets",
-          "soak": "Soak: memory over a long run"}
+          "soak": "Soak: memory over a long run", "agent": "Agents through the gateway"}
 MODULES = {"queue": "replay_stream", "trl": "against_trl"}  # a study's module, where not its own name
-HEADLINES = {"e2e": "- **async (", "ablation": "- **ablation `", "trl": "- **streamrl / TRL", "soak": "- **soak**"}
+HEADLINES = {"e2e": "- **async (", "ablation": "- **ablation `", "trl": "- **streamrl / TRL", "soak": "- **soak**",
+             "agent": "- **agent gateway"}
 
 
 def about(name: str) -> str:
@@ -87,6 +88,11 @@ def headlines(results: Path) -> list[str]:
                      f"{trl['repeats']})" + (f", final accuracy {m['streamrl']['held_out_final']:.2f} vs "
                                              f"{m['trl']['held_out_final']:.2f}" if "held_out_final" in m["trl"] else "")
                      + (f" (paired difference {points(trl['held_out_vs_trl'])})" if "held_out_vs_trl" in trl else ""))
+    if agent := load("agent"):
+        s = agent["summary"]
+        lines.append(f"- **agent gateway / Env** (the calculator task, one worker): {agent['agent_over_env']:.2f}× "
+                     f"samples/s ({s['agent']['samples_per_s']:.3g} vs {s['env']['samples_per_s']:.3g}; medians of "
+                     f"{agent['repeats']})")
     if soak := load("soak"):
         worst = max(soak["growth"].items(), key=lambda kv: kv[1]["growth"], default=None)
         if worst:

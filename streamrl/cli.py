@@ -263,7 +263,7 @@ def show_config(config: ConfigArg = None, overrides: OverridesArg = None) -> Non
 @app.command()
 def bench(
     suite: Annotated[str, typer.Argument(help="Study to run: queue, partition, generate, learner, weight-push, e2e, "
-                                                "ablation, trl, simulate; "
+                                                "ablation, trl, simulate, agent; "
                                                 "or 'report' to gather results into docs/benchmarks.md.")],
     quick: Annotated[bool, typer.Option("--quick", help="A short run that still measures both sides.")] = False,
     out: Annotated[Path, typer.Option(help="Where JSON and PNG results go.")] = Path("benchmarks/results"),

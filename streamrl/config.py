@@ -94,7 +94,8 @@ class SamplingConfig(Section):
 
 
 class RolloutConfig(Section):
-    env: str = Field("arithmetic", description="env name (entry point) or module:Class")
+    env: str = Field("arithmetic", description="env name (entry point), module:Class or file.py:Class; or an agent: "
+                     "an async function (client, item) -> reward, named the same ways (docs/agents.md)")
     env_args: dict[str, Any] = Field(default_factory=dict)
     dataset: str | None = Field(None, description="JSONL/Parquet file; empty uses the env's generator")
     workers: int = Field(1, ge=0)
@@ -104,7 +105,11 @@ class RolloutConfig(Section):
     env_concurrency: int = Field(64, ge=1, description="env steps in flight per worker")
     oldest_first: bool = Field(False, description="a busy server serves the requests of groups admitted at older "
                                "policy versions first, as their data goes stale first (off: first come first served)")
-    env_timeout_s: float = Field(60.0, gt=0, description="longest an env reset or step may take")
+    env_timeout_s: float = Field(60.0, gt=0, description="longest an env reset or step may take; an agent's longest "
+                                 "stretch of its own code between model calls")
+    tool_parser: str = Field("hermes", description="agents: how tool calls are read from the generated text: hermes "
+                             "(<tool_call>{json}</tool_call>), json (the reply is the call), or module:function")
+    agent_max_calls: int = Field(32, ge=1, description="agents: model calls an episode may make")
     max_context: int = Field(2048, ge=8, description="longest trajectory context in tokens")
     min_group: int = Field(2, ge=1, description="fewest good samples a group needs to be pushed")
     prompt_lease_s: float = Field(600.0, gt=0, description="how long a claimed prompt is held")
@@ -206,7 +211,8 @@ class WeightSyncConfig(Section):
 
 
 class PrepareConfig(Section):
-    fn: str | None = Field(None, description="module:function that `streamrl up` runs first; returns overrides")
+    fn: str | None = Field(None, description="module:function (or file.py:function) that `streamrl up` runs first; "
+                           "returns overrides")
     args: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -3,6 +3,7 @@
 import json
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -109,6 +110,36 @@ def test_a_raising_env_is_counted_not_fatal(fleet):
     assert groups, "no group made it despite most episodes succeeding"
     failed = sum(g.meta["failed"] for g in groups)
     assert failed > 0 and all(len(g.samples) >= 2 for g in groups)
+
+
+def test_agent_episodes_land_token_exact_and_a_raising_agent_is_counted_not_fatal(fleet, tiny_model_dir, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.learner import batch as batching
+    from streamrl.learner import packing
+    from streamrl.protocol import Group
+
+    agents = Path(__file__).parent / "agents.py"
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("".join(json.dumps({"question": f"what is {i} plus {i}"}) + "\n" for i in range(20)))
+    proc = _worker(fleet, f"rollout.env={agents}:tool_user", "rollout.env_args={fail_rate: 0.15}",
+                   f"rollout.tool_parser={agents}:every_reply_calls_echo", f"rollout.dataset={questions}",
+                   "rollout.max_context=1024", "learner.groups_per_step=50", "--groups", "6")
+    assert proc.wait(120) == 0
+    groups = _groups(fleet)
+    assert groups and sum(g.meta["failed"] for g in groups) > 0  # some episodes raised; the worker went on
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    for s in (s for g in groups for s in g.samples):
+        assert s.seq_lens is None and s.turn_rewards == [1.0, 1.0, 1.0] and s.env_info["turns"] == 3
+        generated = s.loss_mask.astype(bool)
+        assert (s.versions[generated] == 0).all() and (s.versions[~generated] == -1).all()
+        batch = packing.collate(batching.sequences([Group("p", "a", [s, s])], version=0, algorithm="rloo")[:1])
+        with torch.no_grad():
+            logp, _ = packing.token_logprobs(packing.forward(model, batch), batch, 1.0)
+        mask = batch["mask"][0] > 0  # re-scored by a teacher-forced forward, every generated token agrees
+        assert int(mask.sum()) == int(generated.sum())
+        assert float((logp[0][mask] - batch["logprobs"][0][mask]).abs().max()) <= 1e-4
 
 
 def test_rlhf_groups_are_scored_by_a_reward_model_server(fleet, reward_dir, tmp_path):

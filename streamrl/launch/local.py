@@ -11,7 +11,6 @@ down (Redis last, so the others can finish their writes).
 
 from __future__ import annotations
 
-import importlib
 import os
 import secrets
 import shutil
@@ -27,6 +26,7 @@ import yaml
 from streamrl.buffer import EmbeddedRedis
 from streamrl.buffer.redis_server import free_port
 from streamrl.config import Config, ConfigError, load_config
+from streamrl.envs.registry import load_plugin
 from streamrl.launch.display import Dashboard
 from streamrl.launch.supervisor import Part, PartFailed, Supervisor
 from streamrl.rollout.evaluate import read_records
@@ -36,11 +36,10 @@ def prepare(cfg: Config, path: str | None, overrides: list[str]) -> Config:
     """Run the config's recipe (if any) and fold the overrides it returns into the config."""
     if not cfg.prepare.fn:
         return cfg
-    module, _, name = cfg.prepare.fn.partition(":")
     try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"prepare.fn: cannot load {cfg.prepare.fn!r} ({e})") from None
+        fn = load_plugin(cfg.prepare.fn, "streamrl.recipes", "prepare.fn")  # module:function or file.py:function
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     made: dict[str, Any] = fn(cfg, **cfg.prepare.args)
     return load_config(path, [*overrides, *(f"{k}={v}" for k, v in made.items())])
 

@@ -28,6 +28,10 @@ from streamrl.protocol import Sample
 from streamrl.rollout.engines.base import Completion, SamplingParams
 
 Generate = Callable[[list[int], SamplingParams], Awaitable[Completion]]
+
+
+class EnvFault(RuntimeError):
+    """An env (or an agent) raised, timed out, or returned something that is not an observation or a reward."""
 _REPLY = "\u2063streamrl-reply\u2063"  # stands in for the assistant's content while rendering
 
 
@@ -41,17 +45,20 @@ class ChatRenderer:
         # the worker's costliest step per episode) and tokenise each once
         self._encoded = functools.lru_cache(maxsize=4096)(
             lambda text: tuple(tokenizer(text, add_special_tokens=False).input_ids))
-        self._rendered = functools.lru_cache(maxsize=4096)(lambda key, prompt: self._template(json.loads(key), prompt))
+        self._rendered = functools.lru_cache(maxsize=4096)(
+            lambda key, prompt: self._template(*json.loads(key), generation_prompt=prompt))
 
-    def render(self, messages: list[Message], generation_prompt: bool) -> str:
+    def render(self, messages: list[Message], generation_prompt: bool, tools: list[dict] | None = None) -> str:
+        """The chat template's text of ``messages`` (with ``tools``, the functions an agent offers)."""
         try:
-            key = json.dumps(messages)
+            key = json.dumps([messages, tools])
         except (TypeError, ValueError):  # an env's own objects in its messages: rendered as they are, uncached
-            return self._template(messages, generation_prompt)
+            return self._template(messages, tools, generation_prompt=generation_prompt)
         return self._rendered(key, generation_prompt)
 
-    def _template(self, messages: list[Message], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    def _template(self, messages: list[Message], tools: list[dict] | None, *, generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
 
     def encode(self, text: str) -> list[int]:
         return list(self._encoded(text))
@@ -63,18 +70,18 @@ class ChatRenderer:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def after_reply(self, history: list[Message], reply_ids: list[int], context_text: str,
-                    new: list[Message]) -> tuple[str, list[int]] | None:
+                    new: list[Message], tools: list[dict] | None = None) -> tuple[str, list[int]] | None:
         """(text, tokens) that follow the reply and open the next assistant turn.
 
         None when the template renders ``history`` as something other than
         ``context_text`` (the text the context already holds): not a continuation.
         """
         with_reply = [*history, {"role": "assistant", "content": _REPLY}]
-        closed = self.render(with_reply, False)
+        closed = self.render(with_reply, False, tools)
         cut = closed.find(_REPLY)
         if cut < 0 or closed[:cut] != context_text:
             return None
-        full = self.render(with_reply + new, True)
+        full = self.render(with_reply + new, True, tools)
         if not full.startswith(closed[: cut + len(_REPLY)]):
             return None
         tail = full[cut + len(_REPLY):]
@@ -85,7 +92,7 @@ class ChatRenderer:
 
 
 @dataclass
-class _Sequences:
+class Sequences:
     """The growing trajectory: per-token arrays plus where each sequence ends."""
 
     tokens: list[int] = field(default_factory=list)
@@ -129,7 +136,7 @@ async def run_episode(env: Env, item: dict[str, Any], *, generate: Generate, ren
     obs = await env.reset(item)
     timings["env_s"] += time.perf_counter() - t0
 
-    seqs, history = _Sequences(), list(obs.messages)
+    seqs, history = Sequences(), list(obs.messages)
     context_text = _start(seqs, obs, renderer)
     turn_rewards: list[float] = []
     finish, info = "stop", {}
@@ -159,10 +166,10 @@ async def run_episode(env: Env, item: dict[str, Any], *, generate: Generate, ren
         finish = "length" if finish == "stop" else finish  # turns ran out mid-conversation
 
     return seqs.sample(reward=sum(turn_rewards), finish_reason=finish, turn_rewards=turn_rewards,
-                       env_info={**_plain(info), "turns": len(turn_rewards)}, timings=timings)
+                       env_info={**plain_info(info), "turns": len(turn_rewards)}, timings=timings)
 
 
-def _start(seqs: _Sequences, obs: Observation, renderer: ChatRenderer) -> str:
+def _start(seqs: Sequences, obs: Observation, renderer: ChatRenderer) -> str:
     if obs.token_ids is not None:
         seqs.observe(list(obs.token_ids))
         return renderer.tokenizer.decode(obs.token_ids, skip_special_tokens=False)
@@ -171,7 +178,7 @@ def _start(seqs: _Sequences, obs: Observation, renderer: ChatRenderer) -> str:
     return text
 
 
-def _continue(seqs: _Sequences, history: list[Message], out: Completion, reply: str, context_text: str,
+def _continue(seqs: Sequences, history: list[Message], out: Completion, reply: str, context_text: str,
               obs: Observation, renderer: ChatRenderer) -> str:
     """Append the next observation; returns the text the context now holds."""
     if obs.token_ids is not None:  # raw tokens go in as they are
@@ -184,14 +191,14 @@ def _continue(seqs: _Sequences, history: list[Message], out: Completion, reply: 
     if cont is not None:
         tail, ids = cont
         seqs.observe(ids)
-        return _closed_text(context_text, out, reply, renderer) + tail
+        return closed_text(context_text, out, reply, renderer) + tail
     seqs.new_sequence()  # the template rewrote history: start over from a fresh rendering
     text = renderer.render(history, True)
     seqs.observe(renderer.encode(text))
     return text
 
 
-def _closed_text(context_text: str, out: Completion, reply: str, renderer: ChatRenderer) -> str:
+def closed_text(context_text: str, out: Completion, reply: str, renderer: ChatRenderer) -> str:
     """The context's text after the reply: what it held, the reply, and its end-of-turn if generated."""
     end = ""
     if out.output_ids and out.output_ids[-1] in renderer.stop_ids:
@@ -203,7 +210,7 @@ def _with_budget(params: SamplingParams, budget: int) -> SamplingParams:
     return params if budget >= params.max_new_tokens else replace(params, max_new_tokens=budget)
 
 
-def _plain(info: dict[str, Any]) -> dict[str, Any]:
+def plain_info(info: dict[str, Any]) -> dict[str, Any]:
     """env info as msgpack-able values (anything else as its repr)."""
     ok = (str, int, float, bool, type(None))
     return {str(k): v if isinstance(v, ok) else repr(v) for k, v in info.items()}

@@ -17,13 +17,13 @@ from typing import Any
 
 from streamrl.buffer import Namespace, PolicyVersion, ServerRegistry
 from streamrl.config import Config
-from streamrl.envs import env_factory
 from streamrl.models import load_tokenizer
 from streamrl.protocol import Sample
 from streamrl.rollout.client import GenerateClient, GenerateError, run_event_loop
 from streamrl.rollout.dataset import load_rows
 from streamrl.rollout.engines.base import SamplingParams
 from streamrl.rollout.episode import ChatRenderer, run_episode
+from streamrl.rollout.worker import episode_player
 
 log = logging.getLogger("streamrl.evaluate")
 
@@ -34,9 +34,9 @@ class Evaluator:
             raise ValueError("eval.dataset is not set: give held-out rows for rollout.env")
         self.cfg = cfg
         self.rows = load_rows(cfg.eval.dataset)[: cfg.eval.size]
-        self.make_env = env_factory(cfg.rollout.env, cfg.rollout.env_args)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
         self.renderer = ChatRenderer(self.tokenizer)
+        self.make_env, self.agent = episode_player(cfg, self.renderer)
         self.params = SamplingParams(max_new_tokens=cfg.rollout.sampling.max_new_tokens, temperature=0.0)
         ns = Namespace.open(redis_url, cfg.run.name, **cfg.redis.retry())
         self.version, self.registry = PolicyVersion(ns), ServerRegistry(ns, ttl_s=cfg.server.registry_ttl_s)
@@ -66,6 +66,8 @@ class Evaluator:
                 target = due[-1] if step < last else last
                 await self._servers_reach(target)
                 self.write(await self._evaluate_patiently(target))
+        if self.agent is not None:
+            await self.agent.close()
 
     async def _evaluate_patiently(self, version: int, patience_s: float = 300.0, pause_s: float = 5.0) -> dict:
         """``evaluate``, again while no server answers (one restarting, the router's circuit open): a run
@@ -113,6 +115,8 @@ class Evaluator:
         return record
 
     async def _episode(self, row: dict[str, Any]) -> Sample:
+        if self.agent is not None:
+            return await self.agent.play(row, generate=self.client.generate, params=self.params)
         env = self.make_env()
         try:
             return await run_episode(env, row, generate=self.client.generate, renderer=self.renderer,

@@ -19,6 +19,7 @@ import statistics
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,19 +29,18 @@ from prometheus_client import Counter as PromCounter
 from streamrl.buffer import Admission, BufferUnavailable, Namespace, PolicyVersion, PromptClaims, ReplayStream
 from streamrl.config import Config, RolloutConfig
 from streamrl.envs import Env, Observation, StepResult, env_factory
+from streamrl.envs.registry import env_plugin, is_agent
 from streamrl.models import load_tokenizer
 from streamrl.protocol import Group, Sample, WireError
+from streamrl.rollout.agent import AgentRunner
 from streamrl.rollout.client import GenerateClient, GenerateError, run_event_loop
 from streamrl.rollout.coalesce import Coalescer
 from streamrl.rollout.dataset import Prompts, load_rows
 from streamrl.rollout.engines.base import Completion, SamplingParams
-from streamrl.rollout.episode import ChatRenderer, run_episode
+from streamrl.rollout.episode import ChatRenderer, EnvFault, run_episode
+from streamrl.rollout.tool_calls import load_parser
 
 log = logging.getLogger("streamrl.worker")
-
-
-class EnvFault(RuntimeError):
-    """An env raised, timed out, or returned something that is not an observation or step result."""
 
 
 async def _within(coro, seconds: float):
@@ -100,16 +100,22 @@ class RolloutWorker:
         self.admission = Admission(ns, max_staleness=max_staleness, groups_per_step=cfg.learner.groups_per_step,
                                    lease_s=rollout.group_lease_s)
         self.claims = PromptClaims(ns, name, lease_s=rollout.prompt_lease_s, life=uuid.uuid4().hex)
-        self.make_env = env_factory(rollout.env, rollout.env_args)
-        self.prompts = (Prompts(rows=load_rows(rollout.dataset)) if rollout.dataset
-                        else Prompts(generator=lambda: self.make_env().items(cfg.run.seed)))
         self.renderer = ChatRenderer(load_tokenizer(cfg.model.tokenizer or cfg.model.path))
+        self.make_env, self.agent = episode_player(cfg, self.renderer)
+        self.prompts = (Prompts(rows=load_rows(rollout.dataset)) if rollout.dataset
+                        else Prompts(generator=lambda: self._env_items(cfg.run.seed)))
         s = rollout.sampling
         self.params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                                      top_k=s.top_k)
         self.router_url = rollout.router_url or f"http://{cfg.router.host}:{cfg.router.port}"
         self.metrics = WorkerMetrics(cfg.run.path / "metrics" / f"rollout-{name}.jsonl", rollout.prometheus_port)
         self.stopping = asyncio.Event()
+
+    def _env_items(self, seed: int):
+        if self.agent is not None:
+            raise ValueError(f"agent {self.cfg.rollout.env!r} has no dataset of its own: set rollout.dataset "
+                             "(or a prepare.fn that writes one)")
+        return self.make_env().items(seed)
 
     # ------------------------------------------------------------------ main loop
 
@@ -140,6 +146,8 @@ class RolloutWorker:
                 started += 1
             if tasks:  # finish what was started; a group is put whole or not at all
                 await asyncio.wait(tasks)
+        if self.agent is not None:
+            await self.agent.close()
         reporter.cancel()
         self.metrics.write(self.admission.counters())
         self.version_watch.close()
@@ -199,13 +207,16 @@ class RolloutWorker:
                 delay = min(30.0, delay * 2)
 
     async def _episode(self, item: dict[str, Any], priority: int) -> Sample:
-        env = GuardedEnv(self.make_env(), self.env_gate, self.cfg.rollout.env_timeout_s)
-        try:
-            sample = await run_episode(env, item, generate=functools.partial(self._generate, priority=priority),
-                                       renderer=self.renderer, params=self.params,
-                                       max_context=self.cfg.rollout.max_context)
-        finally:
-            await env.close()
+        generate = functools.partial(self._generate, priority=priority)
+        if self.agent is not None:
+            sample = await self.agent.play(item, generate=generate, params=self.params)
+        else:
+            env = GuardedEnv(self.make_env(), self.env_gate, self.cfg.rollout.env_timeout_s)
+            try:
+                sample = await run_episode(env, item, generate=generate, renderer=self.renderer, params=self.params,
+                                           max_context=self.cfg.rollout.max_context)
+            finally:
+                await env.close()
         self.metrics.episode(sample)
         return sample
 
@@ -220,6 +231,17 @@ class RolloutWorker:
 
     async def _report(self) -> None:
         self.metrics.write(await asyncio.to_thread(self.admission.counters))
+
+
+def episode_player(cfg: Config, renderer: ChatRenderer) -> tuple[Callable[[], Env] | None, AgentRunner | None]:
+    """``rollout.env`` as (a maker of fresh envs, None), or (None, the runner of its agent's episodes)."""
+    rollout = cfg.rollout
+    plugin = env_plugin(rollout.env)
+    if not is_agent(plugin):
+        return env_factory(rollout.env, rollout.env_args), None
+    return None, AgentRunner(plugin, rollout.env_args, renderer=renderer, parser=load_parser(rollout.tool_parser),
+                             temperature=rollout.sampling.temperature, max_context=rollout.max_context,
+                             max_calls=rollout.agent_max_calls, timeout_s=rollout.env_timeout_s)
 
 
 def max_groups_in_flight(rollout: RolloutConfig) -> int:

@@ -1,0 +1,124 @@
+"""The agent gateway against an Env: the same task through one rollout worker, side by side.
+
+The calculator task (``<calc>`` calls answered as user turns, up to 4 turns) is played two ways on the same
+server, router and prompts: as the ``calculator`` Env, and as an agent (``calculator_agent`` below: the same
+env logic driven through the openai client and the worker's gateway, as a user's agent would be). What
+separates them is the gateway's cost: an HTTP round trip through the openai client per model call, and the
+recording of each call. Rollout only (one hf server behind sglang-router, one worker, no learner: admission
+lets every group in); the model is the tests' tiny Llama, whose generation is cheap, so the gateway's
+cost shows at its largest. Samples/s run from the worker's opening report to its last group; the arms take
+turns within each repeat.
+
+    python -m benchmarks.agent [--quick]      (or: streamrl bench agent)
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.common import cli, console, median, new_figure, print_table, save_figure, serve_processes, write_json
+from benchmarks.generate import router
+from streamrl.buffer import EmbeddedRedis
+from streamrl.envs.base import Action
+from streamrl.envs.calculator import Calculator
+from streamrl.rollout.evaluate import read_records
+from streamrl.testing import make_tiny_model
+
+ARMS = {"env": "calculator", "agent": "benchmarks.agent:calculator_agent"}
+
+
+async def calculator_agent(client, item):
+    """The ``calculator`` env's episode, played through the OpenAI API: the agent arm."""
+    env = Calculator()
+    messages = list((await env.reset(item)).messages)
+    rewards = []
+    for _ in range(env.max_turns):
+        reply = await client.chat.completions.create(model="policy", messages=messages)
+        message = reply.choices[0].message
+        result = await env.step(Action(text=message.content or "", token_ids=[]))
+        rewards.append(result.reward)
+        if result.done:
+            break
+        messages += [message, *result.observation.messages]
+    return sum(rewards), {"turn_rewards": rewards, **result.info}
+
+
+def worker_run(common: list[str], arm: str, name: str, groups: int, run_dir: Path) -> dict:
+    """One worker's run of ``groups`` groups; its samples/s from its own reports."""
+    argv = [sys.executable, "-m", "streamrl", "launch-rollout", *common, f"run.name={name}",
+            f"rollout.env={ARMS[arm]}", "--groups", str(groups), "--name", "w0"]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{arm} worker failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    records = read_records(run_dir / name / "metrics" / "rollout-w0.jsonl")
+    episodes = sum(r.get("episodes", 0) for r in records)
+    seconds = records[-1]["time"] - records[0]["time"]
+    tokens = sum(r["tokens_per_s"] * (b["time"] - a["time"]) for a, b, r in zip(records, records[1:], records[1:]))
+    turns = sum((r.get("turns_mean") or 0) * r.get("episodes", 0) for r in records)
+    failed = sum(v for r in records for k, v in r.items() if k.startswith("failed_"))
+    return {"samples_per_s": episodes / seconds, "seconds": seconds, "episodes": episodes, "failed": failed,
+            "tokens_per_sample": tokens / episodes, "turns_per_sample": turns / episodes}
+
+
+def run(quick: bool) -> dict:
+    repeats, groups, n = (1, 8, 8) if quick else (3, 48, 8)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model = make_tiny_model(tmp / "model")
+        rows = itertools.islice(Calculator().items(0), groups * repeats * 2)
+        (tmp / "questions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        with EmbeddedRedis(tmp / "redis") as redis, serve_processes([f"model.path={model}"], 1) as urls, \
+                router(urls) as url:
+            common = [f"model.path={model}", f"redis.url={redis.url}", f"run.dir={tmp}", f"rollout.router_url={url}",
+                      f"rollout.dataset={tmp / 'questions.jsonl'}", f"rollout.sampling.n={n}",
+                      "rollout.sampling.max_new_tokens=16", "rollout.concurrency=64", "rollout.metrics_every_s=1",
+                      "learner.groups_per_step=100000"]
+            worker_run(common, "agent", "warm-up", 2, tmp)
+            results = {arm: [] for arm in ARMS}
+            for r in range(repeats):
+                for arm in (ARMS if r % 2 == 0 else list(ARMS)[::-1]):  # neither always goes first
+                    results[arm].append(worker_run(common, arm, f"{arm}-{r}", groups, tmp))
+                    console.log(f"repeat {r}, {arm}: {results[arm][-1]['samples_per_s']:.1f} samples/s, "
+                                f"{results[arm][-1]['turns_per_sample']:.2f} turns a sample")
+    summary = {arm: {"samples_per_s": median([x["samples_per_s"] for x in runs]),
+                     "tokens_per_sample": median([x["tokens_per_sample"] for x in runs]),
+                     "turns_per_sample": median([x["turns_per_sample"] for x in runs]),
+                     "failed": sum(x["failed"] for x in runs)} for arm, runs in results.items()}
+    ratio = median([a["samples_per_s"] / e["samples_per_s"] for a, e in zip(results["agent"], results["env"])])
+    return {"repeats": repeats, "groups": groups, "n": n, "runs": results, "summary": summary,
+            "agent_over_env": ratio}
+
+
+def report(data: dict, out: Path) -> None:
+    s = data["summary"]
+    print_table(f"calculator task, one worker, {data['groups']} groups x {data['n']} a run "
+                f"(medians of {data['repeats']})",
+                ["arm", "samples/s", "turns a sample", "generated tokens a sample", "failed samples"],
+                [[arm, s[arm]["samples_per_s"], s[arm]["turns_per_sample"], s[arm]["tokens_per_sample"],
+                  s[arm]["failed"]] for arm in ARMS])
+    console.print(f"agent through the gateway / env: [bold]{data['agent_over_env']:.2f}x[/bold] samples/s "
+                  "(median of the paired runs)")
+    path = write_json(out, "agent", data)
+    fig, (ax,) = new_figure(1, "The agent gateway against an Env (calculator task)")
+    for i, arm in enumerate(ARMS):
+        ax.bar(i, s[arm]["samples_per_s"], color=f"C{i}", alpha=0.7)
+        runs = [x["samples_per_s"] for x in data["runs"][arm]]
+        ax.plot([i] * len(runs), runs, "k.", zorder=3)
+    ax.set_xticks(range(len(ARMS)), [f"{arm}\n({ARMS[arm]})" for arm in ARMS], fontsize=8)
+    ax.set_ylabel("samples/s (bar: median; dots: runs)")
+    save_figure(fig, out, "agent", path)
+
+
+def main(quick: bool = False, out: Path = Path("benchmarks/results")) -> dict:
+    data = run(quick)
+    report(data, out)
+    return data
+
+
+if __name__ == "__main__":
+    cli(main, __doc__)

@@ -1,0 +1,307 @@
+"""Agents as environments: the user's own agent code plays the episode through an OpenAI-compatible client,
+and every call it makes is recorded token-exactly.
+
+An agent is an async function ``run(client, item, **env_args)`` returning the episode's reward, or
+``(reward, info)``; ``info["turn_rewards"]`` may score each call. ``client`` is an ``openai.AsyncOpenAI``
+bound to this episode's URL on the worker's gateway (``client.base_url``, ``client.api_key`` for other
+clients).
+
+Each call's messages are rendered with the chat template (``tools`` included) and generated through the router
+like any rollout. The trajectory follows ``streamrl.rollout.episode``'s rules. A reply the gateway returned is
+known by its message: when the agent sends it back, it stands for the tokens generated, not for a re-rendering
+of its text and tool calls. When a call's messages are the previous call's, that reply and new messages, the
+new turn extends the context token for token (loss mask 0 on what the policy did not generate). Otherwise
+(the agent edited its history, or the template rewrote it) a new sequence starts from a fresh rendering.
+With ``n`` > 1 the trajectory follows the choice the next call continues, else the first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any
+
+from streamrl.protocol import Sample
+from streamrl.rollout.engines.base import Completion, SamplingParams
+from streamrl.rollout.episode import ChatRenderer, EnvFault, Generate, Sequences, closed_text, plain_info
+from streamrl.rollout.gateway import ChatRequest, Gateway, RequestError
+from streamrl.rollout.tool_calls import Parser
+
+
+class Aborted(RequestError):
+    """The engine aborted the generation (a worker or server stopping): the episode ends here."""
+
+    def __init__(self):
+        super().__init__("the episode was aborted: generation stopped (the rollout is shutting down)", status=503)
+
+
+@dataclass
+class _Call:
+    """A call whose choices await the agent's next move."""
+
+    messages: list[dict]  # as rendered
+    tools: list[dict] | None
+    text: str  # the context's text it generated from
+    choices: list[Completion]
+    raw: list[str]  # each choice's text as generated
+
+
+@dataclass
+class _Plan:
+    """What a call does to the trajectory, decided before anything changes (a refused call changes nothing)."""
+
+    messages: list[dict]
+    tools: list[dict] | None
+    commit: int | None  # the pending call's choice that joins the trajectory
+    new_sequence: bool
+    ids: list[int]  # observation tokens that open the new turn
+    text: str
+
+
+class AgentEpisode:
+    """One episode's calls: the trajectory they build, and the answers the gateway returns."""
+
+    def __init__(self, *, generate: Generate, renderer: ChatRenderer, parser: Parser, params: SamplingParams,
+                 temperature: float, max_context: int, max_calls: int):
+        self.generate, self.renderer, self.parser = generate, renderer, parser
+        self.params, self.temperature = params, temperature
+        self.max_context, self.max_calls = max_context, max_calls
+        self.seqs = Sequences()
+        self.pending: _Call | None = None
+        self.mine: dict[tuple, str] = {}  # each returned reply's message (its key) -> the text generated
+        self.turns: list[Completion] = []  # the choices in the trajectory, in order
+        self.calls, self.in_flight, self.aborted = 0, 0, False
+        self.generate_s, self.last_active = 0.0, time.monotonic()
+        self._usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        self._lock = asyncio.Lock()  # calls of one episode are ordered: each builds on the last
+
+    # ------------------------------------------------------------------ the gateway's side
+
+    async def complete(self, request: ChatRequest) -> list[dict[str, Any]]:
+        async with self._lock:
+            self.in_flight += 1
+            try:
+                return await self._complete(request)
+            finally:
+                self.in_flight -= 1
+                self.last_active = time.monotonic()
+
+    def usage(self) -> dict[str, int]:
+        return dict(self._usage)
+
+    async def _complete(self, request: ChatRequest) -> list[dict[str, Any]]:
+        if self.aborted:
+            raise Aborted()
+        if self.calls >= self.max_calls:
+            raise RequestError(f"this episode made its {self.max_calls} calls (rollout.agent_max_calls)")
+        params = self._params(request)
+        plan = self._plan(request)
+        prompt = len(plan.ids) + (0 if plan.new_sequence or self.pending is None else
+                                  len(self.seqs.context) + len(self.pending.choices[plan.commit].output_ids))
+        room = self.max_context - prompt
+        if room < 1 or (request.limit or 0) > room:
+            raise RequestError(f"the context holds {self.max_context} tokens (rollout.max_context) and the messages "
+                               f"take {prompt}: max_tokens can be at most {max(room, 0)}",
+                               param="max_tokens" if room >= 1 else "messages")
+        self._apply(plan)
+        params = replace(params, max_new_tokens=min(request.limit or params.max_new_tokens, room))
+        self.calls += 1
+        t0 = time.perf_counter()
+        choices = await asyncio.gather(*(self.generate(self.seqs.context, params) for _ in range(request.n)))
+        self.generate_s += time.perf_counter() - t0
+        raw = [self.renderer.reply_text(c.output_ids) for c in choices]
+        self.pending = _Call(plan.messages, plan.tools, plan.text, list(choices), raw)
+        if any(c.finish_type == "abort" for c in choices):
+            self.aborted = True
+            raise Aborted()
+        completion = sum(len(c.output_ids) for c in choices)
+        self._usage = {"prompt_tokens": len(self.seqs.context), "completion_tokens": completion,
+                       "total_tokens": len(self.seqs.context) + completion}
+        parse = request.tools and request.tool_choice != "none"
+        return [self._answer(c, text, parse) for c, text in zip(choices, raw)]
+
+    def _params(self, request: ChatRequest) -> SamplingParams:
+        if request.temperature is not None and request.temperature != self.temperature:
+            raise RequestError(f"temperature {request.temperature} differs from the run's {self.temperature} "
+                               "(rollout.sampling.temperature): the learner scores every token at that one "
+                               "temperature; leave it out", param="temperature")
+        return replace(self.params, top_p=request.top_p if request.top_p is not None else self.params.top_p,
+                       stop=tuple(request.stop or ()), seed=request.seed)
+
+    def _answer(self, out: Completion, text: str, parse: bool) -> dict[str, Any]:
+        content = text
+        matched = out.finish_reason.get("matched")
+        if isinstance(matched, str) and content.endswith(matched):  # OpenAI leaves the stop string out
+            content = content[: -len(matched)]
+        parsed = self.parser(content) if parse else None
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content if parsed else content}
+        if parsed and parsed.calls:
+            message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}} for c in parsed.calls]
+        self.mine[reply_key(message)] = text
+        finish = "tool_calls" if "tool_calls" in message else "length" if out.finish_type == "length" else "stop"
+        return {"message": message, "finish_reason": finish}
+
+    # ------------------------------------------------------------------ the trajectory
+
+    def _plan(self, request: ChatRequest) -> _Plan:
+        messages, tools = [self._as_rendered(m.plain()) for m in request.messages], request.plain_tools()
+        prev, k = self.pending, None
+        if prev is not None:
+            k = self._continued(prev, messages, tools)
+            if k is not None:
+                new = messages[len(prev.messages) + 1:]
+                cont = self.renderer.after_reply(prev.messages, prev.choices[k].output_ids, prev.text, new, tools)
+                if cont is not None:
+                    tail, ids = cont
+                    text = closed_text(prev.text, prev.choices[k], prev.raw[k], self.renderer) + tail
+                    return _Plan(messages, tools, k, False, ids, text)
+        text = self.renderer.render(messages, True, tools)
+        commit = None if prev is None else k if k is not None else 0
+        return _Plan(messages, tools, commit, prev is not None, self.renderer.encode(text), text)
+
+    def _as_rendered(self, message: dict) -> dict:
+        """A reply this episode returned stands for its generated text; other messages render as they are."""
+        if message["role"] == "assistant":
+            raw = self.mine.get(reply_key(message))
+            if raw is not None:
+                return {"role": "assistant", "content": raw}
+        return message
+
+    @staticmethod
+    def _continued(prev: _Call, messages: list[dict], tools: list[dict] | None) -> int | None:
+        n = len(prev.messages)
+        if tools != prev.tools or len(messages) <= n or messages[:n] != prev.messages:
+            return None
+        reply = messages[n]
+        return next((k for k, raw in enumerate(prev.raw) if reply == {"role": "assistant", "content": raw}), None)
+
+    def _apply(self, plan: _Plan) -> None:
+        if plan.commit is not None:
+            self._commit(plan.commit)
+        if plan.new_sequence:
+            self.seqs.new_sequence()
+        self.seqs.observe(plan.ids)
+
+    def _commit(self, k: int) -> None:
+        choice = self.pending.choices[k]
+        self.seqs.act(choice)
+        self.turns.append(choice)
+        self.pending = None
+
+    def sample(self, result: Any, elapsed_s: float) -> Sample:
+        """The trajectory, scored by what the agent returned."""
+        if self.pending is not None:
+            self._commit(0)
+        if not self.turns:
+            raise EnvFault("the agent returned without calling the model")
+        reward, info = _reward(result, len(self.turns))
+        turn_rewards = info.pop("turn_rewards", None) or [0.0] * (len(self.turns) - 1) + [reward]
+        finish = "abort" if self.aborted else self.turns[-1].finish_type
+        return self.seqs.sample(reward=reward, finish_reason=finish, turn_rewards=[float(r) for r in turn_rewards],
+                                env_info={**plain_info(info), "turns": len(self.turns)},
+                                timings={"generate_s": self.generate_s, "env_s": max(elapsed_s - self.generate_s, 0.0)})
+
+    def idle_s(self) -> float:
+        """How long the agent has run its own code since its last call returned (0 while a call is out)."""
+        return 0.0 if self.in_flight else time.monotonic() - self.last_active
+
+
+def reply_key(message: dict) -> tuple:
+    """What identifies an assistant message the gateway returned, however the agent's client re-serialises it."""
+    calls = tuple((c["function"]["name"], _canonical(c["function"]["arguments"])) for c in message.get("tool_calls") or ())
+    return message.get("content") or "", calls
+
+
+def _canonical(arguments: Any) -> str:
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return arguments
+    return json.dumps(arguments, sort_keys=True)
+
+
+def _reward(result: Any, turns: int) -> tuple[float, dict]:
+    """``reward`` or ``(reward, info)``; ``info["turn_rewards"]``, if given, has one number per call."""
+    reward, info = result if isinstance(result, tuple) and len(result) == 2 else (result, {})
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise EnvFault(f"the agent returned {result!r}: expected a finite reward, or (reward, info)")
+    if not isinstance(info, dict):
+        raise EnvFault(f"the agent's info is {type(info).__name__}, expected a dict")
+    info = dict(info)
+    per_turn = info.get("turn_rewards")
+    if per_turn is not None and (not isinstance(per_turn, list) or len(per_turn) != turns or not all(
+            isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) for r in per_turn)):
+        raise EnvFault(f"info['turn_rewards'] must be {turns} finite numbers, one per recorded call; got {per_turn!r}")
+    return float(reward), info
+
+
+class AgentRunner:
+    """Plays episodes of one agent function, each through its own URL on a shared gateway."""
+
+    def __init__(self, fn, args: dict[str, Any], *, renderer: ChatRenderer, parser: Parser, temperature: float,
+                 max_context: int, max_calls: int, timeout_s: float):
+        self.fn, self.args = fn, dict(args)
+        self.renderer, self.parser, self.temperature = renderer, parser, temperature
+        self.max_context, self.max_calls, self.timeout_s = max_context, max_calls, timeout_s
+        self.gateway = Gateway()
+        self._http = None
+        self._started = asyncio.Lock()
+
+    async def play(self, item: dict[str, Any], *, generate: Generate, params: SamplingParams) -> Sample:
+        import openai
+
+        await self._start()
+        episode = AgentEpisode(generate=generate, renderer=self.renderer, parser=self.parser, params=params,
+                               temperature=self.temperature, max_context=self.max_context, max_calls=self.max_calls)
+        eid, url, key = self.gateway.open(episode)
+        client = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0, http_client=self._http)
+        t0 = time.perf_counter()
+        try:
+            result = await self._supervise(self.fn(client, item, **self.args), episode)
+        except EnvFault:
+            raise
+        except Exception as e:
+            if not episode.aborted:  # an agent failing on an aborted call has done nothing wrong
+                raise EnvFault(f"the agent raised {type(e).__name__}: {e}") from e
+            result = 0.0
+        finally:
+            self.gateway.forget(eid)
+        return episode.sample(result, time.perf_counter() - t0)
+
+    async def _supervise(self, coro, episode: AgentEpisode) -> Any:
+        """The agent's result; EnvFault once it has run ``timeout_s`` of its own without calling the model."""
+        task = asyncio.ensure_future(coro)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=max(self.timeout_s - episode.idle_s(), 0.01))
+                if done:
+                    return task.result()
+                if episode.idle_s() >= self.timeout_s:
+                    raise EnvFault(f"the agent ran {self.timeout_s:.0f}s without calling the model or returning "
+                                   "(rollout.env_timeout_s)")
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
+    async def _start(self) -> None:
+        async with self._started:
+            if self.gateway.port is None:
+                import httpx
+
+                await self.gateway.start()
+                # one connection pool for every episode's client: a client of its own would open one per episode
+                self._http = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None))
+
+    async def close(self) -> None:
+        await self.gateway.close()
+        if self._http is not None:
+            await self._http.aclose()

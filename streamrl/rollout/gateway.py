@@ -1,0 +1,291 @@
+"""The agent gateway: OpenAI-compatible ``/v1/chat/completions`` and ``/v1/models`` for agent episodes.
+
+One gateway per rollout worker, on loopback; each episode gets its own base URL
+(``http://127.0.0.1:PORT/e/<episode>/v1``) and key, so a call lands in the episode that made it. The gateway
+validates requests and shapes answers and errors as OpenAI's API does; what a call means for the trajectory
+is the episode's business (``streamrl.rollout.agent``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from typing import Any, Literal, Protocol
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+log = logging.getLogger("streamrl.gateway")
+MODEL = "policy"  # the one model an episode's URL serves: the policy being trained
+
+
+class RequestError(ValueError):
+    """A request the gateway refuses: 400, with the field at fault when there is one."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    # what the openai client sends back when an agent appends a reply object as it came: empty here
+    refusal: None = None
+    function_call: None = None
+    audio: None = None
+    annotations: list[Any] | None = Field(None, max_length=0)
+
+    @model_validator(mode="after")
+    def _shape(self) -> Message:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        if self.role == "assistant" and self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs content or tool_calls")
+        return self
+
+    def plain(self) -> dict[str, Any]:
+        """As the chat template takes it: text content, arguments as objects, ``developer`` as ``system``."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": _object(c.function.arguments)}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name:
+            out["name"] = self.name
+        return out
+
+    def text(self) -> str | None:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _json_schema(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        if schema is None:
+            return schema
+        import jsonschema
+
+        try:
+            jsonschema.validators.validator_for(schema).check_schema(schema)
+        except jsonschema.SchemaError as e:
+            raise ValueError(f"not a valid JSON schema: {e.message}") from None
+        if schema.get("type", "object") != "object":
+            raise ValueError("a function's parameters are a JSON schema of type object")
+        return schema
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ChatRequest(_Strict):
+    """The chat-completions fields the gateway honours; any other field is refused by name."""
+
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none"] | None = None
+    parallel_tool_calls: Literal[True] | None = None  # every call in a reply is returned
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=16)
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop: str | list[str] | None) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > 4 or not all(stops):
+            raise ValueError("stop is at most 4 non-empty strings")
+        return stops
+
+    @property
+    def limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def plain_tools(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+
+# ---------------------------------------------------------------------------------------------- the server
+
+class Episode(Protocol):
+    async def complete(self, request: ChatRequest) -> list[dict[str, Any]]:
+        """The request's choices, each ``{"message": ..., "finish_reason": ...}``; raises ``RequestError``."""
+
+    def usage(self) -> dict[str, int]:
+        """Token counts of the last completed call."""
+
+
+class Gateway:
+    """An aiohttp server on loopback that routes each call to its episode."""
+
+    def __init__(self, host: str = "127.0.0.1"):
+        self.host = host
+        self.port: int | None = None
+        self._episodes: dict[str, tuple[str, Episode]] = {}
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=16 * 2**20)
+        app.router.add_post("/e/{episode}/v1/chat/completions", self._chat)
+        app.router.add_get("/e/{episode}/v1/models", self._models)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        log.info("agent gateway on http://%s:%d", self.host, self.port)
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def open(self, episode: Episode) -> tuple[str, str, str]:
+        """(id, base URL, key) of a new episode's endpoint."""
+        eid, key = secrets.token_hex(12), secrets.token_urlsafe(24)
+        self._episodes[eid] = (key, episode)
+        return eid, f"http://{self.host}:{self.port}/e/{eid}/v1", key
+
+    def forget(self, eid: str) -> None:
+        self._episodes.pop(eid, None)
+
+    def _episode(self, request: web.Request) -> Episode:
+        found = self._episodes.get(request.match_info["episode"])
+        if found is None:
+            raise RequestError("no such episode: it ended, or this URL was never handed out", status=404)
+        key, episode = found
+        if not secrets.compare_digest(request.headers.get("Authorization", ""), f"Bearer {key}"):
+            raise RequestError("missing or wrong API key (Authorization: Bearer <the episode's key>)", status=401)
+        return episode
+
+    async def _models(self, request: web.Request) -> web.Response:
+        try:
+            self._episode(request)
+        except RequestError as e:
+            return _error(e)
+        return web.json_response({"object": "list", "data": [
+            {"id": MODEL, "object": "model", "created": 0, "owned_by": "streamrl"}]})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        try:
+            episode = self._episode(request)
+            body = _parse(await request.read())
+            choices = await episode.complete(body)
+        except RequestError as e:
+            return _error(e)
+        except Exception as e:  # the episode's fault, not the caller's: a 500 the agent sees, never a crash
+            log.exception("agent call failed")
+            return _error(RequestError(f"internal error: {type(e).__name__}: {e}", status=500))
+        completion = {"id": f"chatcmpl-{secrets.token_hex(8)}", "created": int(time.time()), "model": body.model}
+        if body.stream:
+            return await _stream(request, completion, choices, episode.usage(), body)
+        return web.json_response({**completion, "object": "chat.completion", "usage": episode.usage(),
+                                  "choices": [{"index": i, **c, "logprobs": None} for i, c in enumerate(choices)]})
+
+
+def _parse(raw: bytes) -> ChatRequest:
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        raise RequestError(f"the body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise RequestError("the body must be a JSON object")
+    try:
+        return ChatRequest.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        message = ("unsupported field" if first["type"] == "extra_forbidden" else first["msg"])
+        raise RequestError(f"{where}: {message}", param=where) from None
+
+
+async def _stream(request: web.Request, completion: dict, choices: list[dict], usage: dict,
+                  body: ChatRequest) -> web.StreamResponse:
+    """The whole answer as server-sent events: each choice's role and content, its tool calls, its finish."""
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await out.prepare(request)
+    head = {**completion, "object": "chat.completion.chunk"}
+
+    async def send(choices_delta: list[dict], **extra) -> None:
+        await out.write(f"data: {json.dumps({**head, 'choices': choices_delta, **extra})}\n\n".encode())
+
+    for i, choice in enumerate(choices):
+        message = choice["message"]
+        await send([{"index": i, "delta": {"role": "assistant", "content": message["content"]}, "finish_reason": None}])
+        if message.get("tool_calls"):
+            calls = [{"index": j, **call} for j, call in enumerate(message["tool_calls"])]
+            await send([{"index": i, "delta": {"tool_calls": calls}, "finish_reason": None}])
+        await send([{"index": i, "delta": {}, "finish_reason": choice["finish_reason"]}])
+    if body.stream_options and body.stream_options.include_usage:
+        await send([], usage=usage)
+    await out.write(b"data: [DONE]\n\n")
+    await out.write_eof()
+    return out
+
+
+def _error(e: RequestError) -> web.Response:
+    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}.get(e.status, "api_error")
+    return web.json_response({"error": {"message": str(e), "type": kind, "param": e.param, "code": None}},
+                             status=e.status)
+
+
+def _object(arguments: str) -> Any:
+    """Tool-call arguments as the template expects them: the JSON object, or the text if it is not one."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments

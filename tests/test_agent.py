@@ -1,0 +1,195 @@
+"""Agents through the gateway: the real openai client, the real hf engine and tokenizer, token-exact records."""
+
+import asyncio
+import json
+from pathlib import Path
+
+import agents
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from streamrl.learner import batch as batching
+from streamrl.learner import packing
+from streamrl.protocol import Group
+from streamrl.rollout.agent import AgentRunner
+from streamrl.rollout.engines.base import SamplingParams
+from streamrl.rollout.engines.hf import HFEngine
+from streamrl.rollout.episode import ChatRenderer, EnvFault
+from streamrl.rollout.tool_calls import ToolCall, hermes, json_calls, load_parser
+
+PARAMS = SamplingParams(max_new_tokens=8, temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    engine = HFEngine(model, tokenizer=tokenizer)
+    yield model, tokenizer, engine
+    engine.shutdown()
+
+
+def _runner(tokenizer, fn, *, parser=agents.every_reply_calls_echo, timeout_s=30.0, **args):
+    return AgentRunner(fn, args, renderer=ChatRenderer(tokenizer), parser=parser, temperature=1.0,
+                       max_context=1024, max_calls=8, timeout_s=timeout_s)
+
+
+def _play(engine, runner, item=None):
+    calls = []
+
+    async def generate(ids, params):
+        out = await engine.generate(f"r{len(calls)}", ids, params)
+        calls.append((list(ids), out))
+        return out
+
+    async def main():
+        try:
+            return await runner.play(item or {"question": "what is 12 plus 7"}, generate=generate, params=PARAMS)
+        finally:
+            await runner.close()
+
+    return asyncio.run(main()), calls
+
+
+def _learner_gap(model, sample) -> float:
+    """Largest gap between behaviour logprobs and the learner's, each sequence forwarded from its own start."""
+    seqs = batching.sequences([Group("p", "agent", [sample, sample])], version=0, algorithm="rloo")
+    batch = packing.collate(seqs[: len(sample.seq_lens if sample.seq_lens is not None else [0])])
+    with torch.no_grad():
+        logp, _ = packing.token_logprobs(packing.forward(model, batch), batch, 1.0)
+    mask = batch["mask"][0] > 0
+    assert int(mask.sum()) == int(sample.loss_mask.sum())
+    return float((logp[0][mask] - batch["logprobs"][0][mask]).abs().max())
+
+
+def test_a_tool_calling_agent_is_recorded_token_for_token(parts):
+    model, tokenizer, engine = parts
+    sample, calls = _play(engine, _runner(tokenizer, agents.tool_user))
+    assert len(calls) == 3 and sample.seq_lens is None  # each call extended the one before
+    for ids, _ in calls:  # every call generated from exactly the recorded context
+        assert sample.tokens[: len(ids)].tolist() == ids
+    generated = [t for _, out in calls for t in out.output_ids]
+    assert sample.tokens[sample.loss_mask.astype(bool)].tolist() == generated  # the mask is the generated tokens
+    assert sample.turn_rewards == [1.0, 1.0, 1.0] and sample.reward == 3.0 and sample.env_info["turns"] == 3
+    assert (sample.versions[sample.loss_mask.astype(bool)] == 0).all() and (sample.versions[sample.loss_mask == 0] == -1).all()
+    text = tokenizer.decode(sample.tokens.tolist())
+    assert '"name": "echo"' in text and "echo: " in text  # the tools and the tool results were rendered
+    assert _learner_gap(model, sample) <= 1e-4
+
+
+def test_an_agent_that_edits_its_history_starts_a_new_sequence_the_learner_scores_apart(parts):
+    model, tokenizer, engine = parts
+    sample, calls = _play(engine, _runner(tokenizer, agents.forgetful))
+    assert sample.seq_lens is not None and len(sample.seq_lens) == 2
+    first, second = calls[0][0], calls[1][0]
+    assert sample.tokens[: len(first)].tolist() == first
+    assert sample.tokens[sample.seq_lens[0]: sample.seq_lens[0] + len(second)].tolist() == second
+    assert _learner_gap(model, sample) <= 1e-4
+
+
+def test_a_raising_or_hanging_agent_is_an_env_fault(parts):
+    _, tokenizer, engine = parts
+    with pytest.raises(EnvFault, match="the agent raised RuntimeError: the agent's own bug"):
+        _play(engine, _runner(tokenizer, agents.raises))
+    with pytest.raises(EnvFault, match="without calling the model"):
+        _play(engine, _runner(tokenizer, agents.hangs, timeout_s=1.0))
+
+
+def test_a_reward_that_is_not_a_number_is_refused(parts):
+    _, tokenizer, engine = parts
+
+    async def says_yes(client, item):
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+        return "yes"
+
+    with pytest.raises(EnvFault, match="expected a finite reward"):
+        _play(engine, _runner(tokenizer, says_yes))
+
+
+def test_sampling_fields_map_and_n_choices_follow_the_one_continued(parts):
+    model, tokenizer, engine = parts
+
+    async def picks_the_second(client, item):
+        messages = [{"role": "user", "content": item["question"]}]
+        reply = await client.chat.completions.create(model="policy", messages=messages, n=3, max_completion_tokens=4,
+                                                     seed=7, stop=["zz"], top_p=0.9, temperature=1.0)
+        assert len(reply.choices) == 3 and all(c.finish_reason in ("stop", "length") for c in reply.choices)
+        assert reply.usage.completion_tokens <= 12
+        messages += [reply.choices[1].message, {"role": "user", "content": "and then?"}]
+        streamed = await client.chat.completions.create(model="policy", messages=messages, stream=True,
+                                                        stream_options={"include_usage": True})
+        chunks = [c async for c in streamed]
+        assert chunks[-1].usage.total_tokens > 0 and chunks[-2].choices[0].finish_reason in ("stop", "length")
+        return 1.0
+
+    sample, calls = _play(engine, _runner(tokenizer, picks_the_second, parser=hermes))
+    assert sample.seq_lens is None and len(calls) == 4  # three choices, then the call that continued one
+    second_choice = calls[1][1].output_ids
+    start = len(calls[0][0])
+    assert sample.tokens[start: start + len(second_choice)].tolist() == second_choice
+    assert calls[3][0][: start + len(second_choice)] == sample.tokens[: start + len(second_choice)].tolist()
+
+
+def _gateway_call(engine, tokenizer, body, *, raw=None, auth=True):
+    """One request to a fresh episode's endpoint, as raw HTTP: what a hostile client can send."""
+    answer = {}
+
+    async def agent(client, item):
+        headers = {"Authorization": f"Bearer {client.api_key}"} if auth else {}
+        async with httpx.AsyncClient() as http:
+            r = await http.post(f"{client.base_url}chat/completions", headers=headers,
+                                content=raw if raw is not None else json.dumps(body))
+        answer.update(status=r.status_code, body=r.json())
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        return 0.0
+
+    _play(engine, _runner(tokenizer, agent))
+    return answer["status"], answer["body"]
+
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("body, raw, where", [
+    (None, b"{not json", "not valid JSON"),
+    (None, b"[1, 2]", "must be a JSON object"),
+    ({"model": "policy", "messages": [{"role": "wizard", "content": "hi"}]}, None, "messages.0.role"),
+    ({"model": "policy", "messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": 12}}}}}]}, None, "not a valid JSON schema"),
+    ({"model": "policy", "messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "string"}}}]}, None, "type object"),
+    ({"model": "policy", "messages": USER, "max_tokens": 10_000}, None, "max_tokens can be at most"),
+    ({"model": "policy", "messages": USER, "logprobs": True}, None, "logprobs: unsupported field"),
+    ({"model": "policy", "messages": USER, "temperature": 0.3}, None, "differs from the run's"),
+    ({"model": "policy", "messages": USER, "tool_choice": "required"}, None, "tool_choice"),
+    ({"model": "policy", "messages": [{"role": "tool", "content": "x"}]}, None, "tool_call_id"),
+    ({"model": "policy", "messages": []}, None, "messages"),
+])
+def test_hostile_requests_get_openai_shaped_400s(parts, body, raw, where):
+    _, tokenizer, engine = parts
+    status, answer = _gateway_call(engine, tokenizer, body, raw=raw)
+    assert status == 400 and answer["error"]["type"] == "invalid_request_error"
+    assert where in answer["error"]["message"]
+
+
+def test_a_call_without_the_episodes_key_is_refused(parts):
+    _, tokenizer, engine = parts
+    status, answer = _gateway_call(engine, tokenizer, {"model": "policy", "messages": USER}, auth=False)
+    assert status == 401 and "API key" in answer["error"]["message"]
+
+
+def test_hermes_and_json_parsers_read_calls_and_leave_the_rest_as_content():
+    text = 'Let me add.<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    assert hermes(text).content == "Let me add." and hermes(text).calls == [ToolCall("add", '{"a": 1, "b": 2}')]
+    two = hermes('<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": "{}"}</tool_call>')
+    assert two.content is None and [c.name for c in two.calls] == ["a", "b"] and two.calls[1].arguments == "{}"
+    broken = 'x <tool_call>{"name": "add", "arguments": </tool_call>'
+    assert hermes(broken).content == broken and hermes(broken).calls == []
+    assert json_calls('```json\n{"name": "f", "parameters": {"q": "x"}}\n```').calls == [ToolCall("f", '{"q": "x"}')]
+    assert json_calls('[{"name": "f", "arguments": {}}, {"name": "g", "arguments": {}}]').content is None
+    assert json_calls("The answer is 4").calls == [] and json_calls('{"name": 3}').content == '{"name": 3}'
+    assert load_parser("hermes") is hermes and load_parser(f"{Path(agents.__file__)}:every_reply_calls_echo")
+    with pytest.raises(ValueError, match="unknown tool parser 'nope'"):
+        load_parser("nope")
