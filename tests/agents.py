@@ -54,3 +54,15 @@ async def hangs(client, item):
 
     await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     await asyncio.sleep(3600)
+
+
+async def single_turn(client, item, reward: str = "exact_match"):
+    """The ``single_turn`` env's episode played through the OpenAI API (the quickstart's task, as an agent)."""
+    from streamrl.envs.base import Action
+    from streamrl.envs.single_turn import SingleTurn
+
+    env = SingleTurn(reward=reward)
+    messages = (await env.reset(item)).messages
+    reply = await client.chat.completions.create(model="policy", messages=messages)
+    result = await env.step(Action(text=reply.choices[0].message.content or "", token_ids=[]))
+    return result.reward, result.info

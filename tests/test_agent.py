@@ -79,6 +79,36 @@ def test_a_tool_calling_agent_is_recorded_token_for_token(parts):
     assert _learner_gap(model, sample) <= 1e-4
 
 
+def test_tokens_carry_the_version_that_made_them_and_an_aborted_call_ends_the_episode(parts):
+    _, tokenizer, engine = parts
+    runner, calls = _runner(tokenizer, agents.tool_user), []
+
+    async def generate(ids, params):  # a push lands between the calls; the third is aborted (a shutdown)
+        i = len(calls)
+        engine.version = {0: 0, 1: 5}.get(i, 6)
+        task = asyncio.ensure_future(engine.generate(f"a{i}", ids, params))
+        if i == 2:
+            await asyncio.sleep(0)  # submitted
+            engine.abort(f"a{i}")
+        out = await task
+        calls.append(out)
+        return out
+
+    async def main():
+        try:
+            return await runner.play({"question": "what is 1 plus 1"}, generate=generate, params=PARAMS)
+        finally:
+            await runner.close()
+            engine.version = 0
+
+    sample = asyncio.run(main())
+    assert [c.finish_type for c in calls][2] == "abort" and sample.finish_reason == "abort"
+    generated = sample.versions[sample.loss_mask.astype(bool)].tolist()
+    assert generated[: len(calls[0].output_ids) + len(calls[1].output_ids)] == (
+        [0] * len(calls[0].output_ids) + [5] * len(calls[1].output_ids))
+    assert sample.env_info["turns"] == 3 and sample.reward == 0.0  # the agent's call failed: no reward claimed
+
+
 def test_an_agent_that_edits_its_history_starts_a_new_sequence_the_learner_scores_apart(parts):
     model, tokenizer, engine = parts
     sample, calls = _play(engine, _runner(tokenizer, agents.forgetful))
@@ -193,3 +223,27 @@ def test_hermes_and_json_parsers_read_calls_and_leave_the_rest_as_content():
     assert load_parser("hermes") is hermes and load_parser(f"{Path(agents.__file__)}:every_reply_calls_echo")
     with pytest.raises(ValueError, match="unknown tool parser 'nope'"):
         load_parser("nope")
+
+
+@pytest.mark.slow
+def test_the_quickstart_played_by_an_agent_learns_with_up(tmp_path):
+    """`streamrl up` with the quickstart's task played through the gateway: it trains, evaluates and learns."""
+    import os
+    import subprocess
+    import sys
+
+    from streamrl.buffer.redis_server import free_port
+    from streamrl.rollout.evaluate import read_records
+
+    argv = [sys.executable, "-m", "streamrl", "up", "configs/quickstart.yaml", f"run.dir={tmp_path}", "run.name=agent",
+            f"rollout.env={Path(agents.__file__)}:single_turn", "learner.max_steps=20", "eval.every=20",
+            f"router.port={free_port()}", f"router.prometheus_port={free_port()}", f"server.base_port={free_port()}",
+            "supervise.display=plain"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 0, done.stdout[-4000:]
+    evals = read_records(tmp_path / "agent" / "metrics" / "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 20]
+    assert evals[-1]["eval/accuracy"] > evals[0]["eval/accuracy"] + 0.1, evals
+    workers = read_records(tmp_path / "agent" / "metrics" / "rollout-worker-0.jsonl")
+    assert sum(r.get("episodes", 0) for r in workers) >= 20 * 16 * 8 and not any(
+        r.get("failed_env") for r in workers)

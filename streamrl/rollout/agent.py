@@ -77,24 +77,20 @@ class AgentEpisode:
         self.turns: list[Completion] = []  # the choices in the trajectory, in order
         self.calls, self.in_flight, self.aborted = 0, 0, False
         self.generate_s, self.last_active = 0.0, time.monotonic()
-        self._usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         self._lock = asyncio.Lock()  # calls of one episode are ordered: each builds on the last
 
     # ------------------------------------------------------------------ the gateway's side
 
-    async def complete(self, request: ChatRequest) -> list[dict[str, Any]]:
-        async with self._lock:
-            self.in_flight += 1
-            try:
+    async def complete(self, request: ChatRequest) -> tuple[list[dict[str, Any]], dict[str, int]]:
+        self.in_flight += 1  # a call waiting its turn is not the agent's own time either
+        try:
+            async with self._lock:
                 return await self._complete(request)
-            finally:
-                self.in_flight -= 1
-                self.last_active = time.monotonic()
+        finally:
+            self.in_flight -= 1
+            self.last_active = time.monotonic()
 
-    def usage(self) -> dict[str, int]:
-        return dict(self._usage)
-
-    async def _complete(self, request: ChatRequest) -> list[dict[str, Any]]:
+    async def _complete(self, request: ChatRequest) -> tuple[list[dict[str, Any]], dict[str, int]]:
         if self.aborted:
             raise Aborted()
         if self.calls >= self.max_calls:
@@ -120,10 +116,10 @@ class AgentEpisode:
             self.aborted = True
             raise Aborted()
         completion = sum(len(c.output_ids) for c in choices)
-        self._usage = {"prompt_tokens": len(self.seqs.context), "completion_tokens": completion,
-                       "total_tokens": len(self.seqs.context) + completion}
+        usage = {"prompt_tokens": len(self.seqs.context), "completion_tokens": completion,
+                 "total_tokens": len(self.seqs.context) + completion}
         parse = request.tools and request.tool_choice != "none"
-        return [self._answer(c, text, parse) for c, text in zip(choices, raw)]
+        return [self._answer(c, text, parse) for c, text in zip(choices, raw)], usage
 
     def _params(self, request: ChatRequest) -> SamplingParams:
         if request.temperature is not None and request.temperature != self.temperature:

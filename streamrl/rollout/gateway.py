@@ -162,11 +162,9 @@ class ChatRequest(_Strict):
 # ---------------------------------------------------------------------------------------------- the server
 
 class Episode(Protocol):
-    async def complete(self, request: ChatRequest) -> list[dict[str, Any]]:
-        """The request's choices, each ``{"message": ..., "finish_reason": ...}``; raises ``RequestError``."""
-
-    def usage(self) -> dict[str, int]:
-        """Token counts of the last completed call."""
+    async def complete(self, request: ChatRequest) -> tuple[list[dict[str, Any]], dict[str, int]]:
+        """The request's choices, each ``{"message": ..., "finish_reason": ...}``, and its token usage;
+        raises ``RequestError``."""
 
 
 class Gateway:
@@ -224,7 +222,7 @@ class Gateway:
         try:
             episode = self._episode(request)
             body = _parse(await request.read())
-            choices = await episode.complete(body)
+            choices, usage = await episode.complete(body)
         except RequestError as e:
             return _error(e)
         except Exception as e:  # the episode's fault, not the caller's: a 500 the agent sees, never a crash
@@ -232,8 +230,8 @@ class Gateway:
             return _error(RequestError(f"internal error: {type(e).__name__}: {e}", status=500))
         completion = {"id": f"chatcmpl-{secrets.token_hex(8)}", "created": int(time.time()), "model": body.model}
         if body.stream:
-            return await _stream(request, completion, choices, episode.usage(), body)
-        return web.json_response({**completion, "object": "chat.completion", "usage": episode.usage(),
+            return await _stream(request, completion, choices, usage, body)
+        return web.json_response({**completion, "object": "chat.completion", "usage": usage,
                                   "choices": [{"index": i, **c, "logprobs": None} for i, c in enumerate(choices)]})
 
 
