@@ -247,3 +247,17 @@ def test_the_quickstart_played_by_an_agent_learns_with_up(tmp_path):
     workers = read_records(tmp_path / "agent" / "metrics" / "rollout-worker-0.jsonl")
     assert sum(r.get("episodes", 0) for r in workers) >= 20 * 16 * 8 and not any(
         r.get("failed_env") for r in workers)
+
+
+def test_an_agent_needs_a_dataset_and_an_env_must_be_a_class_or_an_agent(redis_server, tiny_model_dir):
+    from streamrl.config import load_config
+    from streamrl.envs.registry import env_plugin
+    from streamrl.rollout.worker import RolloutWorker
+
+    here = Path(agents.__file__)
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", f"rollout.env={here}:tool_user"])
+    with pytest.raises(ValueError, match="has no dataset of its own: set rollout.dataset"):
+        RolloutWorker(cfg, "w", redis_url=redis_server.url)
+    with pytest.raises(ValueError, match="neither a subclass of streamrl.envs.Env nor an agent"):
+        env_plugin(f"{here}:every_reply_calls_echo")
+    assert env_plugin(f"{here}:tool_user").__name__ == "tool_user"  # the file, imported as a module of its own

@@ -102,20 +102,17 @@ class RolloutWorker:
         self.claims = PromptClaims(ns, name, lease_s=rollout.prompt_lease_s, life=uuid.uuid4().hex)
         self.renderer = ChatRenderer(load_tokenizer(cfg.model.tokenizer or cfg.model.path))
         self.make_env, self.agent = episode_player(cfg, self.renderer)
+        if self.agent is not None and not rollout.dataset:
+            raise ValueError(f"agent {rollout.env!r} has no dataset of its own: set rollout.dataset "
+                             "(or a prepare.fn that writes one)")
         self.prompts = (Prompts(rows=load_rows(rollout.dataset)) if rollout.dataset
-                        else Prompts(generator=lambda: self._env_items(cfg.run.seed)))
+                        else Prompts(generator=lambda: self.make_env().items(cfg.run.seed)))
         s = rollout.sampling
         self.params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                                      top_k=s.top_k)
         self.router_url = rollout.router_url or f"http://{cfg.router.host}:{cfg.router.port}"
         self.metrics = WorkerMetrics(cfg.run.path / "metrics" / f"rollout-{name}.jsonl", rollout.prometheus_port)
         self.stopping = asyncio.Event()
-
-    def _env_items(self, seed: int):
-        if self.agent is not None:
-            raise ValueError(f"agent {self.cfg.rollout.env!r} has no dataset of its own: set rollout.dataset "
-                             "(or a prepare.fn that writes one)")
-        return self.make_env().items(seed)
 
     # ------------------------------------------------------------------ main loop
 
