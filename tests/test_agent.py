@@ -142,6 +142,7 @@ def test_sampling_fields_map_and_n_choices_follow_the_one_continued(parts):
     model, tokenizer, engine = parts
 
     async def picks_the_second(client, item):
+        assert [m.id async for m in client.models.list()] == ["policy"]
         messages = [{"role": "user", "content": item["question"]}]
         reply = await client.chat.completions.create(model="policy", messages=messages, n=3, max_completion_tokens=4,
                                                      seed=7, stop=["zz"], top_p=0.9, temperature=1.0)
