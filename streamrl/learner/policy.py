@@ -20,7 +20,6 @@ from streamrl.learner import packing, prefix
 from streamrl.learner.batch import TrainSequence
 from streamrl.learner.losses import PolicyLoss, kl, normaliser
 from streamrl.learner.reference import Reference
-from streamrl.models import fp32_head
 
 
 def weights_dtype(cfg: Config) -> torch.dtype:
@@ -89,8 +88,6 @@ class Policy:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=weights_dtype(cfg),
                                                      attn_implementation=packing.attention())
         model.config.use_cache = False
-        if self.mixed:
-            fp32_head(model)  # as the hf servers do: logprobs without bf16 logits' rounding on either side
         # torch's optimizers: nothing to compile, the same on CPU and GPU
         optimizer = (torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr) if cfg.learner.optimizer == "adamw"
                      else torch.optim.SGD(model.parameters(), lr=cfg.learner.lr))

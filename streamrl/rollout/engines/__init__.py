@@ -10,14 +10,12 @@ __all__ = ["Completion", "Engine", "SamplingParams", "load_engine"]
 
 
 def load_engine(name: str, model_path: str, *, dtype: str = "float32", max_batch_size: int = 64,
-                tokenizer: Any = None, kv_cache_gb: float | None = None, mixed_precision: bool = False) -> Engine:
-    """Build the engine called ``name`` over a local Hugging Face model directory. ``mixed_precision``: the
-    learner's (``learner.mixed_precision``), which the hf engine mirrors; vLLM serves ``dtype`` as it is."""
+                tokenizer: Any = None, kv_cache_gb: float | None = None) -> Engine:
+    """Build the engine called ``name`` over a local Hugging Face model directory."""
     if name == "hf":
         from streamrl.rollout.engines.hf import HFEngine
 
-        return HFEngine.from_pretrained(model_path, dtype=dtype, max_batch_size=max_batch_size, tokenizer=tokenizer,
-                                        mixed_precision=mixed_precision)
+        return HFEngine.from_pretrained(model_path, dtype=dtype, max_batch_size=max_batch_size, tokenizer=tokenizer)
     if name == "vllm":
         from streamrl.rollout.engines.vllm import VLLMEngine
 

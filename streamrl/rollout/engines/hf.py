@@ -10,7 +10,6 @@ attention mask and explicit positions, so sequences of any length share a forwar
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import queue
 import threading
@@ -24,7 +23,6 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from streamrl.models import fp32_head
 from streamrl.rollout.engines.base import Completion, PromptScores, SamplingParams
 from streamrl.rollout.sampling import sample_batch
 from streamrl.rollout.weight_receiver import HostReceiver
@@ -43,13 +41,8 @@ class _Sequence:
 
 class HFEngine:
     def __init__(self, model: PreTrainedModel, *, max_batch_size: int = 64, eos_token_ids: tuple[int, ...] = (),
-                 tokenizer=None, mixed_precision: bool = False):
+                 tokenizer=None):
         self.model = model.eval()
-        # the learner's learner.mixed_precision numerics: fp32 weights, bf16 autocast, an fp32 head. Served
-        # from bf16 weights instead, its logprobs would differ from the learner's by ~0.04 a token.
-        self.mixed_precision = mixed_precision
-        if mixed_precision:
-            fp32_head(model)
         self.tokenizer = tokenizer  # only needed for stop strings
         self.max_batch_size = max_batch_size
         self.max_length = getattr(model.config, "max_position_embeddings", None) or 2**31
@@ -73,12 +66,9 @@ class HFEngine:
         self._thread.start()
 
     @classmethod
-    def from_pretrained(cls, path: str, *, dtype: str = "float32", tokenizer=None, mixed_precision: bool = False,
-                        **kw) -> HFEngine:
-        """``mixed_precision``: fp32 weights computing in bf16 (``dtype`` must then be bfloat16)."""
-        weights = torch.float32 if mixed_precision else getattr(torch, dtype)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=weights)
-        return cls(model, tokenizer=tokenizer, mixed_precision=mixed_precision, **kw)
+    def from_pretrained(cls, path: str, *, dtype: str = "float32", tokenizer=None, **kw) -> HFEngine:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+        return cls(model, tokenizer=tokenizer, **kw)
 
     # ------------------------------------------------------------------ public, any thread
 
@@ -194,7 +184,7 @@ class HFEngine:
                 self._wake.clear()
                 continue
             try:
-                with self._compute():
+                with torch.no_grad():
                     self._decode_step()
             except Exception as e:  # a fault fails the batch, not the engine
                 for seq in self._rows:
@@ -203,14 +193,9 @@ class HFEngine:
                 self._rows, self._cache, self._mask = [], None, None
             self.busy_s += time.perf_counter() - t0
 
-    @contextlib.contextmanager
-    def _compute(self):
-        with torch.no_grad(), torch.autocast(self.model.device.type, dtype=torch.bfloat16, enabled=self.mixed_precision):
-            yield
-
     def _score(self, input_ids: list[int], k: int) -> PromptScores:
         """One unbatched forward of the prompt: position i's distribution predicts token i + 1."""
-        with self._compute():
+        with torch.no_grad():
             logits = self.model(input_ids=torch.tensor([input_ids])).logits[0, :-1]
         logprobs = torch.log_softmax(logits.float(), -1)
         chosen = logprobs.gather(1, torch.tensor(input_ids[1:]).unsqueeze(1)).squeeze(1)
@@ -231,7 +216,7 @@ class HFEngine:
         if not joining:
             return
         try:
-            with self._compute():
+            with torch.no_grad():
                 self._prefill(joining)
         except Exception as e:
             for seq in joining:
