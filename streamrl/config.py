@@ -170,9 +170,8 @@ class LearnerConfig(Section):
                                     "at the learner's own version exceeds this (the same weights on both sides: a "
                                     "dtype, chat-template or engine-logprob bug)")
     mixed_precision: bool = Field(False, description="with model.dtype bfloat16: the policy's weights and AdamW stay "
-                                  "fp32, its forwards and backwards run under bfloat16 autocast with the output head "
-                                  "in fp32, and hf servers compute the same way (vLLM serves bfloat16 copies of each "
-                                  "push); off, the weights themselves are bfloat16 and "
+                                  "fp32 and its forwards and backwards run under bfloat16 autocast (the servers "
+                                  "serve bfloat16 copies of each push); off, the weights themselves are bfloat16 and "
                                   "an update smaller than their rounding step waits for the fp32 master copy to "
                                   "cross it")
     zero_stage: int = Field(0, ge=0, le=3)

@@ -88,3 +88,24 @@ def test_a_failure_reaches_every_sibling_and_a_cancelled_one_is_not_asked_for():
     assert isinstance(results[0], asyncio.CancelledError)
     assert all(isinstance(r, RuntimeError) and "router down" in str(r) for r in results[1:])
     assert send.calls == [((7,), 3)]
+
+
+def test_requests_told_of_siblings_wait_past_the_window_for_them_and_go_as_soon_as_all_came():
+    send = RecordingSend()
+
+    async def main():
+        co = Coalescer(send, window_s=0.002)
+
+        async def late(delay):  # an agent's opening call: the openai client takes a few ms for each
+            await asyncio.sleep(delay)
+            return await co.generate([1, 2], P, siblings=3)
+
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.gather(late(0.0), late(0.01), late(0.02))
+        together = asyncio.get_running_loop().time() - t0
+        await asyncio.gather(late(0.0), late(0.01))  # one sibling never comes: they go after SIBLINGS_WAIT_S
+        return together
+
+    together = asyncio.run(main())
+    assert send.calls == [((1, 2), 3), ((1, 2), 2)]
+    assert together < 0.045  # sent when the third came (0.02 s), plus the send's own 0.01 s; not at 0.05 s

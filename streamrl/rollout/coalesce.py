@@ -17,26 +17,38 @@ from streamrl.rollout.engines.base import Completion, SamplingParams
 SendN = Callable[..., Awaitable[list[Completion]]]  # (input_ids, params, n, priority=...)
 
 
+SIBLINGS_WAIT_S = 0.05  # the longest a request told of siblings waits for the rest: n agent episodes' opening
+# calls come ~2 ms apart (what the openai client spends on each), past the usual window
+
+
 class Coalescer:
     def __init__(self, send_n: SendN, window_s: float):
         self.send_n, self.window_s = send_n, window_s
         self._pending: dict[tuple, list[asyncio.Future]] = {}
+        self._timers: dict[tuple, asyncio.TimerHandle] = {}
         self._sending: set[asyncio.Task] = set()
 
-    async def generate(self, input_ids: list[int], params: SamplingParams, priority: int = 0) -> Completion:
+    async def generate(self, input_ids: list[int], params: SamplingParams, priority: int = 0,
+                       siblings: int = 1) -> Completion:
+        """One completion; ``siblings``: how many identical requests are on their way (the opening calls of a
+        group's agent episodes), sent together as soon as all have come, or after ``SIBLINGS_WAIT_S``."""
         if self.window_s <= 0:
             return (await self.send_n(input_ids, params, 1, priority=priority))[0]
         loop = asyncio.get_running_loop()
         key = (tuple(input_ids), params, priority)
         waiter = loop.create_future()
-        if key in self._pending:
-            self._pending[key].append(waiter)
-        else:
-            self._pending[key] = [waiter]
-            loop.call_later(self.window_s, self._flush, key)
+        waiters = self._pending.setdefault(key, [])
+        waiters.append(waiter)
+        if len(waiters) == 1:
+            wait = self.window_s if siblings <= 1 else max(self.window_s, SIBLINGS_WAIT_S)
+            self._timers[key] = loop.call_later(wait, self._flush, key)
+        elif 1 < siblings <= len(waiters):
+            self._timers[key].cancel()
+            self._flush(key)
         return await waiter
 
     def _flush(self, key: tuple) -> None:
+        self._timers.pop(key, None)
         waiters = [w for w in self._pending.pop(key) if not w.done()]  # a cancelled episode asks for nothing
         if waiters:
             task = asyncio.create_task(self._send(key, waiters))

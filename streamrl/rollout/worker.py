@@ -206,7 +206,8 @@ class RolloutWorker:
     async def _episode(self, item: dict[str, Any], priority: int) -> Sample:
         generate = functools.partial(self._generate, priority=priority)
         if self.agent is not None:
-            sample = await self.agent.play(item, generate=generate, params=self.params)
+            opening = functools.partial(generate, siblings=self.cfg.rollout.sampling.n)  # the group's n first calls
+            sample = await self.agent.play(item, generate=generate, params=self.params, opening=opening)
         else:
             env = GuardedEnv(self.make_env(), self.env_gate, self.cfg.rollout.env_timeout_s)
             try:
@@ -217,9 +218,10 @@ class RolloutWorker:
         self.metrics.episode(sample)
         return sample
 
-    async def _generate(self, input_ids: list[int], params: SamplingParams, priority: int = 0) -> Completion:
+    async def _generate(self, input_ids: list[int], params: SamplingParams, priority: int = 0,
+                        siblings: int = 1) -> Completion:
         async with self.generation_gate:
-            return await self.coalescer.generate(input_ids, params, priority)
+            return await self.coalescer.generate(input_ids, params, priority, siblings)
 
     async def _report_every(self, seconds: float) -> None:
         while True:
