@@ -28,11 +28,19 @@ TOOLS = [{"type": "function", "function": {
 }}]
 SYSTEM = ('You can use a calculator. To call it, write <tool_call>{"name": "calculator", "arguments": '
           '{"expression": "2 * 3 + 4"}}</tool_call> and wait for the result. Finish with the number only.')
+# One worked exchange: a 135M model imitates it (12 of 16 greedy replies call the tool; none without it)
+EXAMPLE = [
+    {"role": "user", "content": "What is 5 * 4 + 2?"},
+    {"role": "assistant", "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "5 * 4 + 2"}}'
+                                     '</tool_call>'},
+    {"role": "tool", "tool_call_id": "example", "content": "22"},
+    {"role": "assistant", "content": "22"},
+]
 
 
 async def solve(client, item, max_turns: int = 4):
     """One episode: returns (reward, info)."""
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": item["question"]}]
+    messages = [{"role": "system", "content": SYSTEM}, *EXAMPLE, {"role": "user", "content": item["question"]}]
     calls = 0
     for _ in range(max_turns):
         reply = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)

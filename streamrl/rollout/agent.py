@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import time
 import uuid
@@ -299,6 +300,8 @@ class AgentRunner:
                 import openai
 
                 await self.gateway.start()
+                # the SDK's HTTP client logs every request at INFO: a line per model call of every episode
+                logging.getLogger("httpx2").setLevel(logging.WARNING)
                 # One connection pool for every episode's client, on the SDK's aiohttp transport: its default
                 # (httpx's pool) scans every connection per request, 2.4x the cost of a call at 64 in flight.
                 self._http = openai.DefaultAioHttpClient()
