@@ -262,3 +262,13 @@ def test_an_agent_needs_a_dataset_and_an_env_must_be_a_class_or_an_agent(redis_s
     with pytest.raises(ValueError, match="neither a subclass of streamrl.envs.Env nor an agent"):
         env_plugin(f"{here}:every_reply_calls_echo")
     assert env_plugin(f"{here}:tool_user").__name__ == "tool_user"  # the file, imported as a module of its own
+
+
+def test_the_shipped_agent_config_names_the_example_as_an_agent():
+    from streamrl.config import load_config
+    from streamrl.envs.registry import env_plugin, is_agent
+
+    root = Path(__file__).parent.parent
+    cfg = load_config(str(root / "configs" / "agent.yaml"), [])
+    assert is_agent(env_plugin(str(root / cfg.rollout.env)))
+    assert cfg.rollout.tool_parser == "hermes" and load_parser(cfg.rollout.tool_parser) is hermes
