@@ -111,3 +111,20 @@ class Flaky(Arithmetic):
         if Flaky.resets % 3 == 0:
             raise RuntimeError("flaky env failed on purpose")
         return await super().reset(item)
+
+
+def learner_logprob_gap(model, sample: Sample) -> float:
+    """Largest gap between a sample's behaviour logprobs and the learner's own (its packed forward, each
+    sequence from its own start) on the generated tokens: ~1e-5 when server and learner agree."""
+    import torch
+
+    from streamrl.learner import batch as batching
+    from streamrl.learner import packing
+
+    seqs = batching.sequences([Group("p", "test", [sample, sample])], version=0, algorithm="rloo")
+    batch = packing.collate(seqs[: len(sample.seq_lens) if sample.seq_lens is not None else 1])
+    with torch.no_grad():
+        logp, _ = packing.token_logprobs(packing.forward(model, batch), batch, 1.0)
+    mask = batch["mask"][0] > 0
+    assert int(mask.sum()) == int(sample.loss_mask.sum()), "the mask is not the sample's generated tokens"
+    return float((logp[0][mask] - batch["logprobs"][0][mask]).abs().max())

@@ -7,17 +7,14 @@ from pathlib import Path
 import agents
 import httpx
 import pytest
-import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from streamrl.learner import batch as batching
-from streamrl.learner import packing
-from streamrl.protocol import Group
 from streamrl.rollout.agent import AgentRunner
 from streamrl.rollout.engines.base import SamplingParams
 from streamrl.rollout.engines.hf import HFEngine
 from streamrl.rollout.episode import ChatRenderer, EnvFault
 from streamrl.rollout.tool_calls import ToolCall, hermes, json_calls, load_parser
+from streamrl.testing import learner_logprob_gap
 
 PARAMS = SamplingParams(max_new_tokens=8, temperature=1.0)
 
@@ -53,17 +50,6 @@ def _play(engine, runner, item=None):
     return asyncio.run(main()), calls
 
 
-def _learner_gap(model, sample) -> float:
-    """Largest gap between behaviour logprobs and the learner's, each sequence forwarded from its own start."""
-    seqs = batching.sequences([Group("p", "agent", [sample, sample])], version=0, algorithm="rloo")
-    batch = packing.collate(seqs[: len(sample.seq_lens if sample.seq_lens is not None else [0])])
-    with torch.no_grad():
-        logp, _ = packing.token_logprobs(packing.forward(model, batch), batch, 1.0)
-    mask = batch["mask"][0] > 0
-    assert int(mask.sum()) == int(sample.loss_mask.sum())
-    return float((logp[0][mask] - batch["logprobs"][0][mask]).abs().max())
-
-
 def test_a_tool_calling_agent_is_recorded_token_for_token(parts):
     model, tokenizer, engine = parts
     sample, calls = _play(engine, _runner(tokenizer, agents.tool_user))
@@ -76,7 +62,7 @@ def test_a_tool_calling_agent_is_recorded_token_for_token(parts):
     assert (sample.versions[sample.loss_mask.astype(bool)] == 0).all() and (sample.versions[sample.loss_mask == 0] == -1).all()
     text = tokenizer.decode(sample.tokens.tolist())
     assert '"name": "echo"' in text and "echo: " in text  # the tools and the tool results were rendered
-    assert _learner_gap(model, sample) <= 1e-4
+    assert learner_logprob_gap(model, sample) <= 1e-4
 
 
 def test_tokens_carry_the_version_that_made_them_and_an_aborted_call_ends_the_episode(parts):
@@ -116,7 +102,7 @@ def test_an_agent_that_edits_its_history_starts_a_new_sequence_the_learner_score
     first, second = calls[0][0], calls[1][0]
     assert sample.tokens[: len(first)].tolist() == first
     assert sample.tokens[sample.seq_lens[0]: sample.seq_lens[0] + len(second)].tolist() == second
-    assert _learner_gap(model, sample) <= 1e-4
+    assert learner_logprob_gap(model, sample) <= 1e-4
 
 
 def test_a_raising_or_hanging_agent_is_an_env_fault(parts):

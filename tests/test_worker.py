@@ -113,12 +113,9 @@ def test_a_raising_env_is_counted_not_fatal(fleet):
 
 
 def test_agent_episodes_land_token_exact_and_a_raising_agent_is_counted_not_fatal(fleet, tiny_model_dir, tmp_path):
-    import torch
     from transformers import AutoModelForCausalLM
 
-    from streamrl.learner import batch as batching
-    from streamrl.learner import packing
-    from streamrl.protocol import Group
+    from streamrl.testing import learner_logprob_gap
 
     agents = Path(__file__).parent / "agents.py"
     questions = tmp_path / "questions.jsonl"
@@ -134,12 +131,7 @@ def test_agent_episodes_land_token_exact_and_a_raising_agent_is_counted_not_fata
         assert s.seq_lens is None and s.turn_rewards == [1.0, 1.0, 1.0] and s.env_info["turns"] == 3
         generated = s.loss_mask.astype(bool)
         assert (s.versions[generated] == 0).all() and (s.versions[~generated] == -1).all()
-        batch = packing.collate(batching.sequences([Group("p", "a", [s, s])], version=0, algorithm="rloo")[:1])
-        with torch.no_grad():
-            logp, _ = packing.token_logprobs(packing.forward(model, batch), batch, 1.0)
-        mask = batch["mask"][0] > 0  # re-scored by a teacher-forced forward, every generated token agrees
-        assert int(mask.sum()) == int(generated.sum())
-        assert float((logp[0][mask] - batch["logprobs"][0][mask]).abs().max()) <= 1e-4
+        assert learner_logprob_gap(model, s) <= 1e-4  # re-scored by a teacher-forced forward
 
 
 def test_rlhf_groups_are_scored_by_a_reward_model_server(fleet, reward_dir, tmp_path):
