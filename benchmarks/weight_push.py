@@ -9,7 +9,8 @@ costs no more than moving the bytes). When vLLM is installed, the largest model 
 a ``vllm`` server too (its workers receive through vLLM's weight-transfer API), beside its bound.
 The largest model is also pushed while this process trains it (forward and backward in a loop on
 another thread, one torch thread: the learner's load in ``streamrl up`` on two cores), with the bound
-timed under the same load.
+timed under the same load. Before timing, each bucket size is pushed twice: a run's first pushes touch
+every staging buffer (two per bucket layout on a server), and later pushes reuse them.
 
     python -m benchmarks.weight_push [--quick]      (or: streamrl bench weight-push)
 """
@@ -107,14 +108,19 @@ def measure(model_dir: str, redis_url: str, run_dir: Path, n_servers: int, bucke
             time.sleep(0.1)
         pusher = WeightPusher(cfg, registry)
         t0 = time.perf_counter()
-        pusher.push(named, version=1)  # warm-up: sets up the groups, first touch of every buffer
+        pusher.push(named, version=1)  # sets up the groups
         join_s = time.perf_counter() - t0
+        version = 1
+        for b in buckets_mb:  # as in a run, every staging buffer (two per layout on the server) touched before timing
+            pusher.sync.bucket_mb = b
+            for _ in range(2):
+                version += 1
+                pusher.push(named, version=version)
         group = stack.enter_context(peers(n_servers, nbytes, repeats + 1))
         flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in named])
         broadcast(group, flat)  # warm-up of the bound's group
         if load == "training":
             stack.enter_context(training(model_dir))
-        version = 1
         for _ in range(repeats):  # sides interleaved within each repeat: the machine's drift hits both
             t0 = time.perf_counter()
             broadcast(group, flat)
@@ -135,7 +141,7 @@ def measure(model_dir: str, redis_url: str, run_dir: Path, n_servers: int, bucke
 
 def run(quick: bool) -> dict:
     mode = "quick" if quick else "full"
-    repeats = 2 if quick else 3
+    repeats = 2 if quick else 5
     rows = []
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as redis:
         for hidden, layers in SIZES[mode]:
