@@ -57,11 +57,11 @@ def up(
     """Run everything on this machine: Redis, router, servers, rollout workers, evaluator, learner."""
     from streamrl.launch.local import up as run_up
 
-    _load(config, overrides)  # a bad config fails here, before anything starts
     if config is not None and "=" in str(config) and not config.exists():
         config, overrides = None, [str(config), *(overrides or [])]
     if ray:
         overrides = [*(overrides or []), "launcher=ray", f"ray.address={'null' if ray == 'local' else ray}"]
+    _load(config, overrides)  # a bad config fails here, before anything starts
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         code = run_up(str(config) if config else None, list(overrides or []), fresh=fresh)
@@ -255,8 +255,21 @@ def convert_smollm2(out: Annotated[Path, typer.Argument(help="Directory to write
 
 
 @app.command("config")
-def show_config(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
+def show_config(
+    config: ConfigArg = None,
+    overrides: OverridesArg = None,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print the reference of every setting (its type, "
+                                                               "default and meaning) as Markdown instead.")] = False,
+) -> None:
     """Validate a config and print it resolved, with every default filled in."""
+    if markdown:
+        from streamrl.config_reference import markdown as reference
+
+        if config is not None or overrides:
+            err.print("[red]streamrl config --markdown[/] documents the defaults: give it no config or overrides")
+            raise typer.Exit(2)
+        typer.echo(reference(), nl=False)
+        return
     typer.echo(dump_config(_load(config, overrides)), nl=False)
 
 

@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any, Literal, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from streamrl.config_rules import problems
 
 
 class ConfigError(ValueError):
@@ -24,9 +26,12 @@ class Section(BaseModel):
 
 
 class RunConfig(Section):
+    """The run's name and where its directory goes: ``dir/name`` holds its config, logs, metrics and exports."""
+
     name: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$", description="Redis namespace and run-dir name")
     dir: Path = Field(Path("runs"), description="parent of the run directory")
-    seed: int = 0
+    seed: int = Field(0, description="seeds the env's prompt generator and a recipe's data: runs with one seed see the "
+                      "same prompts")
 
     @property
     def path(self) -> Path:
@@ -34,16 +39,24 @@ class RunConfig(Section):
 
 
 class RedisConfig(Section):
-    url: str | None = Field(None, description="redis:// URL; empty starts an embedded redis-server")
+    """The Redis that joins every part: the replay stream, the prompt queue, the registry and the ledger."""
+
+    url: str | None = Field(None, description="redis://, rediss:// or unix:// URL; empty starts an embedded "
+                               "redis-server")
     host: str = Field("127.0.0.1", description="bind address of the embedded server")
     port: int = Field(0, ge=0, le=65535, description="port of the embedded server; 0 picks a free one")
-    password: str | None = None
+    password: str | None = Field(None, description="embedded server: password it requires (then in its URL)")
     appendfsync: Literal["always", "everysec", "no"] = Field(
         "always", description="embedded Redis: always = no acknowledged write is lost if it is killed")
     retries: int = Field(8, ge=0, description="reconnect attempts before giving up")
     retry_cap_s: float = Field(2.0, gt=0, description="longest wait between reconnect attempts")
     dedupe_ttl_s: int = Field(3600, gt=0, description="how long the id of a put whose reply never arrived is "
                               "remembered (a retry within it is a no-op); acknowledged puts forget it at once")
+
+    @field_validator("appendfsync", mode="before")
+    @classmethod
+    def _bare_no(cls, value: Any) -> Any:
+        return "no" if value is False else value  # YAML reads a bare `no` as false
 
     def retry(self) -> dict[str, float]:
         """Keyword arguments of ``Namespace.open``: how hard a part tries to reach Redis."""
@@ -57,48 +70,66 @@ class RedisConfig(Section):
 
 
 class ModelConfig(Section):
+    """The policy: a local Hugging Face model directory."""
+
     path: str | None = Field(None, description="local Hugging Face model directory")
     tokenizer: str | None = Field(None, description="tokenizer directory; defaults to the model path")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # no float16: the learner has no loss scaling, so it would train fp32 beside fp16 servers
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights the servers generate with and the "
+                                                  "learner trains (see learner.mixed_precision)")
 
 
 class RouterConfig(Section):
-    host: str = "127.0.0.1"
-    port: int = Field(30000, ge=0, le=65535)
-    policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = "cache_aware"
-    request_timeout_s: float = Field(600.0, gt=0)
+    """The sglang-router in front of the rollout servers."""
+
+    host: str = Field("127.0.0.1", description="address the router binds, and rollout workers reach it at")
+    port: int = Field(30000, ge=1, le=65535, description="router port")
+    policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = Field(
+        "cache_aware", description="how the router picks a server for a request (cache_aware: the one holding the "
+                                   "longest shared prefix)")
+    request_timeout_s: float = Field(600.0, ge=1, description="longest the router waits on a server for one request "
+                                     "(workers wait on the router as long, and 10 s more)")
     prometheus_port: int | None = Field(None, ge=1, le=65535, description="router metrics; default port + 1")
-    health_check_interval_s: float = Field(2.0, ge=1)
+    health_check_interval_s: float = Field(2.0, ge=1, description="seconds between the router's health checks")
     sync_every_s: float = Field(1.0, gt=0, description="how often the worker set follows the registry")
 
 
 class ServerConfig(Section):
-    engine: Literal["hf", "vllm", "sglang"] = "hf"
+    """Rollout servers (``streamrl serve``): an inference engine behind SGLang's HTTP API."""
+
+    engine: Literal["hf", "vllm", "sglang"] = Field("hf", description="hf (transformers, continuous batching), "
+                                                    "vllm (vLLM's engine) or sglang (a stock SGLang server)")
     count: int = Field(1, ge=0, description="rollout servers started by `streamrl up`")
-    host: str = "127.0.0.1"
-    base_port: int = Field(31000, ge=1, le=65535)
-    max_batch_size: int = Field(64, ge=1)
+    host: str = Field("127.0.0.1", description="address servers bind and register (others reach them at it)")
+    base_port: int = Field(31000, ge=1, le=65535, description="port of server 0; server i listens on base_port + i")
+    max_batch_size: int = Field(64, ge=1, description="sequences a server decodes at once")
     kv_cache_gb: float | None = Field(None, gt=0, description="vllm engine: KV cache size in GiB (default: 2 on a "
                                       "CPU, vLLM's gpu_memory_utilization on a GPU)")
     token: str | None = Field(None, description="bearer token required by control endpoints")
-    heartbeat_s: float = Field(2.0, gt=0)
-    registry_ttl_s: float = Field(10.0, gt=0)
+    heartbeat_s: float = Field(2.0, gt=0, description="how often a server renews its entry in the registry")
+    registry_ttl_s: float = Field(10.0, gt=0, description="a server whose heartbeat is older than this is taken "
+                                  "for dead (the router, pushes and workers stop using it)")
 
 
 class SamplingConfig(Section):
+    """How training episodes sample (evaluation is greedy)."""
+
     n: int = Field(8, ge=1, description="samples per prompt (the group size)")
-    max_new_tokens: int = Field(256, ge=1)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
+    max_new_tokens: int = Field(256, ge=1, description="tokens one model call may generate")
+    temperature: float = Field(1.0, ge=0, description="sampling temperature; the learner scores tokens at the same "
+                               "temperature")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling (1: off)")
+    top_k: int = Field(-1, ge=-1, description="sample among the k likeliest tokens (-1: off)")
 
 
 class RolloutConfig(Section):
+    """Rollout workers (``streamrl launch-rollout``): they play episodes through the router into the replay stream."""
+
     env: str = Field("arithmetic", description="env name (entry point), module:Class or file.py:Class; or an agent: "
                      "an async function (client, item) -> reward, named the same ways (docs/agents.md)")
-    env_args: dict[str, Any] = Field(default_factory=dict)
+    env_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the env (or agent)")
     dataset: str | None = Field(None, description="JSONL/Parquet file; empty uses the env's generator")
-    workers: int = Field(1, ge=0)
+    workers: int = Field(1, ge=0, description="rollout workers started by `streamrl up`")
     concurrency: int = Field(32, ge=1, description="episodes in flight per worker")
     coalesce_ms: float = Field(2.0, ge=0, description="how long a generation waits for sibling episodes with the "
                                "same context, to go out together as one /generate with n (0: never)")
@@ -115,44 +146,53 @@ class RolloutConfig(Section):
     prompt_lease_s: float = Field(600.0, gt=0, description="how long a claimed prompt is held")
     group_lease_s: float = Field(600.0, gt=0, description="how long an admitted group holds its slot")
     router_url: str | None = Field(None, description="where to send /generate; default: the router section")
-    metrics_every_s: float = Field(10.0, gt=0)
+    metrics_every_s: float = Field(10.0, gt=0, description="seconds between a worker's metrics records")
     prometheus_port: int | None = Field(None, ge=1, le=65535, description="worker /metrics on 127.0.0.1")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
 
 
 class RewardConfig(Section):
-    """A reward-model server (``streamrl serve-reward``) and where envs find it."""
+    """The reward-model server `streamrl serve-reward` starts (the `reward_model` env takes its URL from
+    `rollout.env_args.url`)."""
 
     model_path: str | None = Field(None, description="local HF sequence-classification model")
-    host: str = "127.0.0.1"
-    port: int = Field(32000, ge=1, le=65535)
-    max_batch_size: int = Field(32, ge=1)
+    host: str = Field("127.0.0.1", description="address the reward server binds")
+    port: int = Field(32000, ge=1, le=65535, description="reward server port")
+    max_batch_size: int = Field(32, ge=1, description="(prompt, response) pairs scored in one forward")
     max_wait_ms: float = Field(5.0, ge=0, description="how long a batch waits to fill")
     max_length: int = Field(2048, ge=8, description="longest (prompt, response) in tokens; longer is cut from the left")
 
 
 class OffPolicyConfig(Section):
+    """How old (in policy versions) trained data may be, and how the loss corrects for its age."""
+
     max_staleness: int = Field(2, ge=0, description="oldest policy lag a trained token may have")
     stale: Literal["drop", "keep"] = Field("drop", description="what the learner does with data past the bound")
-    correction: Literal["none", "tis", "decoupled"] = "decoupled"
-    tis_cap: float = Field(2.0, gt=0)
+    correction: Literal["none", "tis", "decoupled"] = Field(
+        "decoupled", description="none: PPO ratio against the behaviour policy; tis: ratio against the proximal "
+                                 "policy, truncated importance weight; decoupled: the same, weight not truncated")
+    tis_cap: float = Field(2.0, gt=0, description="correction=tis: largest importance weight")
     behav_weight_cap: float | None = Field(None, gt=1, description="decoupled: leave out tokens whose "
                                            "pi_prox / pi_behav exceeds this (AReaL's behav_imp_weight_cap)")
 
 
 class LearnerConfig(Section):
-    nproc: int = Field(1, ge=1, description="data-parallel ranks")
-    algorithm: Literal["rloo", "grpo", "ppo"] = "rloo"
+    """The DeepSpeed learner (``streamrl launch-learner``): algorithm, loss, optimizer and its cadence."""
+
+    nproc: int = Field(1, ge=1, description="data-parallel ranks `streamrl up` starts (under torchrun, its world size)")
+    algorithm: Literal["rloo", "grpo", "ppo"] = Field("rloo", description="advantage estimator: rloo (leave-one-out "
+                                                     "group baseline), grpo (group mean and std), ppo (a critic)")
     credit: Literal["episode", "turn"] = Field("episode", description="rloo/grpo on multi-turn episodes: one "
                                                "advantage per episode, or one per turn (see turn_lam)")
     turn_gamma: float = Field(1.0, ge=0, le=1, description="credit=turn: discount from one turn to the next")
     turn_lam: float = Field(1.0, ge=0, le=1, description="credit=turn: 1 scores a turn by its own episode's "
                             "later rewards, 0 by the group's mean of them (a lucky retry vouches less)")
-    groups_per_step: int = Field(8, ge=1)
-    lr: float = Field(1e-5, gt=0)
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    warmup_steps: int = Field(0, ge=0)
-    max_steps: int = Field(100, ge=1)
+    groups_per_step: int = Field(8, ge=1, description="groups in one learner step's batch (a step makes one policy "
+                                 "version: epochs x minibatches optimizer steps)")
+    lr: float = Field(1e-5, gt=0, description="learning rate (constant after warmup)")
+    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="optimizer of the policy (a PPO critic uses AdamW)")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear learning-rate warmup")
+    max_steps: int = Field(100, ge=1, description="learner steps (policy versions); the run ends after the last")
     epochs: int = Field(1, ge=1, description="passes over each batch (PPO epochs)")
     minibatches: int = Field(1, ge=1, description="optimizer steps per pass, each on a share of the batch's groups "
                              "(PPO minibatches): the clip acts from the second on")
@@ -174,25 +214,26 @@ class LearnerConfig(Section):
                                   "serve bfloat16 copies of each push); off, the weights themselves are bfloat16 and "
                                   "an update smaller than their rounding step waits for the fp32 master copy to "
                                   "cross it")
-    zero_stage: int = Field(0, ge=0, le=3)
-    grad_clip: float = Field(1.0, gt=0)
-    clip_eps: float = Field(0.2, gt=0)
-    clip_eps_high: float | None = Field(None, description="upper clip (DAPO's clip-higher); default clip_eps")
+    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage")
+    grad_clip: float = Field(1.0, gt=0, description="largest gradient norm")
+    clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip")
+    clip_eps_high: float | None = Field(None, gt=0, description="upper clip (DAPO's clip-higher); default clip_eps")
     dual_clip: float | None = Field(None, gt=1, description="bound the loss of negative advantages at c|A|")
     loss_agg: Literal["token", "sequence"] = Field("token", description="mean over all tokens, or of sequence means")
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="estimator of KL to the initial policy "
+                                                    "(Schulman's k1, k2, k3)")
     kl_coef: float = Field(0.0, ge=0, description="weight of KL to the initial policy (0: none)")
     kl_in_reward: bool = Field(False, description="subtract the KL from rewards instead of adding it to the loss")
     gamma: float = Field(1.0, ge=0, le=1, description="PPO: discount over generated tokens")
     lam: float = Field(0.95, ge=0, le=1, description="PPO: GAE lambda")
     critic_path: str | None = Field(None, description="PPO: value model start (default: the policy)")
-    critic_lr: float = Field(1e-5, gt=0)
-    value_clip: float = Field(0.2, gt=0)
+    critic_lr: float = Field(1e-5, gt=0, description="PPO: critic learning rate")
+    value_clip: float = Field(0.2, gt=0, description="PPO: clip of the value update")
     whiten_advantages: bool = Field(True, description="PPO: normalise advantages over the global batch")
-    entropy_coef: float = Field(0.0, ge=0)
-    checkpoint_every: int = Field(50, ge=1, description="optimizer steps between checkpoints")
+    entropy_coef: float = Field(0.0, ge=0, description="weight of an entropy bonus (0: none)")
+    checkpoint_every: int = Field(50, ge=1, description="learner steps between checkpoints")
     resume: Literal["auto", "never"] = Field("auto", description="auto: continue from the newest checkpoint")
-    export_every: int = Field(50, ge=1, description="optimizer steps between plain HF exports (and one at the end)")
+    export_every: int = Field(50, ge=1, description="learner steps between plain HF exports (and one at the end)")
     tensorboard: bool = Field(False, description="also write metrics to runs/NAME/tensorboard")
     wandb_project: str | None = Field(None, description="also log metrics to this W&B project")
     deepspeed_config: Path | None = Field(None, description="user DeepSpeed JSON, used as is")
@@ -202,21 +243,29 @@ class LearnerConfig(Section):
 
 
 class WeightSyncConfig(Section):
-    sync_every: int = Field(1, ge=1, description="optimizer steps between pushes")
-    mode: Literal["pause", "in_flight"] = "in_flight"
-    bucket_mb: float = Field(64.0, gt=0)
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Pushing the learner's weights to the rollout servers."""
+
+    sync_every: int = Field(1, ge=1, description="learner steps between pushes")
+    mode: Literal["pause", "in_flight"] = Field("in_flight", description="in_flight: servers keep generating and "
+                                                "switch weights between two decode steps; pause: they stop for the push")
+    bucket_mb: float = Field(64.0, gt=0, description="size of one broadcast (tensors are packed into buckets)")
+    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="transport: auto is nccl with CUDA, else "
+                                                     "gloo")
     timeout_s: float = Field(60.0, gt=0, description="how long a push waits for a server before dropping it")
     master_address: str = Field("127.0.0.1", description="learner rank 0's address, as servers reach it")
 
 
 class PrepareConfig(Section):
+    """A recipe's preparation step (data, model) run by `streamrl up` before the parts start."""
+
     fn: str | None = Field(None, description="module:function (or file.py:function) that `streamrl up` runs first; "
                            "returns overrides")
-    args: dict[str, Any] = Field(default_factory=dict)
+    args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of prepare.fn")
 
 
 class EvalConfig(Section):
+    """Held-out evaluation (``streamrl evaluate``) as the learner's version moves."""
+
     dataset: str | None = Field(None, description="held-out rows for rollout.env; empty: no evaluation")
     every: int = Field(10, ge=1, description="learner steps between evaluations (and one at the start and end)")
     size: int = Field(64, ge=1, description="prompts per evaluation (greedy decoding)")
@@ -233,7 +282,7 @@ class SuperviseConfig(Section):
     max_restarts: int = Field(3, ge=0, description="restarts per part before the run is stopped")
     ready_timeout_s: float = Field(180.0, gt=0, description="how long a part may take to become ready")
     display: Literal["auto", "live", "plain"] = Field("auto", description="auto: live on a terminal, else plain")
-    refresh_s: float = Field(1.0, gt=0)
+    refresh_s: float = Field(1.0, gt=0, description="seconds between display refreshes")
     threads: int | None = Field(None, ge=1, description="torch threads per server and learner rank (default: "
                                 "cores / (servers + learner ranks))")
     learner_threads: int | None = Field(
@@ -245,17 +294,20 @@ class RayConfig(Section):
     """Resources for `launcher: ray`: each part gets a bundle in one placement group."""
 
     address: str | None = Field(None, description="cluster to join ('auto', ray://...); empty starts a local one")
-    cpus_per_server: float = Field(1.0, ge=0)
-    gpus_per_server: float = Field(0.0, ge=0)
-    cpus_per_learner_rank: float = Field(1.0, ge=0)
-    gpus_per_learner_rank: float = Field(0.0, ge=0)
+    cpus_per_server: float = Field(1.0, ge=0, description="CPUs in each server's bundle")
+    gpus_per_server: float = Field(0.0, ge=0, description="GPUs in each server's bundle")
+    cpus_per_learner_rank: float = Field(1.0, ge=0, description="CPUs in each learner rank's bundle")
+    gpus_per_learner_rank: float = Field(0.0, ge=0, description="GPUs in each learner rank's bundle")
     cpus_per_part: float = Field(0.1, gt=0, description="router, each rollout worker, the evaluator")
-    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="placement group strategy (Ray's)")
 
 
 class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig)
-    mode: Literal["async", "sync"] = "async"
+    mode: Literal["async", "sync"] = Field("async", description="async: generation runs ahead of training (up to "
+                                           "off_policy.max_staleness); sync: each step's data comes from its own "
+                                           "version, generation waits for training")
     launcher: Literal["local", "ray"] = Field("local", description="where `streamrl up` runs its parts")
     redis: RedisConfig = Field(default_factory=RedisConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -272,64 +324,11 @@ class Config(Section):
     ray: RayConfig = Field(default_factory=RayConfig)
 
     @model_validator(mode="after")
-    def _pushes_keep_up_with_staleness(self) -> Config:
-        # tokens carry the version of the last *pushed* weights; if pushes are rarer than the staleness
-        # bound allows, every group is too old on arrival, is dropped, and the run stalls
-        every, bound = self.weight_sync.sync_every, self.off_policy.max_staleness
-        if self.mode == "sync" and every != 1:
-            raise ValueError(f"weight_sync.sync_every: mode=sync needs 1 (a push after every step), got {every}")
-        if self.off_policy.stale == "drop" and every > bound + 1:
-            raise ValueError(f"weight_sync.sync_every: {every} > off_policy.max_staleness + 1 = {bound + 1}; data "
-                             "would be too stale to train on; push more often or allow more staleness")
-        return self
-
-    @model_validator(mode="after")
-    def _engine_settings_fit_the_engine(self) -> Config:
-        server, sampling = self.server, self.rollout.sampling
-        if server.kv_cache_gb is not None and server.engine != "vllm":
-            raise ValueError(f"server.kv_cache_gb sizes the vllm engine's KV cache; engine {server.engine!r} "
-                             "does not read it: leave it unset")
-        if server.engine == "vllm" and (sampling.top_p < 1 or sampling.top_k != -1):
-            raise ValueError("rollout.sampling.top_p/top_k: vLLM reports logprobs renormalised after top-p/top-k "
-                             "truncation, which would not match the learner's; use top_p=1 and top_k=-1 with "
-                             "server.engine=vllm, or the hf engine")
-        return self
-
-    @model_validator(mode="after")
-    def _mixed_precision_needs_bfloat16(self) -> Config:
-        if self.learner.mixed_precision and self.model.dtype != "bfloat16":
-            raise ValueError(f"learner.mixed_precision computes in bfloat16 over fp32 weights; model.dtype is "
-                             f"{self.model.dtype!r}: set model.dtype=bfloat16 (float16 would need loss scaling)")
-        return self
-
-    @model_validator(mode="after")
-    def _every_minibatch_gets_a_group(self) -> Config:
-        if self.learner.minibatches > self.learner.groups_per_step:
-            raise ValueError(f"learner.minibatches: {self.learner.minibatches} > learner.groups_per_step = "
-                             f"{self.learner.groups_per_step}; a minibatch is made of whole groups")
-        return self
-
-    @model_validator(mode="after")
-    def _turn_credit_needs_a_group_estimator(self) -> Config:
-        if self.learner.credit == "turn" and self.learner.algorithm == "ppo":
-            raise ValueError("learner.credit: 'turn' is for rloo and grpo; ppo's critic already scores every "
-                             "token (learner.gamma, learner.lam)")
-        return self
-
-    @model_validator(mode="after")
-    def _kl_in_reward_runs_on_rank_zero(self) -> Config:
-        if self.learner.kl_in_reward and self.learner.kl_coef > 0 and self.learner.zero_stage == 3:
-            raise ValueError("learner.kl_in_reward runs the reference on rank 0 alone, which ZeRO-3's sharded weights "
-                             "do not allow: put the KL in the loss (kl_in_reward: false) or use zero_stage < 3")
-        return self
-
-    @model_validator(mode="after")
-    def _no_signal_is_a_group_baselines_notion(self) -> Config:
-        learner = self.learner
-        if learner.drop_no_signal and (learner.algorithm == "ppo" or learner.credit == "turn"):
-            raise ValueError("learner.drop_no_signal is for rloo and grpo with credit: episode; a group with equal "
-                             "rewards still has a gradient under " + ("ppo's critic" if learner.algorithm == "ppo"
-                                                                      else "turn credit"))
+    def _combinations(self) -> Config:
+        """Every rule of ``streamrl.config_rules`` at once, so one load reports all that is wrong."""
+        found = problems(self)
+        if found:
+            raise ValueError("\n  ".join(found))
         return self
 
     def redacted(self) -> dict[str, Any]:
@@ -430,6 +429,9 @@ def _describe(error: ValidationError) -> str:
         if err["type"] == "extra_forbidden":
             path = [str(p) for p in err["loc"]]
             lines.append(f"  {loc}: {_unknown(path, _fields_at(path[:-1]))}")
+            continue
+        if not err["loc"] and err["type"] == "value_error":  # the cross-field rules: each names its fields
+            lines.append(f"  {err['ctx']['error']}")
             continue
         got = err.get("input")
         lines.append(f"  {loc}: {err['msg']} (got {got!r})")

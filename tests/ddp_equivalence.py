@@ -20,7 +20,8 @@ deepspeed.init_distributed(dist_backend="gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 cfg = load_config(None, [f"model.path={model_dir}", "learner.optimizer=sgd", "learner.lr=1.0", "learner.grad_clip=1e9",
                          "off_policy.correction=none", f"learner.loss_agg={agg}", f"learner.zero_stage={zero}",
-                         f"learner.kl_coef={kl}", "learner.kl_estimator=k1"])  # k1: a gradient at the reference too
+                         f"learner.kl_coef={kl}",
+                         *(["learner.kl_estimator=k1"] if float(kl) > 0 else [])])  # k1: a gradient at the reference too
 engine = Policy(cfg, model_dir)
 rng = np.random.default_rng(0)
 lengths = [40, 6, 9, 7, 5, 8, 12]  # one long sequence, six short ones

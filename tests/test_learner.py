@@ -62,7 +62,7 @@ def test_two_rank_learner_trains_from_the_replay_stream(redis_server, tiny_model
         [*launch, "launch-learner",
          f"model.path={tiny_model_dir}", f"redis.url={redis_server.url}", f"run.name={ns.run}",
          f"run.dir={tmp_path}", "learner.groups_per_step=4", "learner.micro_batch_tokens=128",
-         f"learner.zero_stage={zero_stage}", f"learner.minibatches={minibatches}", "off_policy.max_staleness=8",
+         "rollout.max_context=128", f"learner.zero_stage={zero_stage}", f"learner.minibatches={minibatches}", "off_policy.max_staleness=8",
          "--steps", "3"],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -102,7 +102,8 @@ def test_dynamic_sampling_leaves_out_groups_without_signal_and_accounts_for_each
     out = subprocess.run(
         [sys.executable, "-m", "streamrl", "launch-learner", f"model.path={tiny_model_dir}",
          f"redis.url={redis_server.url}", f"run.name={ns.run}", f"run.dir={tmp_path}", "learner.groups_per_step=2",
-         "learner.drop_no_signal=true", "learner.micro_batch_tokens=256", "--steps", "2"],
+         "learner.drop_no_signal=true", "learner.micro_batch_tokens=256", "rollout.max_context=256",
+         "--steps", "2"],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / ns.run / "metrics" / "learner.jsonl").open()]
@@ -134,7 +135,7 @@ def test_a_killed_learner_resumes_from_its_checkpoint_applying_every_group_exact
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "streamrl", "launch-learner",
             f"model.path={tiny_model_dir}", f"redis.url={redis_server.url}", "run.name=learner-kill",
             f"run.dir={tmp_path}", "learner.groups_per_step=4", "learner.micro_batch_tokens=128",
-            "off_policy.max_staleness=99", "learner.checkpoint_every=2", "--steps", "5"]
+            "rollout.max_context=128", "off_policy.max_staleness=99", "learner.checkpoint_every=2", "--steps", "5"]
     metrics = tmp_path / "learner-kill" / "metrics" / "learner.jsonl"
 
     def records():

@@ -26,7 +26,8 @@ def engine(tiny_model_dir):
     os.environ.update(launcher_env)
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "learner.lr=0.01", "learner.kl_coef=0.1",
-                             "learner.entropy_coef=0.01", "off_policy.correction=decoupled", "learner.ptx_coef=1.0"])
+                             "learner.entropy_coef=0.01", "off_policy.correction=decoupled", "learner.ptx_coef=1.0",
+                             "learner.ptx_dataset=sft.jsonl"])  # the tests hand the policy its SFT rows
     yield Policy(cfg, tiny_model_dir)
     for key, value in saved.items():  # later tests start launchers of their own: leave no RANK behind
         if value is None:

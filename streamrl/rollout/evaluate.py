@@ -55,7 +55,8 @@ class Evaluator:
         """Evaluate at 0, every ``eval.every`` steps and at the last step (a restart skips what is done)."""
         last, every = self.cfg.learner.max_steps, self.cfg.eval.every
         pending = sorted({0, last, *range(every, last, every)} - self.done_steps())
-        async with GenerateClient(self.router_url, retries=5) as self.client:
+        timeout_s = self.cfg.router.request_timeout_s + 10  # the router's own timeout, then its answer
+        async with GenerateClient(self.router_url, retries=5, timeout_s=timeout_s) as self.client:
             while pending and not stop.is_set():
                 step = await asyncio.to_thread(self.version.get)
                 due = [s for s in pending if s <= step]

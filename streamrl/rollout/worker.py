@@ -123,7 +123,8 @@ class RolloutWorker:
         groups_in_flight = asyncio.Semaphore(max_groups_in_flight(rollout))
         tasks: set[asyncio.Task] = set()
         reporter = asyncio.create_task(self._report_every(rollout.metrics_every_s))
-        async with GenerateClient(self.router_url) as client:
+        # a request may take the router its whole timeout, then the client hears why
+        async with GenerateClient(self.router_url, timeout_s=self.cfg.router.request_timeout_s + 10) as client:
             self.coalescer = Coalescer(client.generate_n, rollout.coalesce_ms / 1000)
             log.info("%s: generating through %s", self.name, self.router_url)
             await self._report()  # an opening report: when generation began (start-up done); rates count from here

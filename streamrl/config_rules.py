@@ -1,0 +1,218 @@
+"""Combinations of settings the code would ignore or mis-handle, refused when a config is loaded.
+
+Each rule takes the whole config and returns what is wrong with it (nothing when it is fine), naming the
+field and the fix. A rule's docstring is its line in the configuration reference. A rule refuses only a
+value the user changed: a default that does not apply to a mode is harmless.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    from streamrl.config import Config
+
+Rule = Callable[["Config"], Iterator[str]]
+RULES: list[Rule] = []
+
+
+def rule(fn: Rule) -> Rule:
+    RULES.append(fn)
+    return fn
+
+
+def problems(cfg: Config) -> list[str]:
+    return [problem for check in RULES for problem in check(cfg)]
+
+
+def _changed(section: BaseModel, *names: str) -> list[str]:
+    """Which of ``names`` the user set away from their defaults."""
+    fields = type(section).model_fields
+    return [n for n in names if getattr(section, n) != fields[n].get_default(call_default_factory=True)]
+
+
+# --------------------------------------------------------------------------- pushes and staleness
+
+
+@rule
+def pushes_keep_up_with_staleness(cfg: Config) -> Iterator[str]:
+    """`weight_sync.sync_every` above `off_policy.max_staleness + 1` (with `stale: drop`), or above 1 with
+    `mode: sync`: data would be too stale to train on when it arrives."""
+    # tokens carry the version of the last *pushed* weights; if pushes are rarer than the staleness
+    # bound allows, every group is too old on arrival, is dropped, and the run stalls
+    every, bound = cfg.weight_sync.sync_every, cfg.off_policy.max_staleness
+    if cfg.mode == "sync" and every != 1:
+        yield f"weight_sync.sync_every: mode=sync needs 1 (a push after every step), got {every}"
+    elif cfg.off_policy.stale == "drop" and every > bound + 1:
+        yield (f"weight_sync.sync_every: {every} > off_policy.max_staleness + 1 = {bound + 1}; data would be too "
+               "stale to train on; push more often or allow more staleness")
+
+
+@rule
+def corrections_read_their_own_settings(cfg: Config) -> Iterator[str]:
+    """`off_policy.tis_cap` without `correction: tis`; `off_policy.behav_weight_cap` without `correction:
+    decoupled`."""
+    off = cfg.off_policy
+    if off.correction != "tis" and _changed(off, "tis_cap"):
+        yield f"off_policy.tis_cap applies to correction=tis; correction is {off.correction!r}"
+    if off.correction != "decoupled" and off.behav_weight_cap is not None:
+        yield f"off_policy.behav_weight_cap applies to correction=decoupled; correction is {off.correction!r}"
+
+
+# --------------------------------------------------------------------------- rollout and serving
+
+
+@rule
+def engine_settings_fit_the_engine(cfg: Config) -> Iterator[str]:
+    """`server.kv_cache_gb` with an engine other than vllm; `rollout.sampling.top_p` / `top_k` with vllm,
+    whose logprobs come renormalised after truncation; `server.engine: sglang` for servers streamrl starts."""
+    server, sampling = cfg.server, cfg.rollout.sampling
+    if server.kv_cache_gb is not None and server.engine != "vllm":
+        yield (f"server.kv_cache_gb sizes the vllm engine's KV cache; engine {server.engine!r} does not read it: "
+               "leave it unset")
+    if server.engine == "vllm" and (sampling.top_p < 1 or sampling.top_k != -1):
+        yield ("rollout.sampling.top_p/top_k: vLLM reports logprobs renormalised after top-p/top-k truncation, which "
+               "would not match the learner's; use top_p=1 and top_k=-1 with server.engine=vllm, or the hf engine")
+    if server.engine == "sglang" and server.count > 0:
+        yield ("server.engine: sglang names stock SGLang servers, which streamrl does not start: serve with "
+               "engine hf or vllm (`streamrl serve` speaks SGLang's API), or set server.count=0")
+
+
+@rule
+def groups_can_be_trained(cfg: Config) -> Iterator[str]:
+    """`rollout.min_group` above `rollout.sampling.n`; `sampling.n` of 1 with rloo or grpo (a group of one has
+    no baseline); `sampling.temperature` 0 (greedy samples cannot train; evaluation is greedy already)."""
+    sampling, learner = cfg.rollout.sampling, cfg.learner
+    if cfg.rollout.min_group > sampling.n:
+        yield (f"rollout.min_group: {cfg.rollout.min_group} > rollout.sampling.n = {sampling.n}; no group could "
+               "ever be pushed")
+    if sampling.n < 2 and learner.algorithm in ("rloo", "grpo"):
+        yield (f"rollout.sampling.n: {learner.algorithm} compares the samples of a group, so it needs n >= 2 "
+               "(or use algorithm=ppo)")
+    if sampling.temperature == 0:
+        yield ("rollout.sampling.temperature: 0 makes every sample of a group the same greedy reply, which the "
+               "learner cannot learn from; evaluation is greedy already")
+
+
+@rule
+def ports_and_heartbeats_fit(cfg: Config) -> Iterator[str]:
+    """`server.base_port + server.count - 1` past 65535; `server.heartbeat_s` not below `server.registry_ttl_s`;
+    `rollout.prometheus_port` with several workers (they would share it)."""
+    server = cfg.server
+    if server.base_port + max(server.count, 1) - 1 > 65535:
+        yield f"server.base_port: {server.base_port} + {server.count} servers runs past port 65535"
+    if server.heartbeat_s >= server.registry_ttl_s:
+        yield (f"server.heartbeat_s: {server.heartbeat_s} >= server.registry_ttl_s = {server.registry_ttl_s}; "
+               "servers would expire between heartbeats")
+    if cfg.rollout.prometheus_port is not None and cfg.rollout.workers > 1:
+        yield (f"rollout.prometheus_port: {cfg.rollout.workers} workers would all bind port "
+               f"{cfg.rollout.prometheus_port}; leave it unset or run one worker per config")
+
+
+# --------------------------------------------------------------------------- learner
+
+
+@rule
+def mixed_precision_needs_bfloat16(cfg: Config) -> Iterator[str]:
+    """`learner.mixed_precision` without `model.dtype: bfloat16`."""
+    if cfg.learner.mixed_precision and cfg.model.dtype != "bfloat16":
+        yield (f"learner.mixed_precision computes in bfloat16 over fp32 weights; model.dtype is "
+               f"{cfg.model.dtype!r}: set model.dtype=bfloat16")
+
+
+@rule
+def micro_batches_hold_a_sample(cfg: Config) -> Iterator[str]:
+    """`learner.micro_batch_tokens` below `rollout.max_context`: a long sample would fit no micro-batch."""
+    if cfg.learner.micro_batch_tokens < cfg.rollout.max_context:
+        yield (f"learner.micro_batch_tokens: {cfg.learner.micro_batch_tokens} < rollout.max_context = "
+               f"{cfg.rollout.max_context}; a sample that long would fit no micro-batch")
+
+
+@rule
+def every_minibatch_gets_a_group(cfg: Config) -> Iterator[str]:
+    """`learner.minibatches` above `learner.groups_per_step`: a minibatch is made of whole groups."""
+    if cfg.learner.minibatches > cfg.learner.groups_per_step:
+        yield (f"learner.minibatches: {cfg.learner.minibatches} > learner.groups_per_step = "
+               f"{cfg.learner.groups_per_step}; a minibatch is made of whole groups")
+
+
+@rule
+def settings_of_another_algorithm(cfg: Config) -> Iterator[str]:
+    """PPO's settings (`gamma`, `lam`, `critic_path`, `critic_lr`, `value_clip`, `whiten_advantages`) without
+    `algorithm: ppo`; `credit: turn` with ppo, whose critic already scores every token; `turn_gamma` /
+    `turn_lam` without `credit: turn`."""
+    learner = cfg.learner
+    if learner.algorithm != "ppo":
+        for name in _changed(learner, "gamma", "lam", "critic_path", "critic_lr", "value_clip", "whiten_advantages"):
+            yield f"learner.{name} applies to algorithm=ppo; algorithm is {learner.algorithm!r}"
+    if learner.credit == "turn" and learner.algorithm == "ppo":
+        yield ("learner.credit: 'turn' is for rloo and grpo; ppo's critic already scores every token "
+               "(learner.gamma, learner.lam)")
+    if learner.credit != "turn":
+        for name in _changed(learner, "turn_gamma", "turn_lam"):
+            yield f"learner.{name} applies to credit=turn; credit is {learner.credit!r}"
+
+
+@rule
+def no_signal_is_a_group_baselines_notion(cfg: Config) -> Iterator[str]:
+    """`learner.drop_no_signal` with ppo or `credit: turn`, where a group of equal rewards still has a gradient."""
+    learner = cfg.learner
+    if learner.drop_no_signal and (learner.algorithm == "ppo" or learner.credit == "turn"):
+        yield ("learner.drop_no_signal is for rloo and grpo with credit: episode; a group with equal rewards still "
+               "has a gradient under " + ("ppo's critic" if learner.algorithm == "ppo" else "turn credit"))
+
+
+@rule
+def kl_settings_need_a_kl(cfg: Config) -> Iterator[str]:
+    """`learner.kl_estimator` or `kl_in_reward` with `kl_coef` 0 (no reference model runs); `kl_in_reward` under
+    `zero_stage: 3` (the reference runs on rank 0 alone)."""
+    learner = cfg.learner
+    if learner.kl_coef == 0:
+        for name in _changed(learner, "kl_estimator", "kl_in_reward"):
+            yield f"learner.{name} needs learner.kl_coef > 0 (0 runs no reference model)"
+    elif learner.kl_in_reward and learner.zero_stage == 3:
+        yield ("learner.kl_in_reward runs the reference on rank 0 alone, which ZeRO-3's sharded weights do not "
+               "allow: put the KL in the loss (kl_in_reward: false) or use zero_stage < 3")
+
+
+@rule
+def sft_mix_is_whole(cfg: Config) -> Iterator[str]:
+    """`learner.ptx_dataset` without `ptx_coef` > 0, or `ptx_coef` / `ptx_per_rank` without `ptx_dataset`."""
+    learner = cfg.learner
+    if learner.ptx_dataset and learner.ptx_coef == 0:
+        yield "learner.ptx_dataset is mixed in only with learner.ptx_coef > 0: set its weight"
+    if not learner.ptx_dataset:
+        for name in _changed(learner, "ptx_coef", "ptx_per_rank"):
+            yield f"learner.{name} needs learner.ptx_dataset (the SFT rows to mix in)"
+
+
+@rule
+def deepspeed_json_is_used_as_is(cfg: Config) -> Iterator[str]:
+    """`learner.grad_clip` with `learner.deepspeed_config`: the JSON is used as is, so put it there."""
+    if cfg.learner.deepspeed_config is not None and _changed(cfg.learner, "grad_clip"):
+        yield ("learner.grad_clip: learner.deepspeed_config is used as is; set gradient_clipping in that JSON "
+               "instead")
+
+
+# --------------------------------------------------------------------------- launching
+
+
+@rule
+def launcher_settings_need_their_launcher(cfg: Config) -> Iterator[str]:
+    """`ray.*` without `launcher: ray`; `ray.strategy` SPREAD or STRICT_SPREAD (parts on several nodes) while
+    servers or the learner are reached at a loopback address; `prepare.args` without `prepare.fn`."""
+    if cfg.launcher != "ray":
+        for name in _changed(cfg.ray, *type(cfg.ray).model_fields):
+            yield f"ray.{name} applies to launcher=ray (or `streamrl up CONFIG --ray ADDRESS`)"
+    elif cfg.ray.strategy in ("SPREAD", "STRICT_SPREAD"):
+        local = [f"{name}={host}" for name, host in (("server.host", cfg.server.host), ("router.host", cfg.router.host),
+                                                    ("weight_sync.master_address", cfg.weight_sync.master_address))
+                 if host in ("127.0.0.1", "localhost", "0.0.0.0")]
+        if local:
+            yield (f"ray.strategy: {cfg.ray.strategy} puts parts on several nodes, which cannot reach "
+                   f"{', '.join(local)}; use PACK or STRICT_PACK (one node), or start the parts on each machine")
+    if cfg.prepare.args and not cfg.prepare.fn:
+        yield "prepare.args are the arguments of prepare.fn, which is not set"

@@ -1,0 +1,61 @@
+"""The configuration and command-line references are generated from the code, complete, and committed as generated."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from streamrl.config import Config
+from streamrl.config_reference import markdown
+
+REFERENCE = Path(__file__).parent.parent / "docs" / "reference"
+COMMITTED = REFERENCE / "config.md"
+
+
+def sections(model: type[BaseModel] = Config, path: str = ""):
+    for key, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            yield f"{path}{key}", field.annotation
+            yield from sections(field.annotation, f"{path}{key}.")
+
+
+def test_the_committed_reference_is_what_the_code_generates():
+    assert COMMITTED.read_text() == markdown(), "regenerate: make docs"
+
+
+def test_the_committed_cli_reference_is_what_typer_generates(tmp_path):
+    out = tmp_path / "cli.md"
+    subprocess.run([sys.executable, "-m", "typer", "streamrl.cli", "utils", "docs", "--name", "streamrl",
+                    "--title", "Command-line reference", "--output", str(out)], check=True, capture_output=True)
+    assert (REFERENCE / "cli.md").read_text() == out.read_text(), "regenerate: make docs"
+
+
+def test_the_command_prints_the_reference_and_refuses_a_config():
+    run = [sys.executable, "-m", "streamrl", "config", "--markdown"]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout == markdown()
+    refused = subprocess.run([*run, "configs/quickstart.yaml"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "no config" in refused.stderr
+
+
+def test_every_setting_section_and_rule_is_explained():
+    undocumented = [f"{name}.{key}" for name, model in sections() for key, f in model.model_fields.items()
+                    if not f.description and not (isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel))]
+    undocumented += [f"{key}" for key, f in Config.model_fields.items() if not f.description
+                     and not (isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel))]
+    assert not undocumented
+    assert all(model.__doc__ and model.__doc__ != BaseModel.__doc__ for _, model in sections())
+    rules = Config.__pydantic_decorators__.model_validators
+    assert rules and all(getattr(Config, name).__doc__ for name in rules)
+
+
+def test_every_setting_appears_with_its_default():
+    page = markdown()
+    for name, model in sections():
+        assert f"## `{name}`" in page
+        for key, field in model.model_fields.items():
+            if not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+                assert f"| `{key}` |" in page
+    assert '| `max_staleness` | integer, ≥ 0 | `2` |' in page  # type, bound and default as pydantic has them
+    assert '| `engine` | `"hf"` \\| `"vllm"` \\| `"sglang"` | `"hf"` |' in page

@@ -1,0 +1,103 @@
+"""Every combination the code would ignore or mis-handle is refused by name; the shipped configs pass."""
+
+from pathlib import Path
+
+import pytest
+
+from streamrl.config import ConfigError, load_config
+from streamrl.config_rules import RULES
+
+# (overrides, what the error must say, the rule that says it)
+REFUSED = [
+    (["weight_sync.sync_every=4", "off_policy.max_staleness=2"], "weight_sync.sync_every: 4 >",
+     "pushes_keep_up_with_staleness"),
+    (["mode=sync", "weight_sync.sync_every=2"], "mode=sync needs 1", "pushes_keep_up_with_staleness"),
+    (["off_policy.tis_cap=3"], "off_policy.tis_cap applies to correction=tis", "corrections_read_their_own_settings"),
+    (["off_policy.correction=tis", "off_policy.behav_weight_cap=5"], "behav_weight_cap applies to correction=decoupled",
+     "corrections_read_their_own_settings"),
+    (["server.kv_cache_gb=2"], "server.kv_cache_gb sizes the vllm engine", "engine_settings_fit_the_engine"),
+    (["server.engine=vllm", "rollout.sampling.top_p=0.9"], "top_p/top_k", "engine_settings_fit_the_engine"),
+    (["server.engine=vllm", "rollout.sampling.top_k=20"], "top_p/top_k", "engine_settings_fit_the_engine"),
+    (["server.engine=sglang"], "streamrl does not start", "engine_settings_fit_the_engine"),
+    (["rollout.min_group=4", "rollout.sampling.n=3"], "rollout.min_group: 4 > rollout.sampling.n = 3",
+     "groups_can_be_trained"),
+    (["rollout.sampling.n=1", "rollout.min_group=1"], "needs n >= 2", "groups_can_be_trained"),
+    (["rollout.sampling.temperature=0"], "rollout.sampling.temperature: 0", "groups_can_be_trained"),
+    (["server.base_port=65535", "server.count=2"], "runs past port 65535", "ports_and_heartbeats_fit"),
+    (["server.heartbeat_s=10", "server.registry_ttl_s=10"], "servers would expire", "ports_and_heartbeats_fit"),
+    (["rollout.prometheus_port=9100", "rollout.workers=2"], "2 workers would all bind port 9100",
+     "ports_and_heartbeats_fit"),
+    (["learner.mixed_precision=true"], "set model.dtype=bfloat16", "mixed_precision_needs_bfloat16"),
+    (["learner.micro_batch_tokens=1024"], "learner.micro_batch_tokens: 1024 < rollout.max_context = 2048",
+     "micro_batches_hold_a_sample"),
+    (["learner.minibatches=9", "learner.groups_per_step=8"], "a minibatch is made of whole groups",
+     "every_minibatch_gets_a_group"),
+    (["learner.lam=0.9"], "learner.lam applies to algorithm=ppo", "settings_of_another_algorithm"),
+    (["learner.algorithm=grpo", "learner.whiten_advantages=false"], "whiten_advantages applies to algorithm=ppo",
+     "settings_of_another_algorithm"),
+    (["learner.critic_path=/somewhere"], "critic_path applies to algorithm=ppo", "settings_of_another_algorithm"),
+    (["learner.algorithm=ppo", "learner.credit=turn"], "'turn' is for rloo and grpo", "settings_of_another_algorithm"),
+    (["learner.turn_lam=0"], "turn_lam applies to credit=turn", "settings_of_another_algorithm"),
+    (["learner.drop_no_signal=true", "learner.algorithm=ppo"], "drop_no_signal is for rloo and grpo",
+     "no_signal_is_a_group_baselines_notion"),
+    (["learner.drop_no_signal=true", "learner.credit=turn"], "still has a gradient under turn credit",
+     "no_signal_is_a_group_baselines_notion"),
+    (["learner.kl_estimator=k1"], "kl_estimator needs learner.kl_coef > 0", "kl_settings_need_a_kl"),
+    (["learner.kl_in_reward=true"], "kl_in_reward needs learner.kl_coef > 0", "kl_settings_need_a_kl"),
+    (["learner.kl_coef=0.1", "learner.kl_in_reward=true", "learner.zero_stage=3"], "ZeRO-3",
+     "kl_settings_need_a_kl"),
+    (["learner.ptx_dataset=sft.jsonl"], "ptx_dataset is mixed in only with learner.ptx_coef > 0", "sft_mix_is_whole"),
+    (["learner.ptx_coef=0.5"], "ptx_coef needs learner.ptx_dataset", "sft_mix_is_whole"),
+    (["learner.deepspeed_config=ds.json", "learner.grad_clip=0.5"], "set gradient_clipping in that JSON",
+     "deepspeed_json_is_used_as_is"),
+    (["ray.cpus_per_server=2"], "ray.cpus_per_server applies to launcher=ray", "launcher_settings_need_their_launcher"),
+    (["launcher=ray", "ray.strategy=SPREAD"], "cannot reach server.host=127.0.0.1",
+     "launcher_settings_need_their_launcher"),
+    (["prepare.args={a: 1}"], "prepare.args are the arguments of prepare.fn", "launcher_settings_need_their_launcher"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "says", "rule"), REFUSED, ids=[" ".join(r[0]) for r in REFUSED])
+def test_a_setting_the_code_would_not_honour_is_refused_by_name(overrides, says, rule):
+    with pytest.raises(ConfigError, match="invalid config") as refused:
+        load_config(None, overrides)
+    assert says in str(refused.value)
+    assert "Value error" not in str(refused.value)  # the rule's own words, not pydantic's wrapping
+
+
+def test_every_rule_has_a_refusal_here_and_all_problems_come_at_once():
+    assert {r.__name__ for r in RULES} == {rule for *_, rule in REFUSED}
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, ["off_policy.tis_cap=3", "learner.lam=0.9", "learner.ptx_coef=0.5"])
+    assert all(s in str(refused.value) for s in ("tis_cap", "learner.lam", "ptx_coef"))
+
+
+@pytest.mark.parametrize(("overrides"), [
+    ["off_policy.correction=tis", "off_policy.tis_cap=3"],
+    ["learner.algorithm=ppo", "learner.lam=0.9", "learner.whiten_advantages=false"],
+    ["learner.credit=turn", "learner.turn_lam=0"],
+    ["learner.kl_coef=0.1", "learner.kl_estimator=k1", "learner.kl_in_reward=true"],
+    ["learner.ptx_dataset=sft.jsonl", "learner.ptx_coef=0.5"],
+    ["launcher=ray", "ray.cpus_per_server=2", "ray.strategy=STRICT_PACK"],
+    ["server.engine=sglang", "server.count=0"],
+    ["rollout.sampling.n=1", "learner.algorithm=ppo", "rollout.min_group=1"],
+    ["learner.micro_batch_tokens=512", "rollout.max_context=512"],
+], ids=lambda o: " ".join(o))
+def test_the_same_settings_where_they_apply_are_accepted(overrides):
+    load_config(None, overrides)
+
+
+@pytest.mark.parametrize("path", sorted(Path("configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    load_config(path)
+
+
+def test_a_bare_no_in_yaml_is_appendfsync_no(tmp_path):
+    (tmp_path / "c.yaml").write_text("redis:\n  appendfsync: no\n")
+    assert load_config(tmp_path / "c.yaml").redis.appendfsync == "no"
+    assert load_config(None, ["redis.appendfsync=no"]).redis.appendfsync == "no"
+
+
+def test_float16_is_not_a_model_dtype():
+    with pytest.raises(ConfigError, match="model.dtype: Input should be 'float32' or 'bfloat16'"):
+        load_config(None, ["model.dtype=float16"])
