@@ -14,6 +14,9 @@ export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/streamrl/torch
 set +e
 .venv/bin/ruff check .  # lint (rules in pyproject.toml); the tests run either way
 lint=$?
+# the docs site: a broken link, a page missing from the nav or a stale generated reference fails
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
+docs=$?
 .venv/bin/python -m pytest "$@"
 rc=$?
 set -e
@@ -22,6 +25,10 @@ if [[ $rc -eq 5 ]]; then
 fi
 if [[ $rc -eq 0 && $lint -ne 0 ]]; then
     echo "ruff found problems (above): fix them, or 'ruff check --fix .'" >&2
+    rc=1
+fi
+if [[ $rc -eq 0 && $docs -ne 0 ]]; then
+    echo "mkdocs build --strict failed (above): fix the docs, or regenerate the references with 'make docs'" >&2
     rc=1
 fi
 exit $rc
