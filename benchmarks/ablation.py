@@ -48,8 +48,16 @@ from benchmarks.common import (
     save_figure,
     write_json,
 )
-from benchmarks.e2e import MINIBATCHES, QUARTER_LR, TURN
+from streamrl.config import load_config
 
+# Every arm starts from the quickstart's learner on the agentic config (configs/agentic.yaml tunes its learner:
+# UNTUNED sets back each learner field where the two configs differ); the arms add changes one at a time.
+QUICKSTART, AGENTIC = (load_config(path).learner for path in e2e.WORKLOADS.values())
+UNTUNED = tuple(f"learner.{name}={getattr(QUICKSTART, name)}" for name in type(QUICKSTART).model_fields
+                if getattr(QUICKSTART, name) != getattr(AGENTIC, name))
+TURN = ("learner.credit=turn", "learner.turn_lam=0")  # each turn credited with its own advantage
+MINIBATCHES = ("learner.minibatches=4",)
+QUARTER_LR = (f"learner.lr={QUICKSTART.lr / 4}",)  # four minibatch steps move about as far as one
 OLDEST = ("rollout.oldest_first=true",)
 KEEP = ("off_policy.stale=keep",)
 TRUNCATE = ("off_policy.correction=tis", "off_policy.tis_cap=2")
@@ -103,7 +111,7 @@ def run_study(arms: dict, repeats: int, steps: int, prepared: Path, run_dir: Pat
         for arm in names[seed % len(names):] + names[:seed % len(names)]:
             mode, staleness, overrides, _ = arms[arm]
             row = e2e.one_run(run_dir, prepared, "env-latency", mode, steps, max(staleness, 1), seed=seed,
-                              overrides=overrides)
+                              overrides=UNTUNED + overrides)
             rows[arm].append({**row, "seed": seed})
             console.log(f"{arm}, seed {seed}: {row['samples_per_s']:.1f} samples/s, "
                         f"dropped {100 * row['dropped_fraction']:.0f}%, held-out {row['held_out_final']:.3f}")

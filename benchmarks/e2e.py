@@ -1,15 +1,15 @@
 """End to end: the whole system, asynchronous vs ``mode: sync``, same config and number of samples.
 
-Each run is a real ``streamrl up`` of the quickstart (every part its own process) on two workloads:
+Each run is a real ``streamrl up`` (every part its own process) of one of two shipped configs:
 
-- ``single-turn`` — reverse a word; compute-bound (generation and training share the CPU);
-- ``env-latency`` — the same task as an agentic loop: every reply goes to a checker that takes
-  ~1 s of wall time, and a wrong reply gets feedback and a second try (``RetryWithFeedback``), whose
-  success pays half (``discount: 0.5``): at full pay the wrong first reply shares the episode's whole
-  reward, and the learner credits it. Here the learner credits each turn with its own advantage and takes
-  four PPO minibatches per batch at a quarter of the learning rate, in both modes (``LEARNER``): the
-  settings ``bench ablation`` found best on this task (runs of this study before these were added used the
-  quickstart's learner: episode credit, one step per batch).
+- ``single-turn`` — ``configs/quickstart.yaml``: reverse a word; compute-bound (generation and training
+  share the CPU);
+- ``env-latency`` — ``configs/agentic.yaml``: the same task as an agentic loop: every reply goes to a
+  checker that takes ~1 s of wall time, and a wrong reply gets feedback and a second try
+  (``RetryWithFeedback``), whose success pays half (``discount: 0.5``): at full pay the wrong first reply
+  shares the episode's whole reward, and the learner credits it. The config's learner credits each turn
+  with its own advantage and takes four PPO minibatches per batch at a quarter of the learning rate, in
+  both modes: the settings ``bench ablation`` found best on this task.
 
 Both modes train the same number of samples (``max_steps × groups_per_step × n``) from the same
 warm-started model. The clock starts when the rollout worker begins generating (its opening report) —
@@ -67,20 +67,7 @@ from streamrl.rollout.worker import max_groups_in_flight
 TARGET = 0.8  # eval accuracy whose first crossing is timed
 HELD_OUT = 512  # prompts of the final greedy evaluation, off the clock (the online one scores 64)
 STALENESS = (4, 2, 1)  # max staleness of the async runs: the headline one, then the trade-off against reward
-WORKLOADS = {
-    "single-turn": [],
-    "env-latency": ["rollout.env=streamrl.envs.retry:RetryWithFeedback",
-                    ("rollout.env_args={env: single_turn, env_args: {reward: exact_match}, turns: 2, latency_s: 1.0, "
-                     "discount: 0.5}"),
-                    "rollout.concurrency=256", "rollout.env_concurrency=256"],
-}
-# Learner overrides, shared with `bench ablation`, whose arms combine them.
-TURN = ("learner.credit=turn", "learner.turn_lam=0")  # each turn credited with its own advantage
-MINIBATCHES = ("learner.minibatches=4",)
-QUARTER_LR = ("learner.lr=5e-5",)  # a quarter of the quickstart's 2e-4: four steps move as far as one
-# The learner's settings per workload, the same in every mode: the quickstart's for single-turn; for the agentic
-# task, what `bench ablation` found best there (in sync as well as async).
-LEARNER = {"single-turn": (), "env-latency": TURN + MINIBATCHES + QUARTER_LR}
+WORKLOADS = {"single-turn": "configs/quickstart.yaml", "env-latency": "configs/agentic.yaml"}  # the same recipe
 
 
 def one_run(run_dir: Path, prepared: Path, workload: str, mode: str, steps: int, staleness: int,
@@ -88,12 +75,11 @@ def one_run(run_dir: Path, prepared: Path, workload: str, mode: str, steps: int,
     name = f"{workload}-{mode}"
     shutil.rmtree(run_dir / name, ignore_errors=True)
     shutil.copytree(prepared, run_dir / name / "prepared")
-    argv = [sys.executable, "-m", "streamrl", "up", "configs/quickstart.yaml", f"run.dir={run_dir}", f"run.name={name}",
+    argv = [sys.executable, "-m", "streamrl", "up", WORKLOADS[workload], f"run.dir={run_dir}", f"run.name={name}",
             f"mode={mode}", f"learner.max_steps={steps}", f"eval.every={max(1, steps // 4)}", "eval.size=64",
             f"off_policy.max_staleness={staleness}", f"router.port={free_port()}",
             f"router.prometheus_port={free_port()}", f"server.base_port={free_port()}", "supervise.display=plain",
-            f"run.seed={seed}",
-            *WORKLOADS[workload], *overrides]
+            f"run.seed={seed}", *overrides]
     out = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
     if out.returncode != 0:
         raise RuntimeError(f"{name} failed ({out.returncode}):\n{out.stdout[-3000:]}")
@@ -258,7 +244,7 @@ def run(quick: bool, repeats: int | None = None) -> dict:
                 for mode in order[r % len(order):] + order[:r % len(order)]:  # who goes first rotates
                     system_mode = "sync" if mode == "sync" else "async"  # (sync ignores the staleness bound)
                     row = one_run(tmp / "runs", prepared, workload, system_mode, steps, modes[mode] or bounds[0],
-                                  seed=r, overrides=LEARNER[workload])
+                                  seed=r)
                     results[workload][mode].append(row)
                     console.log(f"{workload} {mode}: {row['samples_per_s']:.1f} samples/s, wall {row['wall_s']:.0f}s, "
                                 f"eval {row['eval_first']:.2f} → {row['eval_final']:.2f}, "
@@ -275,8 +261,7 @@ def run(quick: bool, repeats: int | None = None) -> dict:
         summary[workload] = {**med, **ratios["async"], "ratios": ratios}
     return {"study": "e2e", "repeats": repeats, "max_steps": steps, "max_staleness": bounds[0],
             "staleness_modes": {m: k for m, k in modes.items() if k}, "target": TARGET,
-            "config": "configs/quickstart.yaml", "workloads": {w: WORKLOADS[w] for w in WORKLOADS},
-            "learner": LEARNER,
+            "config": "configs/quickstart.yaml", "workloads": WORKLOADS,
             "runs": results, "summary": summary}
 
 

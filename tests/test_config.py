@@ -95,3 +95,22 @@ def test_empty_file_gives_defaults(tmp_path):
     assert load_config(path) == Config()
 
 
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "env_args":
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def test_the_agentic_config_is_the_quickstart_with_its_env_and_learner_tuned():
+    """bench e2e and bench ablation run both configs as the same task: nothing else may drift apart."""
+    quickstart, agentic = (_flat(load_config(f"configs/{n}.yaml").model_dump(mode="json")) for n in ("quickstart", "agentic"))
+    changed = {key for key in quickstart if quickstart[key] != agentic[key]}
+    assert changed == {"run.name", "rollout.env", "rollout.env_args", "rollout.concurrency", "rollout.env_concurrency",
+                       "off_policy.max_staleness", "learner.lr", "learner.minibatches", "learner.credit",
+                       "learner.turn_lam"}
