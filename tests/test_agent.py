@@ -95,6 +95,28 @@ def test_tokens_carry_the_version_that_made_them_and_an_aborted_call_ends_the_ep
     assert sample.env_info["turns"] == 3 and sample.reward == 0.0  # the agent's call failed: no reward claimed
 
 
+def test_an_aborted_call_ends_the_episode_there(parts):
+    _, tokenizer, engine = parts
+    runner, calls = _runner(tokenizer, agents.tool_user), []
+
+    async def generate(ids, params):  # the first of the agent's three calls is aborted
+        task = asyncio.ensure_future(engine.generate(f"b{len(calls)}", ids, params))
+        await asyncio.sleep(0)
+        engine.abort(f"b{len(calls)}")
+        calls.append(await task)
+        return calls[-1]
+
+    async def main():
+        try:
+            return await runner.play({"question": "what is 1 plus 1"}, generate=generate, params=PARAMS)
+        finally:
+            await runner.close()
+
+    sample = asyncio.run(main())
+    assert len(calls) == 1 and calls[0].finish_type == "abort"  # no call after it
+    assert sample.finish_reason == "abort" and sample.env_info["turns"] == 1
+
+
 def test_an_agent_that_edits_its_history_starts_a_new_sequence_the_learner_scores_apart(parts):
     model, tokenizer, engine = parts
     sample, calls = _play(engine, _runner(tokenizer, agents.forgetful))

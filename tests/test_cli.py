@@ -6,8 +6,10 @@ import time
 import pytest
 import redis
 
+from streamrl.cli import app
+
 STREAMRL = [sys.executable, "-m", "streamrl"]
-SUBCOMMANDS = ["up", "evaluate", "serve", "launch-router", "launch-rollout", "launch-learner", "bench", "redis", "config"]
+SUBCOMMANDS = [c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands]
 
 
 def _run(*args: str, **kw) -> subprocess.CompletedProcess:

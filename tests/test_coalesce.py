@@ -63,7 +63,7 @@ def test_a_request_after_the_window_goes_separately():
     assert send.calls == [((1,), 1), ((1,), 1)]
 
 
-def test_window_zero_never_waits_or_merges():
+def test_window_zero_never_merges():
     send = RecordingSend()
 
     async def main():

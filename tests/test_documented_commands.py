@@ -6,6 +6,7 @@ another test (named, and checked to exist), or not runnable on a CPU-only single
 A command added to the docs and missing here fails the first test, so the list cannot fall behind.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -13,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from streamrl.config import load_config
 
 ROOT = Path(__file__).parent.parent
 PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md")
@@ -23,33 +26,41 @@ PLACEHOLDER = re.compile(r"\b[A-Z][A-Z_]+\b(?!=)|\.\.\.|\[")  # a template: CONF
 
 RUN = "run here"
 GPU, MACHINES = "needs a GPU", "needs several machines (the guide's addresses)"
-YOURS = "runs the reader's own config or code, whose pieces the guides' tests check"
+YOURS = "runs the reader's own config or code"
 BENCH = "a benchmark study (tests/test_benchmarks.py runs the studies' --quick forms)"
+# a run too long for CI: its config and overrides are checked here as `streamrl up` checks them first, and a test
+# runs the same config shortened
+SMOLLM2 = "a 20-minute run; tests/test_real_model.py::test_smollm2_trains_a_few_steps_through_every_part runs it shortened"
+QUICKSTART = ("the quickstart with other overrides; tests/test_up.py::"
+              "test_up_survives_killing_each_part_in_turn_and_its_ledger_balances runs it shortened")
 
 COMMANDS = {
-    # the two set-up commands: CI runs `make test`; this file runs `make quickstart`
+    # the two set-up commands: CI runs `make test`; this file runs `make quickstart` and what reads its run
     "make quickstart": RUN,
     "make test": "what CI runs (.ci/run)",
     "make test-fast": "`make test`'s fast set",
     "streamrl doctor runs/quickstart": RUN,
     "streamrl up configs/quickstart.yaml": RUN,
+    "streamrl up configs/quickstart.yaml --fresh": "what `make quickstart` runs (scripts/quickstart.sh)",
     "bash scripts/setup.sh": "the first step of `make quickstart`",
     "bash scripts/setup.sh vllm-cpu": "the first step of `make test` on a machine without a GPU",
     "bash scripts/setup.sh gpu": GPU,
     "bash scripts/setup.sh gpu,tracking": GPU,
-    "bash scripts/setup.sh tracking": "installs the tracking extra (pyproject.toml); tests/test_metrics.py uses it",
+    "bash scripts/setup.sh tracking": "installs the tracking extra of pyproject.toml",
     ".venv/bin/mkdocs serve": "serves what `make test` builds with mkdocs build --strict",
-    # real-model and engine runs
-    "make quickstart CONFIG=configs/smollm2.yaml": "tests/test_real_model.py::test_smollm2_trains_a_few_steps_through_every_part",
-    "streamrl up configs/smollm2.yaml --fresh": "tests/test_real_model.py::test_smollm2_trains_a_few_steps_through_every_part",
+    "make quickstart CONFIG=configs/smollm2.yaml": SMOLLM2,
+    "streamrl up configs/smollm2.yaml --fresh": SMOLLM2,
     ".venv/bin/streamrl up configs/smollm2.yaml --fresh server.engine=vllm": GPU,
-    "streamrl up configs/agent.yaml --fresh": "tests/test_agent.py::test_the_quickstart_played_by_an_agent_learns_with_up",
-    "streamrl up configs/quickstart.yaml --fresh": "tests/test_up.py::test_up_survives_killing_each_part_in_turn_and_its_ledger_balances",
-    "streamrl up configs/quickstart.yaml run.seed=1 learner.max_steps=80 mode=sync": "tests/test_up.py::test_up_survives_killing_each_part_in_turn_and_its_ledger_balances",
-    "streamrl up configs/quickstart.yaml --fresh run.name=async": "tests/test_up.py::test_up_survives_killing_each_part_in_turn_and_its_ledger_balances",
-    "streamrl up configs/quickstart.yaml --fresh run.name=sync mode=sync": "tests/test_up.py::test_up_survives_killing_each_part_in_turn_and_its_ledger_balances",
+    "streamrl up configs/agent.yaml --fresh": ("a 20-step SmolLM2 run; tests/test_agent.py::"
+                                               "test_the_quickstart_played_by_an_agent_learns_with_up runs the agent "
+                                               "path with `streamrl up`"),
+    "streamrl up configs/quickstart.yaml run.seed=1 learner.max_steps=80 mode=sync": QUICKSTART,
+    "streamrl up configs/quickstart.yaml --fresh run.name=async": QUICKSTART,
+    "streamrl up configs/quickstart.yaml --fresh run.name=sync mode=sync": QUICKSTART,
     # the guides' own configs and code
-    "streamrl launch-rollout config.yaml rollout.env=my_envs:ReverseWord": "tests/test_docs.py::test_the_write_your_own_env_example_is_short_and_works",
+    "streamrl launch-rollout config.yaml rollout.env=my_envs:ReverseWord": (
+        "the reader's config; tests/test_docs.py::test_the_write_your_own_env_example_is_short_and_works loads "
+        "the env by that name"),
     "streamrl config my-model.yaml": RUN,
     "streamrl up my-model.yaml --fresh": YOURS,
     "streamrl up my-model.yaml --fresh server.engine=hf model.dtype=float32 learner.mixed_precision=false": YOURS,
@@ -65,7 +76,7 @@ COMMANDS = {
     "streamrl launch-rollout cluster.yaml --name worker-1": MACHINES,
     "torchrun --nnodes 2 --node_rank 0 --master_addr 10.0.0.20 --master_port 29500 --nproc_per_node 8 -m streamrl "
     "launch-learner cluster.yaml": MACHINES,
-    # studies and tools for a run
+    # studies
     "streamrl bench agent": BENCH,
     "streamrl bench soak": BENCH,
     "streamrl bench trl --precision bf16": BENCH,
@@ -93,10 +104,17 @@ def test_every_documented_command_is_checked_and_every_listed_command_is_documen
     assert not COMMANDS.keys() - shown.keys(), "no longer in the docs: " + repr(COMMANDS.keys() - shown.keys())
 
 
-@pytest.mark.parametrize("check", sorted({v for v in COMMANDS.values() if "::" in v}))
+@pytest.mark.parametrize("check", sorted({m for v in COMMANDS.values() for m in re.findall(r"tests/\S+::\w+", v)}))
 def test_the_tests_named_as_running_a_command_exist(check):
     path, name = check.split("::")
     assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), check
+
+
+@pytest.mark.parametrize("command", sorted(c for c in COMMANDS if re.match(r"(\.venv/bin/)?streamrl up configs/", c)))
+def test_every_documented_run_of_a_shipped_config_passes_its_config_checks(command):
+    """What `streamrl up` checks before it starts anything: the file and every override."""
+    words = command.split()  # streamrl up CONFIG [--fresh] [OVERRIDES]
+    load_config(ROOT / words[2], [w for w in words[3:] if w != "--fresh"])
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +150,5 @@ def test_the_quickstart_then_its_doctor_and_its_resume_work_as_documented(scratc
         assert doctor.returncode == 0 and "balanced" in doctor.stdout, doctor.stdout + doctor.stderr
     resumed = _sh("streamrl up configs/quickstart.yaml", scratch)  # a finished run resumes at its end
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    steps = [json.loads(line).get("step") for line in (scratch / "runs/quickstart/metrics/learner.jsonl").open()]
+    assert max(s for s in steps if s is not None) == 40  # nothing trained past the end

@@ -83,6 +83,9 @@ def test_guess_gives_feedback_and_rewards_fewer_turns():
         asyncio.run(env.step(_act("1")))
     lost = asyncio.run(env.step(_act("2")))
     assert lost.done and lost.reward == 0.0
+    asyncio.run(env.reset({"secret": 7}))
+    first = asyncio.run(env.step(_act("7")))
+    assert first.done and first.reward > win.reward  # fewer turns, more reward
 
 
 def test_a_user_env_in_a_few_lines():

@@ -34,11 +34,14 @@ msgpack_values = st.recursive(
 
 @FAST
 @given(st.binary(max_size=512))
-def test_random_bytes_are_a_wire_error(payload):
+def test_random_bytes_are_a_group_or_a_wire_error(payload):
     try:
-        decode_group(payload)
+        group = decode_group(payload)
     except WireError:
-        pass
+        return
+    assert isinstance(group, Group)
+    wire = encode_group(group)  # what decodes is a group the wire takes again, unchanged
+    assert encode_group(decode_group(wire)) == wire
 
 
 @FAST
@@ -53,14 +56,16 @@ def test_any_msgpack_value_is_a_group_or_a_wire_error(value):
 
 @FAST
 @given(st.data())
-def test_a_mutated_group_decodes_to_an_equal_group_or_a_wire_error(data):
+def test_a_mutated_group_decodes_to_a_valid_group_or_a_wire_error(data):
     raw = msgpack.unpackb(encode_group(synthetic_group(2, 16, prompt_len=4)), raw=False)
     key = data.draw(st.sampled_from(sorted(raw)))
     raw[key] = data.draw(msgpack_values)
     try:
-        decode_group(msgpack.packb(raw))
+        group = decode_group(msgpack.packb(raw))
     except WireError:
-        pass
+        return
+    wire = encode_group(group)  # what decodes is a group the wire takes again, unchanged
+    assert encode_group(decode_group(wire)) == wire
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

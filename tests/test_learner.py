@@ -4,7 +4,9 @@ the replay stream and resuming from a checkpoint, and the data-parallel split's 
 import json
 import subprocess
 import sys
+import uuid
 
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -37,8 +39,10 @@ def test_rank_shards_round_trip_without_pickle():
     payload = batching.pack([[seqs[0], seqs[1]], [seqs[2]]], global_tokens=18, global_sequences=3)
     shard, n, n_seqs = batching.unpack(payload)
     assert (n, n_seqs) == (18, 3) and [len(mb) for mb in shard] == [2, 1]
-    assert all(np.array_equal(a.tokens, b.tokens) and np.array_equal(a.advantages, b.advantages)
-               for a, b in zip([s for mb in shard for s in mb], seqs))
+    for got, sent in zip([s for mb in shard for s in mb], seqs):  # every field of every sequence
+        assert vars(got).keys() == vars(sent).keys()
+        assert all(np.array_equal(getattr(got, k), getattr(sent, k)) for k in vars(sent))
+    assert isinstance(msgpack.unpackb(payload, raw=False), dict | list)  # plain msgpack, no pickle
     batch = packing.collate(shard[0])
     assert batch["input_ids"].shape == (1, 20) and batch["mask"].sum() == 12
 
@@ -47,7 +51,7 @@ def test_rank_shards_round_trip_without_pickle():
 @pytest.mark.parametrize("zero_stage, launcher, minibatches", [(0, "torchrun", 1), (3, "deepspeed", 2)])
 def test_two_rank_learner_trains_from_the_replay_stream(redis_server, tiny_model_dir, tmp_path, zero_stage, launcher,
                                                         minibatches):
-    ns = Namespace.open(redis_server.url, f"learner-e2e-{zero_stage}")
+    ns = Namespace.open(redis_server.url, f"learner-e2e-{zero_stage}-{uuid.uuid4().hex[:6]}")
     stream, rng = ReplayStream(ns), np.random.default_rng(0)
     ids = []
     for i in range(14):
@@ -91,7 +95,7 @@ def test_dynamic_sampling_leaves_out_groups_without_signal_and_accounts_for_each
                                                                                  tmp_path):
     from streamrl.buffer import Admission, Ledger
 
-    ns = Namespace.open(redis_server.url, "learner-no-signal")
+    ns = Namespace.open(redis_server.url, f"learner-no-signal-{uuid.uuid4().hex[:6]}")
     stream, rng = ReplayStream(ns), np.random.default_rng(2)
     silent = {1, 2, 5}  # every sample of these groups got the same reward
     for i in range(8):
@@ -125,7 +129,7 @@ def test_a_killed_learner_resumes_from_its_checkpoint_applying_every_group_exact
     import signal
     import time
 
-    ns = Namespace.open(redis_server.url, "learner-kill")
+    ns = Namespace.open(redis_server.url, f"learner-kill-{uuid.uuid4().hex[:6]}")  # this session's Redis: a fresh name
     stream, rng = ReplayStream(ns), np.random.default_rng(1)
 
     def put(n):
@@ -133,10 +137,10 @@ def test_a_killed_learner_resumes_from_its_checkpoint_applying_every_group_exact
             stream.put(synthetic_group(4, int(rng.integers(20, 60)), prompt_len=8, vocab=200, rng=rng))
 
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "streamrl", "launch-learner",
-            f"model.path={tiny_model_dir}", f"redis.url={redis_server.url}", "run.name=learner-kill",
+            f"model.path={tiny_model_dir}", f"redis.url={redis_server.url}", f"run.name={ns.run}",
             f"run.dir={tmp_path}", "learner.groups_per_step=4", "learner.micro_batch_tokens=128",
             "rollout.max_context=128", "off_policy.max_staleness=99", "learner.checkpoint_every=2", "--steps", "5"]
-    metrics = tmp_path / "learner-kill" / "metrics" / "learner.jsonl"
+    metrics = tmp_path / ns.run / "metrics" / "learner.jsonl"
 
     def records():
         lines = [json.loads(line) for line in metrics.open()] if metrics.exists() else []

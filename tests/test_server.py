@@ -133,10 +133,13 @@ def test_control_endpoints_refuse_requests_without_the_token(served, path):
 def test_pause_and_continue_with_the_token(served):
     client, _, _, engine = served
     auth = {"Authorization": f"Bearer {TOKEN}"}
-    assert client.post("/pause_generation", headers=auth).json() == {"success": True}
-    assert not engine._unpaused.is_set()
-    assert client.post("/continue_generation", headers=auth).json() == {"success": True}
-    assert engine._unpaused.is_set()
+    try:
+        assert client.post("/pause_generation", headers=auth).json() == {"success": True}
+        assert not engine._unpaused.is_set()
+        assert client.post("/continue_generation", headers=auth).json() == {"success": True}
+        assert engine._unpaused.is_set()
+    finally:  # the other tests share this server
+        engine._unpaused.set()
 
 
 def test_update_weights_from_disk_swaps_weights_and_version(served, tmp_path):
@@ -147,18 +150,20 @@ def test_update_weights_from_disk_swaps_weights_and_version(served, tmp_path):
         for p in scaled.parameters():
             p.mul_(1.5)
     scaled.save_pretrained(tmp_path)
-    r = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path), "weight_version": 4}, headers=auth)
-    assert r.status_code == 200, r.text
-    assert engine.version == 4
     name, param = next(iter(scaled.named_parameters()))
-    assert torch.equal(dict(model.named_parameters())[name], param)
-    body = _gen(client, input_ids=[1, 2], sampling_params={"max_new_tokens": 2, "ignore_eos": True}).json()
-    assert body["meta_info"]["weight_version"] == 4
-    bad = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "nope")}, headers=auth)
-    assert bad.status_code == 400 and "no *.safetensors" in bad.json()["error"]["message"]
-    # put the original weights back for the other tests
+    try:
+        r = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path), "weight_version": 4},
+                        headers=auth)
+        assert r.status_code == 200, r.text
+        assert engine.version == 4
+        assert torch.equal(dict(model.named_parameters())[name], param)
+        body = _gen(client, input_ids=[1, 2], sampling_params={"max_new_tokens": 2, "ignore_eos": True}).json()
+        assert body["meta_info"]["weight_version"] == 4
+        bad = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "nope")}, headers=auth)
+        assert bad.status_code == 400 and "no *.safetensors" in bad.json()["error"]["message"]
+    finally:  # the original weights back, whatever failed: the other tests share this server
+        client.post("/update_weights_from_disk", json={"model_path": served_path, "weight_version": 0}, headers=auth)
     original = AutoModelForCausalLM.from_pretrained(served_path)
-    client.post("/update_weights_from_disk", json={"model_path": served_path, "weight_version": 0}, headers=auth)
     assert torch.equal(dict(model.named_parameters())[name], dict(original.named_parameters())[name])
 
 

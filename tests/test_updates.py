@@ -11,14 +11,13 @@ from streamrl.testing import synthetic_group
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
+def config(tiny_model_dir):
     import os
 
     import deepspeed
 
     from streamrl.buffer.redis_server import free_port
     from streamrl.config import load_config
-    from streamrl.learner.policy import Policy
 
     launcher_env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                         MASTER_PORT=str(free_port()))
@@ -28,12 +27,19 @@ def engine(tiny_model_dir):
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "learner.lr=0.01", "learner.kl_coef=0.1",
                              "learner.entropy_coef=0.01", "off_policy.correction=decoupled", "learner.ptx_coef=1.0",
                              "learner.ptx_dataset=sft.jsonl"])  # the tests hand the policy its SFT rows
-    yield Policy(cfg, tiny_model_dir)
+    yield cfg
     for key, value in saved.items():  # later tests start launchers of their own: leave no RANK behind
         if value is None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def engine(config, tiny_model_dir):
+    from streamrl.learner.policy import Policy
+
+    return Policy(config, tiny_model_dir)
 
 
 def _shard(advantage=1.0):
@@ -45,7 +51,10 @@ def _shard(advantage=1.0):
 
 
 @pytest.mark.slow
-def test_a_step_changes_the_weights_and_reports_entropy_and_kl(engine):
+def test_a_step_changes_the_weights_and_reports_entropy_and_kl(config, tiny_model_dir):
+    from streamrl.learner.policy import Policy
+
+    engine = Policy(config, tiny_model_dir)  # its own: the first step must start at the reference
     before = [p.detach().clone() for p in engine.module.parameters()]
     shard, n = _shard()
     stats = engine.step(shard, n)  # the empty third micro-batch joins with a zero loss

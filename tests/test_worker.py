@@ -44,7 +44,7 @@ def fleet(cluster):
     ("arithmetic", []), ("calculator", []), ("guess", []),
     ("gem", ["rollout.env_args={env_id: 'game:GuessTheNumber-v0-easy', max_turns: 3}"]),
 ])
-def test_groups_of_every_builtin_env_land_with_masks_logprobs_and_versions(fleet, env, args):
+def test_groups_of_the_builtin_envs_land_with_masks_logprobs_and_versions(fleet, env, args):
     if env == "gem":
         pytest.importorskip("gem", reason="gem-llm is not installed (pip install 'streamrl[gem]')")
     proc = _worker(fleet, f"rollout.env={env}", *args, "learner.groups_per_step=50", "--groups", "4")
