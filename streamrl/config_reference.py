@@ -1,7 +1,7 @@
 """The configuration reference (``streamrl config --markdown``), generated from the pydantic models.
 
-Every field's type, default and description come from ``streamrl.config``; each section's docstring and
-each cross-field rule's docstring (``streamrl.config_rules``) are printed with them, so the page cannot drift from what the code accepts.
+Every field's type, range, default and description come from ``streamrl.config``, with each section's
+docstring and each cross-field rule's (``streamrl.config_rules``), so the page cannot drift from the code.
 """
 
 from __future__ import annotations

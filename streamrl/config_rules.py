@@ -68,7 +68,8 @@ def corrections_read_their_own_settings(cfg: Config) -> Iterator[str]:
 @rule
 def engine_settings_fit_the_engine(cfg: Config) -> Iterator[str]:
     """`server.kv_cache_gb` with an engine other than vllm; `rollout.sampling.top_p` / `top_k` with vllm,
-    whose logprobs come renormalised after truncation; `server.engine: sglang` for servers streamrl starts."""
+    whose logprobs come renormalised after truncation; `weight_sync.backend: nccl` with the hf engine, which runs
+    on the CPU; `server.engine: sglang` for servers streamrl starts."""
     server, sampling = cfg.server, cfg.rollout.sampling
     if server.kv_cache_gb is not None and server.engine != "vllm":
         yield (f"server.kv_cache_gb sizes the vllm engine's KV cache; engine {server.engine!r} does not read it: "
@@ -76,6 +77,9 @@ def engine_settings_fit_the_engine(cfg: Config) -> Iterator[str]:
     if server.engine == "vllm" and (sampling.top_p < 1 or sampling.top_k != -1):
         yield ("rollout.sampling.top_p/top_k: vLLM reports logprobs renormalised after top-p/top-k truncation, which "
                "would not match the learner's; use top_p=1 and top_k=-1 with server.engine=vllm, or the hf engine")
+    if server.engine == "hf" and cfg.weight_sync.backend == "nccl":
+        yield ("weight_sync.backend: nccl moves weights GPU to GPU, and the hf engine keeps its weights on the CPU: "
+               "use backend auto or gloo, or server.engine=vllm")
     if server.engine == "sglang" and server.count > 0:
         yield ("server.engine: sglang names stock SGLang servers, which streamrl does not start: serve with "
                "engine hf or vllm (`streamrl serve` speaks SGLang's API), or set server.count=0")

@@ -272,6 +272,19 @@ def test_an_agent_needs_a_dataset_and_an_env_must_be_a_class_or_an_agent(redis_s
     assert env_plugin(f"{here}:tool_user").__name__ == "tool_user"  # the file, imported as a module of its own
 
 
+def test_agent_settings_with_an_env_are_refused_by_name(tiny_model_dir):
+    from streamrl.config import load_config
+    from streamrl.rollout.worker import episode_player
+
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(tiny_model_dir))
+    for setting in ("rollout.tool_parser=json", "rollout.agent_max_calls=4"):
+        cfg = load_config(None, ["rollout.env=arithmetic", setting])
+        with pytest.raises(ValueError, match=f"{setting.split('=')[0]} apply to agents; rollout.env 'arithmetic'"):
+            episode_player(cfg, renderer)
+    make_env, agent = episode_player(load_config(None, ["rollout.env=arithmetic"]), renderer)
+    assert agent is None and make_env() is not None
+
+
 def test_the_shipped_agent_config_names_the_example_as_an_agent():
     from streamrl.config import load_config
     from streamrl.envs.registry import env_plugin, is_agent

@@ -18,6 +18,7 @@ REFUSED = [
     (["server.engine=vllm", "rollout.sampling.top_p=0.9"], "top_p/top_k", "engine_settings_fit_the_engine"),
     (["server.engine=vllm", "rollout.sampling.top_k=20"], "top_p/top_k", "engine_settings_fit_the_engine"),
     (["server.engine=sglang"], "streamrl does not start", "engine_settings_fit_the_engine"),
+    (["weight_sync.backend=nccl"], "the hf engine keeps its weights on the CPU", "engine_settings_fit_the_engine"),
     (["rollout.min_group=4", "rollout.sampling.n=3"], "rollout.min_group: 4 > rollout.sampling.n = 3",
      "groups_can_be_trained"),
     (["rollout.sampling.n=1", "rollout.min_group=1"], "needs n >= 2", "groups_can_be_trained"),
@@ -81,6 +82,7 @@ def test_every_rule_has_a_refusal_here_and_all_problems_come_at_once():
     ["learner.ptx_dataset=sft.jsonl", "learner.ptx_coef=0.5"],
     ["launcher=ray", "ray.cpus_per_server=2", "ray.strategy=STRICT_PACK"],
     ["server.engine=sglang", "server.count=0"],
+    ["server.engine=vllm", "weight_sync.backend=nccl"],
     ["rollout.sampling.n=1", "learner.algorithm=ppo", "rollout.min_group=1"],
     ["learner.micro_batch_tokens=512", "rollout.max_context=512"],
 ], ids=lambda o: " ".join(o))
@@ -97,3 +99,16 @@ def test_a_bare_no_in_yaml_is_appendfsync_no(tmp_path):
 def test_float16_is_not_a_model_dtype():
     with pytest.raises(ConfigError, match="model.dtype: Input should be 'float32' or 'bfloat16'"):
         load_config(None, ["model.dtype=float16"])
+
+
+def test_auto_pushes_over_nccl_only_into_vllm_on_a_gpu_learner(monkeypatch):
+    import torch
+
+    from streamrl.learner.push import transport
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert transport(load_config(None, ["server.engine=vllm"])) == "nccl"
+    assert transport(load_config(None, ["server.engine=hf"])) == "gloo"  # its weights live on the CPU
+    assert transport(load_config(None, ["server.engine=vllm", "weight_sync.backend=gloo"])) == "gloo"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert transport(load_config(None, ["server.engine=vllm"])) == "gloo"

@@ -141,6 +141,7 @@ def test_the_guides_model_config_validates_as_shown(scratch):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_the_quickstart_then_its_doctor_and_its_resume_work_as_documented(scratch):
     out = _sh("make quickstart", scratch)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]

@@ -28,6 +28,14 @@ log = logging.getLogger("streamrl.push")
 GROUP = "streamrl-weights"  # the group's name in SGLang's API, and its store prefix on both ends
 
 
+def transport(cfg: Config) -> str:
+    """``weight_sync.backend`` resolved: ``auto`` is NCCL when the learner has CUDA and the servers run vLLM (the
+    ``hf`` engine keeps its weights on the CPU), else gloo."""
+    if cfg.weight_sync.backend != "auto":
+        return cfg.weight_sync.backend
+    return "nccl" if torch.cuda.is_available() and cfg.server.engine == "vllm" else "gloo"
+
+
 class WeightPusher:
     def __init__(self, cfg: Config, registry: ServerRegistry):
         self.cfg, self.registry = cfg, registry
@@ -43,8 +51,7 @@ class WeightPusher:
 
     def _join(self, url: str, started: float) -> None:
         port = free_port()
-        backend = "nccl" if self.sync.backend == "nccl" or (self.sync.backend == "auto" and torch.cuda.is_available()) \
-            else "gloo"
+        backend = transport(self.cfg)
         mine = self.pool.submit(make_group, self.sync.master_address, port, 0, 2, backend=backend,
                                 group_name=GROUP, timeout_s=self.sync.timeout_s)
         reply = self.http.post(f"{url}/init_weights_update_group", json={

@@ -238,6 +238,10 @@ def episode_player(cfg: Config, renderer: ChatRenderer) -> tuple[Callable[[], En
     rollout = cfg.rollout
     plugin = env_plugin(rollout.env)
     if not is_agent(plugin):
+        agents_only = [f"rollout.{name}" for name in ("tool_parser", "agent_max_calls")
+                       if getattr(rollout, name) != type(rollout).model_fields[name].default]
+        if agents_only:  # the config cannot tell an env from an agent: the plugin can
+            raise ValueError(f"{' and '.join(agents_only)} apply to agents; rollout.env {rollout.env!r} is an env")
         return env_factory(rollout.env, rollout.env_args), None
     return None, AgentRunner(plugin, rollout.env_args, renderer=renderer, parser=load_parser(rollout.tool_parser),
                              temperature=rollout.sampling.temperature, max_context=rollout.max_context,
