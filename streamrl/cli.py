@@ -263,7 +263,7 @@ def show_config(
 ) -> None:
     """Validate a config and print it resolved, with every default filled in."""
     if markdown:
-        from streamrl.config_reference import markdown as reference
+        from streamrl.config.reference import markdown as reference
 
         if config is not None or overrides:
             err.print("[red]streamrl config --markdown[/] documents the defaults: give it no config or overrides")

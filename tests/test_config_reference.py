@@ -7,8 +7,8 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from streamrl.config import Config
-from streamrl.config_reference import _default, markdown
-from streamrl.config_rules import RULES
+from streamrl.config.reference import _default, markdown
+from streamrl.config.rules import RULES
 
 REFERENCE = Path(__file__).parent.parent / "docs" / "reference"
 COMMITTED = REFERENCE / "config.md"

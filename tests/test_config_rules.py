@@ -2,9 +2,8 @@
 
 import pytest
 
-from streamrl import config, config_rules
-from streamrl.config import ConfigError, load_config
-from streamrl.config_rules import RULES
+from streamrl.config import ConfigError, load_config, rules, sections
+from streamrl.config.rules import RULES
 
 # (overrides, what the error must say, the rule that says it)
 REFUSED = [
@@ -63,8 +62,8 @@ def test_a_setting_the_code_would_not_honour_is_refused_by_name(overrides, says,
         load_config(None, overrides)
     assert says in str(refused.value)
     assert "Value error" not in str(refused.value)  # the rule's own words, not pydantic's wrapping
-    monkeypatch.setattr(config, "problems", lambda cfg: [])  # the config as given, unchecked
-    assert any(says in problem for problem in getattr(config_rules, rule)(load_config(None, overrides)))
+    monkeypatch.setattr(sections, "problems", lambda cfg: [])  # the config as given, unchecked
+    assert any(says in problem for problem in getattr(rules, rule)(load_config(None, overrides)))
 
 
 def test_every_rule_has_a_refusal_here_and_all_problems_come_at_once():

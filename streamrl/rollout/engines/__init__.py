@@ -19,7 +19,9 @@ def load_engine(name: str, model_path: str, *, dtype: str = "float32", max_batch
     if name == "vllm":
         from streamrl.rollout.engines.vllm import VLLMEngine
 
-        return VLLMEngine(model_path, dtype=dtype, max_batch_size=max_batch_size, kv_cache_gb=kv_cache_gb)
+        # vLLM loads its own tokenizer (stop strings, detokenising): from model.tokenizer's directory too
+        named = {"tokenizer": tokenizer.name_or_path} if getattr(tokenizer, "name_or_path", None) else {}
+        return VLLMEngine(model_path, dtype=dtype, max_batch_size=max_batch_size, kv_cache_gb=kv_cache_gb, **named)
     if name == "sglang":
         raise ValueError("engine 'sglang' is a stock SGLang server: start it with `python -m sglang.launch_server` "
                          "and register its URL; streamrl speaks its API as is")

@@ -6,7 +6,7 @@ test suite uses.
 Behaviour logprobs. The engine runs with ``logprobs_mode="processed_logprobs"`` and asks for ``logprobs=0``
 (the sampled token only): the log-softmax after temperature, in fp32, which is what the learner computes.
 With top-p/top-k truncation vLLM renormalises over the kept tokens, which the learner does not, so the
-engine refuses truncation (``config.py`` refuses it earlier, with the field named). Greedy (temperature 0)
+engine refuses truncation (the config refuses it earlier, with the field named). Greedy (temperature 0)
 reports temperature-1 logprobs, as the hf engine does.
 
 Versions. vLLM labels every engine step with its weight version; the engine reads the final output's

@@ -1,24 +1,16 @@
-"""One typed configuration tree for every streamrl process.
+"""The configuration's sections: one typed tree, one class per part, every field described.
 
-Every process (router, servers, rollout workers, learner) reads the same YAML
-file; command-line overrides use dotted paths: ``learner.lr=3e-6``.
-Unknown keys are errors, so a typo never silently falls back to a default.
+Unknown keys are errors (``extra="forbid"``), so a typo never silently falls back to a default.
 """
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
-from typing import Any, Literal, get_origin
+from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from streamrl.config_rules import problems
-
-
-class ConfigError(ValueError):
-    """A config file or override that cannot be used; the message says why."""
+from streamrl.config.rules import problems
 
 
 class Section(BaseModel):
@@ -325,7 +317,7 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _combinations(self) -> Config:
-        """Every rule of ``streamrl.config_rules`` at once, so one load reports all that is wrong."""
+        """Every rule of ``streamrl.config.rules`` at once, so one load reports all that is wrong."""
         found = problems(self)
         if found:
             raise ValueError("\n  ".join(found))
@@ -341,103 +333,3 @@ class Config(Section):
             if data[section][key]:
                 data[section][key] = "***"
         return data
-
-
-# --------------------------------------------------------------------------- loading
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Load a YAML file (or the defaults when ``path`` is None) and apply ``a.b=c`` overrides."""
-    where = str(path) if path else "<defaults>"
-    tree = _read_yaml(Path(path)) if path else {}
-    for item in overrides:
-        _apply_override(tree, item)
-    try:
-        return Config.model_validate(tree)
-    except ValidationError as e:
-        raise ConfigError(f"invalid config {where}:\n{_describe(e)}") from None
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        tree = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config {path} is not valid YAML: {e}") from None
-    if tree is None:
-        return {}
-    if not isinstance(tree, dict):
-        raise ConfigError(f"config {path} must be a mapping at the top level, got {type(tree).__name__}")
-    return tree
-
-
-def _apply_override(tree: dict[str, Any], item: str) -> None:
-    key, sep, raw = item.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"override {item!r} must look like section.field=value")
-    parts = key.strip().split(".")
-    node: dict[str, Any] = tree
-    model: type[BaseModel] | None = Config  # None once inside a free-form dict field
-    for depth, part in enumerate(parts):
-        last = depth == len(parts) - 1
-        if model is not None:
-            if part not in model.model_fields:
-                name = ".".join(parts[: depth + 1])
-                raise ConfigError(f"override {item!r}: {name}: {_unknown(parts[: depth + 1], model.model_fields)}")
-            annotation = model.model_fields[part].annotation
-            model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-            if not last and model is None and get_origin(annotation) is not dict:
-                raise ConfigError(f"override {item!r}: {'.'.join(parts[: depth + 1])} is a value, not a section")
-        if last:
-            node[part] = _parse_value(raw)
-            return
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {item!r}: {'.'.join(parts[: depth + 1])} is not a mapping in the file")
-        node = child
-
-
-def _parse_value(raw: str) -> Any:
-    """YAML scalars, so that ``lr=1e-5``, ``x=true`` and ``xs=[1,2]`` get their natural types."""
-    try:
-        return yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
-        return raw
-
-
-def _unknown(path: list[str], fields: dict[str, Any]) -> str:
-    close = difflib.get_close_matches(path[-1], list(fields), n=1)
-    hint = f" (did you mean {'.'.join(path[:-1] + close)!r}?)" if close else ""
-    return f"unknown key{hint}; allowed here: {', '.join(fields) or 'nothing'}"
-
-
-def _fields_at(path: list[str]) -> dict[str, Any]:
-    model: Any = Config
-    for part in path:
-        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
-        if field is None:
-            return {}
-        model = field.annotation
-    return model.model_fields if isinstance(model, type) and issubclass(model, BaseModel) else {}
-
-
-def _describe(error: ValidationError) -> str:
-    lines = []
-    for err in error.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
-        if err["type"] == "extra_forbidden":
-            path = [str(p) for p in err["loc"]]
-            lines.append(f"  {loc}: {_unknown(path, _fields_at(path[:-1]))}")
-            continue
-        if not err["loc"] and err["type"] == "value_error":  # the cross-field rules: each names its fields
-            lines.append(f"  {err['ctx']['error']}")
-            continue
-        got = err.get("input")
-        lines.append(f"  {loc}: {err['msg']} (got {got!r})")
-    return "\n".join(lines)
-
-
-def dump_config(config: Config) -> str:
-    """The resolved config as YAML, written beside every run for reproducibility."""
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

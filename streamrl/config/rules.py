@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel
 
 if TYPE_CHECKING:
-    from streamrl.config import Config
+    from streamrl.config.sections import Config
 
 Rule = Callable[["Config"], Iterator[str]]
 RULES: list[Rule] = []

@@ -1,7 +1,7 @@
 """The configuration reference (``streamrl config --markdown``), generated from the pydantic models.
 
-Every field's type, range, default and description come from ``streamrl.config``, with each section's
-docstring and each cross-field rule's (``streamrl.config_rules``), so the page cannot drift from the code.
+Every field's type, range, default and description come from ``streamrl.config.sections``, with each
+section's docstring and each cross-field rule's (``streamrl.config.rules``), so the page cannot drift from the code.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from streamrl.config import Config
-from streamrl.config_rules import RULES
+from streamrl.config.rules import RULES
+from streamrl.config.sections import Config
 
 HEADER = """# Configuration reference
 
@@ -52,7 +52,7 @@ def _section(name: str, model: type[BaseModel]) -> str:
 
 
 def _rules() -> str:
-    """The cross-field rules (``streamrl.config_rules``), each by its docstring."""
+    """The cross-field rules (``streamrl.config.rules``), each by its docstring."""
     return "\n".join(["## Combinations refused", "", *(f"- {_doc(rule)}" for rule in RULES), ""])
 
 
