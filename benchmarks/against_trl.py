@@ -34,6 +34,9 @@ The bound: a sample costs at least 2N FLOPs a token to generate (prompt and comp
 train on, at this machine's fp32 and bf16 matmul rates (measured first, on every core); each system's
 samples/s is reported as a fraction of what each rate allows (a side computing in bf16 can pass the fp32 one).
 
+streamrl's side may take extra config overrides (``--streamrl-set mode=sync``, repeatable), recorded in the
+JSON: a study of one setting's effect against the same TRL runs.
+
     python -m benchmarks.against_trl [--quick] [--trl-generation G] [--precision P] [--trl-precision P]
 """
 
@@ -67,7 +70,7 @@ from benchmarks.common import (
     write_json,
 )
 from streamrl.buffer.redis_server import free_port
-from streamrl.config import Config, load_config
+from streamrl.config import Config, ConfigError, load_config
 from streamrl.envs.base import Action
 from streamrl.envs.registry import env_factory
 from streamrl.launch.local import prepare
@@ -197,7 +200,8 @@ def trl_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: int, ge
             "settings": given}
 
 
-def streamrl_run(cfg: Config, prepared: Path, runs: Path, *, steps: int, seed: int, precision: str) -> dict:
+def streamrl_run(cfg: Config, prepared: Path, runs: Path, *, steps: int, seed: int, precision: str,
+                 overrides: tuple[str, ...] = ()) -> dict:
     name = f"streamrl-{seed}"
     shutil.rmtree(runs / name, ignore_errors=True)
     shutil.copytree(prepared, runs / name / "prepared")
@@ -205,7 +209,7 @@ def streamrl_run(cfg: Config, prepared: Path, runs: Path, *, steps: int, seed: i
             f"run.seed={seed}", f"learner.max_steps={steps}", f"eval.every={steps}",
             f"learner.export_every={steps}", f"router.port={free_port()}", f"router.prometheus_port={free_port()}",
             f"server.base_port={free_port()}", "supervise.display=plain",
-            *(["model.dtype=bfloat16", "learner.mixed_precision=true"] if precision == "bf16" else [])]
+            *(["model.dtype=bfloat16", "learner.mixed_precision=true"] if precision == "bf16" else []), *overrides]
     done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
     if done.returncode != 0:
         raise RuntimeError(f"{name} failed ({done.returncode}):\n{done.stdout[-3000:]}")
@@ -245,7 +249,8 @@ def fraction_of_bound(row: dict, b: dict) -> float:
     return row["samples_per_s"] * flops_per_sample / b["matmul_flops"]
 
 
-def run(quick: bool, repeats: int | None, steps: int | None, generation: str, precision: dict[str, str]) -> dict:
+def run(quick: bool, repeats: int | None, steps: int | None, generation: str, precision: dict[str, str],
+        overrides: tuple[str, ...] = ()) -> dict:
     repeats = repeats or (1 if quick else 3)
     steps = steps or (3 if quick else 20)
     results = {"streamrl": [], "trl": []}
@@ -266,11 +271,12 @@ def run(quick: bool, repeats: int | None, steps: int | None, generation: str, pr
                                   precision=precision["trl"])
                 else:
                     row = streamrl_run(cfg, prepared, tmp / "runs", steps=steps, seed=r,
-                                       precision=precision["streamrl"])
+                                       precision=precision["streamrl"], overrides=overrides)
                 row["fraction_of_bound"] = fraction_of_bound(row, limit)
                 results[side].append(row)
                 console.log(f"{side} seed {r}: {row['samples_per_s']:.2f} samples/s over {row['wall_s']:.0f} s, "
                             f"held-out {before:.3f} → {row['held_out_final']:.3f}")
+    ran = load_config(CONFIG, list(overrides))  # streamrl's side as it ran
     med = {side: {k: median([x[k] for x in rs]) for k in ("samples_per_s", "wall_s", "held_out_final",
                                                            "train_reward_last5", "completion_tokens",
                                                            "fraction_of_bound")}
@@ -279,8 +285,9 @@ def run(quick: bool, repeats: int | None, steps: int | None, generation: str, pr
             "precision": precision,
             "samples": results["trl"][0]["samples"], "held_out": len(held_out), "held_out_before": before,
             "bound": limit,
-            "streamrl_settings": {"mode": cfg.mode, "max_staleness": cfg.off_policy.max_staleness,
-                                  "engine": cfg.server.engine, "algorithm": cfg.learner.algorithm},
+            "streamrl_settings": {"mode": ran.mode, "max_staleness": ran.off_policy.max_staleness,
+                                  "engine": ran.server.engine, "algorithm": ran.learner.algorithm,
+                                  "overrides": list(overrides)},
             "runs": results, "median": med, "ratio": med["streamrl"]["samples_per_s"] / med["trl"]["samples_per_s"],
             "held_out_vs_trl": paired_difference([x["held_out_final"] for x in results["streamrl"]],
                                                  [x["held_out_final"] for x in results["trl"]])}
@@ -317,7 +324,7 @@ def report(data: dict, out: Path) -> None:
 
 def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None,
          steps: int | None = None, trl_generation: str = "hf", precision: str = "fp32",
-         trl_precision: str | None = None) -> dict:
+         trl_precision: str | None = None, streamrl_set: tuple[str, ...] = ()) -> dict:
     require_trl()
     if trl_generation not in ("hf", "paged", "vllm"):
         raise SystemExit(f"--trl-generation: {trl_generation!r} is not one of hf, paged, vllm")
@@ -325,8 +332,12 @@ def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: i
     for flag, value in (("--precision", precision), ("--trl-precision", sides["trl"])):
         if value not in ("fp32", "bf16"):
             raise SystemExit(f"{flag}: {value!r} is not one of fp32, bf16")
-    settings.update(trl_generation=trl_generation, precision=sides)
-    data = run(quick, repeats, steps, trl_generation, sides)
+    try:
+        load_config(CONFIG, list(streamrl_set))  # a bad override fails here, before any run
+    except ConfigError as e:
+        raise SystemExit(f"--streamrl-set: {e}") from None
+    settings.update(trl_generation=trl_generation, precision=sides, streamrl_set=list(streamrl_set))
+    data = run(quick, repeats, steps, trl_generation, sides, tuple(streamrl_set))
     report(data, out)
     return data
 

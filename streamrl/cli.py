@@ -291,6 +291,8 @@ def bench(
     trl_precision: Annotated[str | None, typer.Option(help="trl: TRL's precision when it differs from "
                                                            "--precision.")] = None,
     study: Annotated[str | None, typer.Option(help="ablation: one of its studies: credit, late-groups, is-weights, minibatches, minibatches-sync, longer (default: all).")] = None,
+    streamrl_set: Annotated[list[str] | None, typer.Option("--streamrl-set", help="trl: a config override for "
+                                                           "streamrl's side (repeatable), e.g. mode=sync.")] = None,
 ) -> None:
     """Throughput studies; each prints a table and writes JSON and a PNG plot."""
     from benchmarks import MODULES, run_suite
@@ -310,7 +312,7 @@ def bench(
             raise typer.Exit(2)
         options["repeats"] = repeats
     for name, value in (("steps", steps), ("trl_generation", trl_generation), ("precision", precision),
-                        ("trl_precision", trl_precision)):
+                        ("trl_precision", trl_precision), ("streamrl_set", tuple(streamrl_set or ()) or None)):
         if value is not None:
             if suite != "trl":
                 err.print(f"--{name.replace('_', '-')} applies to trl, not {suite}")

@@ -121,8 +121,9 @@ def test_every_documented_run_of_a_shipped_config_passes_its_config_checks(comma
 def scratch(tmp_path_factory):
     """A directory that looks like the repository to the commands (links to its files), runs kept apart."""
     root = tmp_path_factory.mktemp("user")
-    for name in ("Makefile", "scripts", "configs", "pyproject.toml", "streamrl", "examples"):
-        (root / name).symlink_to(ROOT / name)
+    for entry in ROOT.iterdir():  # all of it, so that an install from here (setup.sh) installs the same project
+        if entry.name not in (".git", ".venv", "runs", "site"):
+            (root / entry.name).symlink_to(entry)
     (root / ".venv").symlink_to(Path(sys.executable).parent.parent)
     return root
 
