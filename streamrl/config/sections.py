@@ -323,6 +323,11 @@ class Config(Section):
             raise ValueError("\n  ".join(found))
         return self
 
+    @property
+    def staleness_bound(self) -> int:
+        """The oldest policy lag trained data may have: ``off_policy.max_staleness``, or 0 under ``mode: sync``."""
+        return 0 if self.mode == "sync" else self.off_policy.max_staleness
+
     def redacted(self) -> dict[str, Any]:
         """The config as plain data without secrets (for trackers and logs)."""
         data = self.model_dump(mode="json")

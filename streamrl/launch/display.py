@@ -44,7 +44,7 @@ class Dashboard:
 
         ns = Namespace.open(redis_url, self.cfg.run.name, **self.cfg.redis.retry())
         self.ns, self.version = ns, PolicyVersion(ns)
-        self.admission = Admission(ns, max_staleness=self.cfg.off_policy.max_staleness,
+        self.admission = Admission(ns, max_staleness=self.cfg.staleness_bound,
                                    groups_per_step=self.cfg.learner.groups_per_step)
         self.supervisor = supervisor
         if self.live is not None:
@@ -121,7 +121,7 @@ class Dashboard:
             ("eval accuracy (first → last)", f"{_fmt(first and first['eval/accuracy'])} → "
                                              f"{_fmt(last and last['eval/accuracy'])}"
                                              + (f" @ step {last['step']}" if last else "")),
-            ("staleness max (bound)", f"{s.get('staleness_max', '–')} ({self.cfg.off_policy.max_staleness})"),
+            ("staleness max (bound)", f"{s.get('staleness_max', '–')} ({self.cfg.staleness_bound})"),
             ("queue (groups waiting)", str(s.get("queue", "–"))),
             ("in flight / dropped stale", f"{s.get('running', '–')} / {s.get('dropped_stale', '–')}"),
             ("generation tokens/s", _fmt(s.get("gen_tok_s"), ".0f")),
@@ -169,13 +169,13 @@ class Dashboard:
             table.add_row(f"eval accuracy after (step {last['step']})", _fmt(last["eval/accuracy"]))
         table.add_row("steps", str(s.get("step", 0)))
         table.add_row("train reward first → last", f"{_fmt(s.get('first_reward'))} → {_fmt(s.get('reward'))}")
-        table.add_row("max staleness seen (bound)", f"{s.get('staleness_max', '–')} ({self.cfg.off_policy.max_staleness})")
+        table.add_row("max staleness seen (bound)", f"{s.get('staleness_max', '–')} ({self.cfg.staleness_bound})")
         dropped, finished = s.get("dropped_stale"), s.get("accepted")
         table.add_row("groups dropped as stale", f"{dropped} of {finished} finished" if finished else str(dropped or "–"))
         table.add_row("run directory", str(self.cfg.run.path))
         self.console.print(table)
         if finished and dropped / finished > STALE_WARNING:  # generated in vain, and not at random: the slow ones
-            bound = self.cfg.off_policy.max_staleness
+            bound = self.cfg.staleness_bound
             self.say(f"{100 * dropped / finished:.0f}% of the finished groups were dropped as stale: episodes "
                      f"outlasted {bound} learner step{'s' if bound != 1 else ''}. Raise off_policy.max_staleness, "
                      "or train late groups with the correction (off_policy.stale=keep)")

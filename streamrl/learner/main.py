@@ -101,7 +101,7 @@ class Learner:
             self.versions = PolicyVersion(ns)
             if resumed:
                 log.info("resumed from %s: version %d, cursor %s", resumed["path"], self.version, self.reader.cursor)
-            self.admission = Admission(ns, max_staleness=cfg.off_policy.max_staleness,
+            self.admission = Admission(ns, max_staleness=cfg.staleness_bound,
                                        groups_per_step=cfg.learner.groups_per_step)
             self.versions.set(self.version)
             self.published, self.publish_lock = self.version, threading.Lock()
@@ -119,7 +119,7 @@ class Learner:
         and with ``learner.drop_no_signal`` groups whose rewards are all equal left out (and counted). The
         ledger outcome of every group read and not trained goes into ``work.outcomes``."""
         want, groups, dropped, silent_dropped, outcomes = self.cfg.learner.groups_per_step, [], 0, 0, {}
-        max_staleness = 0 if self.cfg.mode == "sync" else self.cfg.off_policy.max_staleness
+        max_staleness = self.cfg.staleness_bound
         t0 = last_catch_up = time.perf_counter()
         while len(groups) < want:
             entries = self.reader.read(want - len(groups), block_ms=1000)

@@ -93,11 +93,10 @@ class RolloutWorker:
         if not cfg.model.path and not cfg.model.tokenizer:
             raise ValueError("model.path (or model.tokenizer) is not set: the worker needs the tokenizer")
         ns = Namespace.open(redis_url, cfg.run.name, **cfg.redis.retry())
-        max_staleness = 0 if cfg.mode == "sync" else cfg.off_policy.max_staleness
         self.stream = ReplayStream(ns, dedupe_ttl_s=cfg.redis.dedupe_ttl_s)
         self.version = PolicyVersion(ns)
         self.version_watch = self.version.watch()
-        self.admission = Admission(ns, max_staleness=max_staleness, groups_per_step=cfg.learner.groups_per_step,
+        self.admission = Admission(ns, max_staleness=cfg.staleness_bound, groups_per_step=cfg.learner.groups_per_step,
                                    lease_s=rollout.group_lease_s)
         self.claims = PromptClaims(ns, name, lease_s=rollout.prompt_lease_s, life=uuid.uuid4().hex)
         self.renderer = ChatRenderer(load_tokenizer(cfg.model.tokenizer or cfg.model.path))
