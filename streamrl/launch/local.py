@@ -28,6 +28,7 @@ from streamrl.buffer.redis_server import free_port
 from streamrl.config import Config, ConfigError, load_config
 from streamrl.envs.registry import load_plugin
 from streamrl.launch.display import Dashboard
+from streamrl.launch.plots import plot_run
 from streamrl.launch.supervisor import Part, PartFailed, Supervisor
 from streamrl.rollout.evaluate import read_records
 
@@ -164,6 +165,10 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
             except Exception as e:  # one failed step must not leave the others undone
                 say(f"teardown: {e}")
     dashboard.summary(time.time() - t0, code)
+    try:
+        say(f"curves: {plot_run(cfg.run.path, cfg.staleness_bound)}")
+    except FileNotFoundError:
+        pass  # stopped before any step or evaluation: nothing to draw
     return code
 
 

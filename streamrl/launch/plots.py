@@ -1,0 +1,72 @@
+"""A run's curves as one PNG (``streamrl plot RUN``; ``streamrl up`` draws it when a run ends).
+
+Read from the run's metrics files: reward and held-out accuracy, staleness against its bound, generation and
+training tokens/s, and the weight push, each against the learner's step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from streamrl.rollout.evaluate import read_records
+
+
+def plot_run(run: Path, bound: int | None = None) -> Path:
+    """Write ``run/plots.png`` and return its path; ``bound`` draws the staleness bound in force."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = run / "metrics"
+    steps = [r for r in read_records(metrics / "learner.jsonl") if "loss" in r]
+    pushes = [r for r in read_records(metrics / "learner.jsonl") if "push_s" in r]
+    evals = read_records(metrics / "eval.jsonl")
+    workers = {p.stem: read_records(p) for p in sorted(metrics.glob("rollout-*.jsonl"))}
+    if not steps and not evals:
+        raise FileNotFoundError(f"{metrics} has no learner steps or evaluations to plot")
+
+    fig, ((reward, stale), (speed, push)) = plt.subplots(2, 2, figsize=(11, 7))
+    fig.suptitle(f"run {run.name}")
+    reward.plot(_x(steps), _y(steps, "reward_mean"), label="train reward (mean)")
+    reward.plot(_x(evals), _y(evals, "eval/accuracy"), "o-", label="held-out accuracy (greedy)")
+    _label(reward, "reward and accuracy", "learner step")
+
+    stale.plot(_x(steps), _y(steps, "staleness_max"), label="max staleness trained")
+    if bound is not None:
+        stale.axhline(bound, color="grey", ls="--", label=f"bound ({bound})")
+    _label(stale, "staleness (versions)", "learner step")
+
+    speed.plot(_x(steps), _y(steps, "tokens_per_s"), label="training")
+    for name, lines in workers.items():  # a worker's reports placed at the learner's step when they came
+        at = np.interp([r["time"] for r in lines[1:]], _y(steps, "time"), _x(steps)) if steps else []
+        speed.plot(at, [r.get("tokens_per_s", 0.0) for r in lines[1:]], alpha=0.7, label=f"generation ({name})")
+    _label(speed, "tokens/s", "learner step")
+
+    push.plot([r.get("push_version", r.get("step")) for r in pushes], _y(pushes, "push_s"), "o-",
+              label="push seconds")
+    _label(push, "weight push (s)", "version pushed")
+
+    fig.tight_layout()
+    path = run / "plots.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _x(records: list[dict]) -> list:
+    return [r.get("step") for r in records]
+
+
+def _y(records: list[dict], key: str) -> list:
+    return [r.get(key, float("nan")) for r in records]
+
+
+def _label(ax, title: str, xlabel: str) -> None:
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
