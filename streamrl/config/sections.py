@@ -241,8 +241,8 @@ class WeightSyncConfig(Section):
     mode: Literal["pause", "in_flight"] = Field("in_flight", description="in_flight: servers keep generating and "
                                                 "switch weights between two decode steps; pause: they stop for the push")
     bucket_mb: float = Field(64.0, gt=0, description="size of one broadcast (tensors are packed into buckets)")
-    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="transport: auto is nccl with CUDA, else "
-                                                     "gloo")
+    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="transport: auto is nccl from a CUDA "
+                                                     "learner into vllm servers, else gloo")
     timeout_s: float = Field(60.0, gt=0, description="how long a push waits for a server before dropping it")
     master_address: str = Field("127.0.0.1", description="learner rank 0's address, as servers reach it")
 
