@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel
-from pydantic_core import PydanticUndefined
 
 from streamrl.config.rules import RULES
 from streamrl.config.sections import Config
@@ -89,7 +88,7 @@ def _bounds(field: Any) -> str:
 
 
 def _default(field: Any) -> str:
-    value = field.default_factory() if field.default is PydanticUndefined else field.default
+    value = field.get_default(call_default_factory=True)  # as the rules read it (config.rules._changed)
     if isinstance(value, Path):
         value = str(value)
     return f"`{json.dumps(value)}`"
