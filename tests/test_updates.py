@@ -143,6 +143,33 @@ def test_ppo_critic_learns_the_returns(engine, tiny_model_dir):
 
 
 @pytest.mark.slow
+def test_a_checkpoint_holds_the_ppo_critic_and_a_resume_restores_it(engine, tiny_model_dir, tmp_path, caplog):
+    from streamrl.config import load_config
+    from streamrl.learner import checkpoint
+    from streamrl.learner.critic import Critic
+
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "learner.algorithm=ppo", "learner.critic_lr=0.01"])
+    critic = Critic(cfg, tiny_model_dir)
+    shard, n = _shard()
+    critic.step(critic.prepare(shard), n)  # the head leaves its zero init
+    trained = {k: v.detach().clone() for k, v in critic.model.module.state_dict().items()}
+    checkpoint.save(engine.model, tmp_path, version=3, cursor="7-0", critic=critic.model)
+
+    fresh = Critic(cfg, tiny_model_dir)
+    assert not torch.equal(fresh.model.module.head.weight, trained["head.weight"])
+    resumed = checkpoint.load(engine.model, tmp_path, fresh.model)
+    assert (resumed["version"], resumed["cursor"]) == (3, "7-0")
+    assert all(torch.equal(v, trained[k]) for k, v in fresh.model.module.state_dict().items())
+    assert fresh.model.optimizer.state_dict()["state"]  # AdamW's moments came back too
+
+    checkpoint.save(engine.model, tmp_path / "no-critic", version=1, cursor="1-0")  # trained without PPO
+    late = Critic(cfg, tiny_model_dir)
+    assert checkpoint.load(engine.model, tmp_path / "no-critic", late.model)["version"] == 1
+    assert "no critic checkpoint version-1" in caplog.text
+    assert not late.model.module.head.weight.any()  # left as learner.critic_path gives it
+
+
+@pytest.mark.slow
 def test_a_mixed_precision_critic_keeps_fp32_weights_and_computes_in_bf16(engine, tiny_model_dir):
     from streamrl.config import load_config
     from streamrl.learner.critic import Critic

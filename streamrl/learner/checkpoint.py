@@ -4,32 +4,52 @@ The replay cursor, the policy version and the RNG states go in DeepSpeed's
 ``client_state``, written with the weights they belong to: a restarted learner has
 the weights that applied exactly the groups up to the cursor, and reads on from there.
 DeepSpeed writes the ``latest`` pointer only after every file of a tag is down, so a
-learner killed mid-save resumes from the previous checkpoint.
+learner killed mid-save resumes from the previous checkpoint. PPO's critic is saved under
+``critic/`` with the same tag, before the policy: the policy's ``latest`` commits both.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
+log = logging.getLogger("streamrl.learner")
 
-def save(model: Any, root: Path, *, version: int, cursor: str) -> None:
-    """Collective: every rank calls it."""
+
+def save(model: Any, root: Path, *, version: int, cursor: str, critic: Any = None) -> None:
+    """Collective: every rank calls it. ``critic``: PPO's value model (a DeepSpeed engine), if any."""
+    tag = f"version-{version}"
+    if critic is not None:
+        critic.save_checkpoint(str(root / "critic"), tag=tag)
     state = {"version": version, "cursor": cursor, "torch_rng": torch.get_rng_state()}
-    model.save_checkpoint(str(root), tag=f"version-{version}", client_state=state)
+    model.save_checkpoint(str(root), tag=tag, client_state=state)
 
 
-def load(model: Any, root: Path) -> dict[str, Any] | None:
-    """Restore the newest checkpoint under ``root``; None when there is none. Collective."""
+def load(model: Any, root: Path, critic: Any = None) -> dict[str, Any] | None:
+    """Restore the newest checkpoint under ``root`` (and the critic saved with it); None when there is
+    none. Collective."""
     if not (root / "latest").is_file():
         return None
     path, state = model.load_checkpoint(str(root))
     if path is None:
         raise RuntimeError(f"checkpoint under {root} could not be loaded")
     torch.set_rng_state(state["torch_rng"])
-    return {"version": int(state["version"]), "cursor": str(state["cursor"]), "path": path}
+    version = int(state["version"])
+    if critic is not None:
+        _load_critic(critic, root / "critic", f"version-{version}")
+    return {"version": version, "cursor": str(state["cursor"]), "path": path}
+
+
+def _load_critic(critic: Any, root: Path, tag: str) -> None:
+    if not (root / tag).is_dir():  # a run that trained without PPO until now
+        log.warning("no critic checkpoint %s under %s: the critic starts from learner.critic_path", tag, root)
+        return
+    path, _ = critic.load_checkpoint(str(root), tag=tag)
+    if path is None:
+        raise RuntimeError(f"the critic's checkpoint {root / tag} could not be loaded")
 
 
 def export_hf(model: Any, tokenizer_dir: str, root: Path, *, version: int, rank: int, zero_stage: int) -> Path | None:

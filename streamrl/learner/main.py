@@ -85,7 +85,9 @@ class Learner:
             tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
             self.ptx = PtxData(cfg.learner.ptx_dataset, tokenizer, max_len=cfg.learner.micro_batch_tokens)
         self.checkpoints = Path(cfg.run.path) / "checkpoints"
-        resumed = checkpoint.load(self.policy.model, self.checkpoints) if cfg.learner.resume == "auto" else None
+        critic = self.critic.model if self.critic else None
+        resumed = (checkpoint.load(self.policy.model, self.checkpoints, critic) if cfg.learner.resume == "auto"
+                   else None)
         self.version = resumed["version"] if resumed else 0
         self.reference = None
         if self.rank == 0 and cfg.learner.kl_in_reward and cfg.learner.kl_coef > 0:
@@ -330,7 +332,8 @@ class Learner:
     def checkpoint(self) -> None:
         """Save on every rank (the cursor is rank 0's); then trim what the checkpoint covers."""
         cursor = self.reader.cursor if self.rank == 0 else ""
-        checkpoint.save(self.policy.model, self.checkpoints, version=self.version, cursor=cursor)
+        checkpoint.save(self.policy.model, self.checkpoints, version=self.version, cursor=cursor,
+                        critic=self.critic.model if self.critic else None)
         dist.barrier()
         if self.rank == 0:
             self.ledger.settle(self.version)
