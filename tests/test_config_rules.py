@@ -14,6 +14,8 @@ REFUSED = [
     (["off_policy.correction=tis", "off_policy.behav_weight_cap=5"], "behav_weight_cap applies to correction=decoupled",
      "corrections_read_their_own_settings"),
     (["server.kv_cache_gb=2"], "server.kv_cache_gb sizes the vllm engine", "engine_settings_fit_the_engine"),
+    (["server.gpu_memory_utilization=0.5"], "server.gpu_memory_utilization sizes the vllm engine's share",
+     "engine_settings_fit_the_engine"),
     (["server.engine=vllm", "rollout.sampling.top_p=0.9"], "top_p/top_k", "engine_settings_fit_the_engine"),
     (["server.engine=vllm", "rollout.sampling.top_k=20"], "top_p/top_k", "engine_settings_fit_the_engine"),
     (["server.engine=sglang"], "streamrl does not start", "engine_settings_fit_the_engine"),

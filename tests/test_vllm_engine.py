@@ -41,6 +41,12 @@ def test_load_engine_without_vllm_says_how_to_get_it(tmp_path):
         load_engine("vllm", str(tmp_path))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a server without a GPU")
+def test_a_share_of_a_gpu_for_a_server_without_one_is_refused_before_vllm_starts(tmp_path):
+    with pytest.raises(ValueError, match="server.gpu_memory_utilization sizes vLLM's share of a GPU"):
+        load_engine("vllm", str(tmp_path), gpu_memory_utilization=0.5)
+
+
 def test_finish_reasons_take_sglang_shape():
     assert finish_reason("length", None, [1, 2, 3]) == {"type": "length", "length": 3}
     assert finish_reason("stop", 7, [1, 7]) == {"type": "stop", "matched": 7}

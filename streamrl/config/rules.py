@@ -67,13 +67,17 @@ def corrections_read_their_own_settings(cfg: Config) -> Iterator[str]:
 
 @rule
 def engine_settings_fit_the_engine(cfg: Config) -> Iterator[str]:
-    """`server.kv_cache_gb` with an engine other than vllm; `rollout.sampling.top_p` / `top_k` with vllm,
+    """`server.kv_cache_gb` or `server.gpu_memory_utilization` with an engine other than vllm;
+    `rollout.sampling.top_p` / `top_k` with vllm,
     whose logprobs come renormalised after truncation; `weight_sync.backend: nccl` with the hf engine, which runs
     on the CPU; `server.engine: sglang` for servers streamrl starts."""
     server, sampling = cfg.server, cfg.rollout.sampling
     if server.kv_cache_gb is not None and server.engine != "vllm":
         yield (f"server.kv_cache_gb sizes the vllm engine's KV cache; engine {server.engine!r} does not read it: "
                "leave it unset")
+    if server.gpu_memory_utilization is not None and server.engine != "vllm":
+        yield (f"server.gpu_memory_utilization sizes the vllm engine's share of a GPU; engine {server.engine!r} does "
+               "not read it: leave it unset")
     if server.engine == "vllm" and (sampling.top_p < 1 or sampling.top_k != -1):
         yield ("rollout.sampling.top_p/top_k: vLLM reports logprobs renormalised after top-p/top-k truncation, which "
                "would not match the learner's; use top_p=1 and top_k=-1 with server.engine=vllm, or the hf engine")

@@ -97,6 +97,9 @@ class ServerConfig(Section):
     max_batch_size: int = Field(64, ge=1, description="sequences a server decodes at once")
     kv_cache_gb: float | None = Field(None, gt=0, description="vllm engine: KV cache size in GiB (default: 2 on a "
                                       "CPU, vLLM's gpu_memory_utilization on a GPU)")
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="vllm engine on a GPU: the share of "
+                                                 "the GPU's memory a server may take (vLLM's own default: 0.9); "
+                                                 "lower it where servers share a GPU with the learner")
     token: str | None = Field(None, description="bearer token required by control endpoints")
     heartbeat_s: float = Field(2.0, gt=0, description="how often a server renews its entry in the registry")
     registry_ttl_s: float = Field(10.0, gt=0, description="a server whose heartbeat is older than this is taken "
@@ -242,7 +245,8 @@ class WeightSyncConfig(Section):
                                                 "switch weights between two decode steps; pause: they stop for the push")
     bucket_mb: float = Field(64.0, gt=0, description="size of one broadcast (tensors are packed into buckets)")
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="transport: auto is nccl from a CUDA "
-                                                     "learner into vllm servers, else gloo")
+                                                     "learner into vllm servers, else gloo (also where `streamrl up` "
+                                                     "puts servers on the learner's GPU)")
     timeout_s: float = Field(60.0, gt=0, description="how long a push waits for a server before dropping it")
     master_address: str = Field("127.0.0.1", description="learner rank 0's address, as servers reach it")
 

@@ -69,8 +69,47 @@ def _threads(cfg: Config, learner: bool = False) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)}
 
 
-def parts(cfg: Config, config_file: Path, redis: EmbeddedRedis | None = None) -> list[Part]:
-    """What to start, in order, for this config."""
+def visible_gpus() -> list[str]:
+    """The GPUs ``streamrl up`` hands out: ``CUDA_VISIBLE_DEVICES``'s entries where it is set, else every
+    device torch sees."""
+    import torch
+
+    count = torch.cuda.device_count()
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d.strip() for d in listed.split(",")] if listed else [str(i) for i in range(count)]
+    return ids[:count]
+
+
+def gpu_plan(cfg: Config, gpus: list[str]) -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` by part: the learner's ranks the first ``learner.nproc`` GPUs, each ``vllm``
+    server one of its own after them. Empty, so that every part sees every GPU, without GPUs, under Ray
+    (which sets them per bundle) or when there are too few to go round."""
+    nproc, servers = cfg.learner.nproc, cfg.server.count if cfg.server.engine == "vllm" else 0
+    if cfg.launcher == "ray" or not gpus or len(gpus) < nproc + servers:
+        return {}
+    return {"learner": ",".join(gpus[:nproc]), **{f"server-{i}": gpus[nproc + i] for i in range(servers)}}
+
+
+def share_gpus(cfg: Config, gpus: list[str], plan: dict[str, str]) -> str | None:
+    """Where ``gpu_plan`` found too few GPUs for vllm servers of their own: they share learner rank 0's, and the
+    push goes over gloo (NCCL cannot join two processes on one GPU). Returns what the display says, or None."""
+    servers = cfg.server.count if cfg.server.engine == "vllm" else 0
+    if not gpus or plan or not servers or cfg.launcher == "ray":
+        return None
+    if cfg.weight_sync.backend == "nccl":
+        raise ConfigError(f"weight_sync.backend: nccl, but the {servers} vllm server(s) share learner rank 0's GPU "
+                          f"({len(gpus)} GPU(s) for {cfg.learner.nproc} rank(s) and {servers} server(s)), and NCCL "
+                          "cannot join two processes on one GPU: use backend auto or gloo, or more GPUs")
+    cfg.weight_sync.backend = "gloo"
+    return (f"{len(gpus)} GPU(s) for {cfg.learner.nproc} learner rank(s) and {servers} vllm server(s): the servers "
+            "share the first GPU with learner rank 0, weights go over gloo; set server.gpu_memory_utilization (e.g. "
+            "0.5) to leave the learner room")
+
+
+def parts(cfg: Config, config_file: Path, redis: EmbeddedRedis | None = None,
+          gpus: dict[str, str] | None = None) -> list[Part]:
+    """What to start, in order, for this config; ``gpus``: ``CUDA_VISIBLE_DEVICES`` by part (``gpu_plan``)."""
+    gpus = {name: {"CUDA_VISIBLE_DEVICES": ids} for name, ids in (gpus or {}).items()}
     me = [sys.executable, "-m", "streamrl"]
     logs, cfg_arg = cfg.run.path / "logs", str(config_file)
     router_url = f"http://{cfg.router.host}:{cfg.router.port}"
@@ -83,13 +122,15 @@ def parts(cfg: Config, config_file: Path, redis: EmbeddedRedis | None = None) ->
         learner = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(cfg.learner.nproc),
                    "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "streamrl",
                    "launch-learner", cfg_arg]
-    out.append(Part("learner", "learner", learner, logs / "learner.log", env=_threads(cfg, learner=True)))
+    out.append(Part("learner", "learner", learner, logs / "learner.log",
+                    env={**_threads(cfg, learner=True), **gpus.get("learner", {})}))
     out.append(Part("router", "router", [*me, "launch-router", cfg_arg], logs / "router.log",
                     ready=lambda: _healthy(router_url)))
     for i in range(cfg.server.count):
         url = f"http://{cfg.server.host}:{cfg.server.base_port + i}"
         out.append(Part(f"server-{i}", "server", [*me, "serve", cfg_arg, "--port", str(cfg.server.base_port + i)],
-                        logs / f"server-{i}.log", env=_threads(cfg), ready=lambda url=url: _healthy(url)))
+                        logs / f"server-{i}.log", env={**_threads(cfg), **gpus.get(f"server-{i}", {})},
+                        ready=lambda url=url: _healthy(url)))
     if cfg.eval.dataset:
         out.append(Part("evaluator", "evaluator", [*me, "evaluate", cfg_arg], logs / "evaluator.log",
                         env={"OMP_NUM_THREADS": "1"}, ready=lambda: _has_eval(cfg, 0)))
@@ -119,6 +160,12 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
     if not cfg.model.path:
         raise ConfigError("model.path is not set (and no prepare.fn sets it)")
     _lock_down(cfg)
+    gpus = visible_gpus()
+    plan = gpu_plan(cfg, gpus)
+    if plan:
+        say("GPUs: " + ", ".join(f"{name} {ids}" for name, ids in plan.items()))
+    if line := share_gpus(cfg, gpus, plan):
+        say(line)
     launcher = supervisor = redis = None
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the run like Ctrl-C, even while parts start
     try:
@@ -131,7 +178,7 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
         config_file.unlink(missing_ok=True)
         with os.fdopen(os.open(config_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:  # holds the Redis password
             yaml.safe_dump(cfg.model_dump(mode="json"), f, sort_keys=False)
-        todo = parts(cfg, config_file, redis)
+        todo = parts(cfg, config_file, redis, plan)
         if cfg.launcher == "ray":
             from streamrl.launch.ray import RayActors
 

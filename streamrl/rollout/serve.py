@@ -30,7 +30,7 @@ def serve(cfg: Config, *, host: str | None = None, port: int | None = None) -> N
     model_path, version = newest_weights(cfg)
     engine = load_engine(cfg.server.engine, model_path, dtype=cfg.model.dtype,
                          max_batch_size=cfg.server.max_batch_size, tokenizer=tokenizer,
-                         kv_cache_gb=cfg.server.kv_cache_gb)
+                         kv_cache_gb=cfg.server.kv_cache_gb, gpu_memory_utilization=cfg.server.gpu_memory_utilization)
     engine.version = version
     if version:
         log.info("late joiner: serving the learner's export %s (weight version %d)", model_path, version)

@@ -10,7 +10,8 @@ __all__ = ["Completion", "Engine", "SamplingParams", "load_engine"]
 
 
 def load_engine(name: str, model_path: str, *, dtype: str = "float32", max_batch_size: int = 64,
-                tokenizer: Any = None, kv_cache_gb: float | None = None) -> Engine:
+                tokenizer: Any = None, kv_cache_gb: float | None = None,
+                gpu_memory_utilization: float | None = None) -> Engine:
     """Build the engine called ``name`` over a local Hugging Face model directory."""
     if name == "hf":
         from streamrl.rollout.engines.hf import HFEngine
@@ -21,7 +22,8 @@ def load_engine(name: str, model_path: str, *, dtype: str = "float32", max_batch
 
         # vLLM loads its own tokenizer (stop strings, detokenising): from model.tokenizer's directory too
         named = {"tokenizer": tokenizer.name_or_path} if getattr(tokenizer, "name_or_path", None) else {}
-        return VLLMEngine(model_path, dtype=dtype, max_batch_size=max_batch_size, kv_cache_gb=kv_cache_gb, **named)
+        return VLLMEngine(model_path, dtype=dtype, max_batch_size=max_batch_size, kv_cache_gb=kv_cache_gb,
+                          gpu_memory_utilization=gpu_memory_utilization, **named)
     if name == "sglang":
         raise ValueError("engine 'sglang' is a stock SGLang server: start it with `python -m sglang.launch_server` "
                          "and register its URL; streamrl speaks its API as is")

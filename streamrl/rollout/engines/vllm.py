@@ -59,8 +59,14 @@ def _import_vllm() -> SimpleNamespace:
 
 class VLLMEngine:
     def __init__(self, model_path: str, *, dtype: str = "bfloat16", max_batch_size: int = 256,
-                 kv_cache_gb: float | None = None, **engine_kwargs: Any):
+                 kv_cache_gb: float | None = None, gpu_memory_utilization: float | None = None, **engine_kwargs: Any):
         import torch
+
+        if gpu_memory_utilization is not None:
+            if not torch.cuda.is_available():
+                raise ValueError("server.gpu_memory_utilization sizes vLLM's share of a GPU, and this server has none: "
+                                 "leave it unset (server.kv_cache_gb sizes the KV cache on a CPU)")
+            engine_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
 
         from streamrl.rollout.engines.vllm_transfer import BACKEND
 
