@@ -180,16 +180,16 @@ def test_a_mixed_precision_critic_keeps_fp32_weights_and_computes_in_bf16(engine
     assert {p.dtype for p in critic.model.module.parameters()} == {torch.float32}
     seen = []  # the dtype a linear layer computes in, inside the critic's forward
     critic.model.module.backbone.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
-    critic.values(packing.collate(_shard()[0][0]))
+    critic.values(packing.collate(_shard()[0][0], critic.model.device))
     assert seen == [torch.bfloat16]
 
 
 def _on_policy(engine, shard):
     """Behaviour logprobs of the current weights, as if the data had just been generated."""
     for s in (s for mb in shard for s in mb):
-        b = packing.collate([s])
+        b = packing.collate([s], engine.device)
         with torch.no_grad():
-            s.logprobs = packing.token_logprobs(packing.forward(engine.module, b), b, 1.0)[0][0].numpy()
+            s.logprobs = packing.token_logprobs(packing.forward(engine.module, b), b, 1.0)[0][0].cpu().numpy()
     return shard
 
 
@@ -197,7 +197,7 @@ def _on_policy(engine, shard):
 def test_epochs_reuse_the_proximal_so_the_ratio_is_one_only_on_the_first(engine):
     shard, n = _shard()
     _on_policy(engine, shard)  # behaviour = the current weights
-    batches = [packing.collate(mb) if mb else None for mb in shard]
+    batches = [packing.collate(mb, engine.device) if mb else None for mb in shard]
     first = engine.step(shard, n, batches=batches)
     second = engine.step(shard, n, batches=batches)
     assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
@@ -263,7 +263,7 @@ def test_a_non_finite_minibatch_stops_the_updates_after_it(engine):
 @pytest.mark.slow
 def test_a_steps_first_forward_stands_in_for_the_proximal_forward(engine):
     shard, n = _shard()
-    batches = [packing.collate(mb) if mb else None for mb in shard]
+    batches = [packing.collate(mb, engine.device) if mb else None for mb in shard]
     separate = engine.proximal([b for b in batches if b is not None])  # a no-grad eval forward, before the step
     engine.step(shard, n, batches=batches)
     for b, want in zip([b for b in batches if b is not None], separate):
@@ -281,6 +281,25 @@ def test_a_model_with_dropout_has_a_random_forward():
                                             num_attention_heads=2, num_key_value_heads=2, **kw))
 
     assert not has_dropout(tiny()) and has_dropout(tiny(attention_dropout=0.1))
+
+
+def test_mixed_precision_is_deepspeeds_autocast_and_a_given_json_must_enable_it(tmp_path):
+    """DeepSpeed's forward turns off an autocast around it on a GPU: the bf16 compute must be its own."""
+    import json
+
+    from streamrl.config import load_config
+    from streamrl.learner.policy import deepspeed_config
+
+    mixed = ["model.dtype=bfloat16", "learner.mixed_precision=true"]
+    autocast = deepspeed_config(load_config(None, mixed))["torch_autocast"]
+    assert autocast == {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}  # fp32 reduces
+    assert not deepspeed_config(load_config(None, []))["torch_autocast"]["enabled"]
+    given = tmp_path / "ds.json"
+    given.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1}))
+    with pytest.raises(ValueError, match="has no torch_autocast section enabled"):
+        deepspeed_config(load_config(None, [*mixed, f"learner.deepspeed_config={given}"]))
+    given.write_text(json.dumps({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}))
+    assert deepspeed_config(load_config(None, [*mixed, f"learner.deepspeed_config={given}"]))["torch_autocast"]
 
 
 @pytest.mark.slow

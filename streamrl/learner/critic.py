@@ -20,21 +20,19 @@ from streamrl.learner.policy import deepspeed_config, empty_micro_batch_loss, we
 
 
 class ValueModel(torch.nn.Module):
-    def __init__(self, path: str, dtype: torch.dtype = torch.float32, autocast: bool = False):
+    def __init__(self, path: str, dtype: torch.dtype = torch.float32):
         from transformers import AutoModel
 
         super().__init__()
-        self.autocast = autocast  # bf16 compute over these (fp32) weights: learner.mixed_precision
         self.backbone = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=packing.attention())
         self.head = torch.nn.Linear(self.backbone.config.hidden_size, 1, dtype=dtype)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Values ``[1, N]`` of a packed row's positions."""
-        with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            hidden = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
-            return self.head(hidden).squeeze(-1).float()
+        """Values ``[1, N]`` of a packed row's positions (in bf16 under DeepSpeed's autocast: mixed precision)."""
+        hidden = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        return self.head(hidden).squeeze(-1).float()
 
 
 def gae_advantages(values: torch.Tensor, seqs: list[TrainSequence], bounds: torch.Tensor, gamma: float, lam: float
@@ -58,7 +56,7 @@ class Critic:
         import deepspeed
 
         self.cfg = cfg
-        model = ValueModel(path, weights_dtype(cfg), autocast=cfg.learner.mixed_precision)  # as the policy
+        model = ValueModel(path, weights_dtype(cfg))  # as the policy, mixed precision too (deepspeed_config)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learner.critic_lr)
         self.model, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))

@@ -33,7 +33,11 @@ def deepspeed_config(cfg: Config) -> dict[str, Any]:
     if cfg.learner.deepspeed_config:
         import json
 
-        return json.loads(cfg.learner.deepspeed_config.read_text())
+        given = json.loads(cfg.learner.deepspeed_config.read_text())
+        if cfg.learner.mixed_precision and not given.get("torch_autocast", {}).get("enabled"):
+            raise ValueError(f"learner.mixed_precision: {cfg.learner.deepspeed_config} has no torch_autocast section "
+                             'enabled; add "torch_autocast": {"enabled": true, "dtype": "bfloat16"} to it')
+        return given
     bf16 = weights_dtype(cfg) == torch.bfloat16
     return {
         "train_micro_batch_size_per_gpu": 1,
@@ -42,6 +46,10 @@ def deepspeed_config(cfg: Config) -> dict[str, Any]:
         "zero_optimization": {"stage": cfg.learner.zero_stage},
         "zero_allow_untested_optimizer": True,  # learner.optimizer=sgd: ZeRO partitions any torch optimizer
         "bf16": {"enabled": bf16},
+        # mixed precision: bf16 compute over the fp32 weights inside DeepSpeed's forward (on a GPU it turns off
+        # an autocast around it); no module's gradients are reduced in bf16
+        "torch_autocast": {"enabled": cfg.learner.mixed_precision, "dtype": "bfloat16",
+                           "lower_precision_safe_modules": []},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
@@ -84,7 +92,6 @@ class Policy:
 
         self.cfg = cfg
         compute = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-        self.mixed = cfg.learner.mixed_precision
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=weights_dtype(cfg),
                                                      attn_implementation=packing.attention())
         model.config.use_cache = False
@@ -248,9 +255,9 @@ class Policy:
         return per_token.sum()
 
     def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        # under autocast the backward's matmuls run in bfloat16 too; the gradients land on the fp32 weights
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.mixed):
-            return packing.forward(self.model, batch)
+        # under mixed precision DeepSpeed's autocast runs the forward's matmuls (and so the backward's) in
+        # bfloat16; the gradients land on the fp32 weights
+        return packing.forward(self.model, batch)
 
     def _ptx_loss(self, batch: dict[str, torch.Tensor], stats: dict) -> torch.Tensor:
         """Summed token cross-entropy on SFT rows, weighted by ``ptx_coef``."""
