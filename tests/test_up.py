@@ -254,6 +254,8 @@ def test_up_gives_the_learner_ranks_and_each_vllm_server_gpus_of_their_own(tmp_p
     cfg.weight_sync.backend = "nccl"
     with pytest.raises(ConfigError, match="NCCL cannot join two processes on one GPU"):
         local.share_gpus(cfg, ["0"], {})
+    with pytest.raises(ConfigError, match="learner.nproc: 2 ranks, but 1 GPU"):  # NCCL: one rank per GPU
+        local.gpu_plan(cfg, ["0"])
     # hf servers compute on the CPU: the learner alone takes a GPU
     hf = load_config("configs/quickstart.yaml", [f"run.dir={tmp_path}"])
     assert local.gpu_plan(hf, ["0"]) == {"learner": "0"}

@@ -83,9 +83,15 @@ def visible_gpus() -> list[str]:
 def gpu_plan(cfg: Config, gpus: list[str]) -> dict[str, str]:
     """``CUDA_VISIBLE_DEVICES`` by part: the learner's ranks the first ``learner.nproc`` GPUs, each ``vllm``
     server one of its own after them. Empty, so that every part sees every GPU, without GPUs, under Ray
-    (which sets them per bundle) or when there are too few to go round."""
+    (which sets them per bundle) or when there are too few to go round; refused when the learner's ranks
+    alone are too many (NCCL cannot put two ranks of a group on one GPU)."""
     nproc, servers = cfg.learner.nproc, cfg.server.count if cfg.server.engine == "vllm" else 0
-    if cfg.launcher == "ray" or not gpus or len(gpus) < nproc + servers:
+    if cfg.launcher == "ray" or not gpus:
+        return {}
+    if nproc > len(gpus):
+        raise ConfigError(f"learner.nproc: {nproc} ranks, but {len(gpus)} GPU(s) visible, and NCCL cannot put two "
+                          f"ranks of one group on one GPU: set learner.nproc <= {len(gpus)}")
+    if len(gpus) < nproc + servers:
         return {}
     return {"learner": ",".join(gpus[:nproc]), **{f"server-{i}": gpus[nproc + i] for i in range(servers)}}
 
