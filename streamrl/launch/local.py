@@ -156,6 +156,8 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
     say = dashboard.say
     t0 = time.time()
     say(f"run {cfg.run.name} in {cfg.run.path} (logs in {cfg.run.path / 'logs'})")
+    gpus = visible_gpus()
+    plan = gpu_plan(cfg, gpus)  # before the recipe runs: too many learner ranks are refused here
     if cfg.prepare.fn:
         say(f"preparing: {cfg.prepare.fn}")
     try:
@@ -166,8 +168,6 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
     if not cfg.model.path:
         raise ConfigError("model.path is not set (and no prepare.fn sets it)")
     _lock_down(cfg)
-    gpus = visible_gpus()
-    plan = gpu_plan(cfg, gpus)
     if plan:
         say("GPUs: " + ", ".join(f"{name} {ids}" for name, ids in plan.items()))
     if line := share_gpus(cfg, gpus, plan):
