@@ -237,37 +237,37 @@ def test_up_gives_the_learner_ranks_and_each_vllm_server_gpus_of_their_own(tmp_p
     import torch
 
     from streamrl.config import ConfigError, load_config
-    from streamrl.launch import local
+    from streamrl.launch import gpus, local
 
     cfg = load_config("configs/quickstart.yaml", [f"run.dir={tmp_path}", "server.engine=vllm", "server.count=2",
                                                   "learner.nproc=2"])
-    plan = local.gpu_plan(cfg, ["0", "1", "2", "3", "4"])
+    plan = gpus.gpu_plan(cfg, ["0", "1", "2", "3", "4"])
     assert plan == {"learner": "0,1", "server-0": "2", "server-1": "3"}  # the fifth stays free
     seen = {p.name: p.env.get("CUDA_VISIBLE_DEVICES") for p in local.parts(cfg, tmp_path / "c.yaml", gpus=plan)}
     assert seen == {"learner": "0,1", "router": None, "server-0": "2", "server-1": "3", "rollout-0": None}
-    assert local.share_gpus(cfg, ["0", "1", "2", "3", "4"], plan) is None
+    assert gpus.share_gpus(cfg, ["0", "1", "2", "3", "4"], plan) is None
     # too few to go round: every part sees every GPU, the servers share learner rank 0's, and the push goes over
     # gloo (NCCL cannot join two processes on one GPU)
-    assert local.gpu_plan(cfg, ["0", "1", "2"]) == {}
-    assert "share the first GPU" in local.share_gpus(cfg, ["0", "1", "2"], {})
+    assert gpus.gpu_plan(cfg, ["0", "1", "2"]) == {}
+    assert "share the first GPU" in gpus.share_gpus(cfg, ["0", "1", "2"], {})
     assert cfg.weight_sync.backend == "gloo"
     cfg.weight_sync.backend = "nccl"
     with pytest.raises(ConfigError, match="NCCL cannot join two processes on one GPU"):
-        local.share_gpus(cfg, ["0"], {})
+        gpus.share_gpus(cfg, ["0"], {})
     with pytest.raises(ConfigError, match="learner.nproc: 2 ranks, but 1 GPU"):  # NCCL: one rank per GPU
-        local.gpu_plan(cfg, ["0"])
+        gpus.gpu_plan(cfg, ["0"])
     # hf servers compute on the CPU: the learner alone takes a GPU
     hf = load_config("configs/quickstart.yaml", [f"run.dir={tmp_path}"])
-    assert local.gpu_plan(hf, ["0"]) == {"learner": "0"}
-    assert local.gpu_plan(cfg, []) == {} and local.share_gpus(cfg, [], {}) is None
+    assert gpus.gpu_plan(hf, ["0"]) == {"learner": "0"}
+    assert gpus.gpu_plan(cfg, []) == {} and gpus.share_gpus(cfg, [], {}) is None
     ray = load_config("configs/quickstart.yaml", [f"run.dir={tmp_path}", "server.engine=vllm", "launcher=ray"])
-    assert local.gpu_plan(ray, ["0", "1"]) == {}  # Ray sets each bundle's GPUs
+    assert gpus.gpu_plan(ray, ["0", "1"]) == {}  # Ray sets each bundle's GPUs
     # the GPUs handed out are those this process may use, named as CUDA_VISIBLE_DEVICES names them
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 5")
-    assert local.visible_gpus() == ["3", "5"]
+    assert gpus.visible_gpus() == ["3", "5"]
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert local.visible_gpus() == ["0", "1"]
+    assert gpus.visible_gpus() == ["0", "1"]
 
 
 def test_the_display_shows_no_generation_rate_until_a_worker_reports_past_its_opening(tmp_path):
