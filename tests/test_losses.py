@@ -6,7 +6,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from streamrl.buffer.redis_server import free_port
-from streamrl.learner.losses import PolicyLoss, gae, grpo, kl, normaliser, rloo, sequence_mean
+from streamrl.learner.losses import PolicyLoss, gae, grpo, kl, normaliser, rloo
 
 
 def test_rloo_by_hand_and_sums_to_zero():
@@ -95,12 +95,6 @@ def test_on_policy_every_correction_is_plain_ppo_with_ratio_one():
     for g, loss_i in zip(grads[1:], losses[1:]):
         assert torch.allclose(g, grads[0]) and torch.allclose(loss_i, losses[0])
     assert torch.allclose(losses[0], -adv * mask)
-
-
-def test_sequence_mean_weights_sequences_equally():
-    per_token = torch.tensor([1.0, 1.0, 1.0, 4.0])
-    out = sequence_mean(per_token, torch.ones(4), torch.tensor([0, 0, 0, 1]))
-    assert out.item() == pytest.approx(1.0 + 4.0)
 
 
 # ---------------------------------------------------------------- uneven split == full batch, real gloo ranks

@@ -165,11 +165,3 @@ def normaliser(global_tokens: int, world_size: int) -> float:
     if global_tokens < 1:
         raise ValueError("the global batch has no generated tokens")
     return world_size / global_tokens
-
-
-def sequence_mean(per_token: torch.Tensor, mask: torch.Tensor, seq_index: torch.Tensor) -> torch.Tensor:
-    """Sequence-level aggregation: each sequence's mean over its tokens, summed over sequences."""
-    n = int(seq_index.max()) + 1 if seq_index.numel() else 0
-    sums = torch.zeros(n, dtype=per_token.dtype).index_add(0, seq_index, per_token * mask)
-    counts = torch.zeros(n, dtype=per_token.dtype).index_add(0, seq_index, mask.to(per_token.dtype))
-    return (sums / counts.clamp(min=1)).sum()
