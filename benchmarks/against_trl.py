@@ -14,7 +14,8 @@ in the trainer's process). ``hf`` is TRL's fastest here: ``paged`` took 46 s a s
 first 3 steps), and ``vllm`` does not run: TRL 1.16 supports vLLM 0.22-0.31, and with 0.32's CPU build (the
 one built for this torch) its colocated engine fails at the first weight sync (``'Parameter' object has no
 attribute 'weight_loader'``, vLLM issue 34201). TRL's GRPOTrainer has no padding-free option (its SFT and DPO
-trainers have one). streamrl runs ``streamrl up`` (every part its own process, async, max staleness 2).
+trainers have one). streamrl runs ``streamrl up`` (every part its own process) with the recipe's settings and
+any ``--streamrl-set`` overrides; the table's title names its mode and max staleness.
 
 Precision (``--precision``, and ``--trl-precision`` for TRL when it differs): ``fp32``, or ``bf16`` mixed
 precision: fp32 weights and AdamW, matmuls under bf16 autocast (streamrl ``model.dtype=bfloat16
@@ -297,7 +298,9 @@ def report(data: dict, out: Path) -> None:
     m = data["median"]
     precision = data.get("precision", {"streamrl": "fp32", "trl": "fp32"})
     bf16_share = data["bound"]["matmul_flops"] / data["bound"]["matmul_flops_bf16"]  # the bound at the bf16 rate
-    print_table(f"streamrl ({precision['streamrl']}) vs TRL GRPOTrainer ({data['trl_generation']} generation, "
+    ran = data.get("streamrl_settings", {})
+    how = f", {ran['mode']}, max staleness {ran['max_staleness']}" if ran else ""
+    print_table(f"streamrl ({precision['streamrl']}{how}) vs TRL GRPOTrainer ({data['trl_generation']} generation, "
                 f"{precision['trl']}), SmolLM2-135M two-digit addition, "
                 f"{data['max_steps']} steps ({data['samples']} samples), medians of {data['repeats']}",
                 ["system", "samples/s", "train wall s", "completion tokens", "of the fp32 bound", "of the bf16 bound",
