@@ -123,3 +123,14 @@ def test_an_evaluation_rides_out_a_router_without_servers(cluster, tmp_path, cap
         record = asyncio.run(run())
     assert record["eval/prompts"] == 3 and record["eval/version_min"] == 0
     assert "evaluation at step 0 failed, trying again" in caplog.text
+
+
+def test_versions_read_streamrl_spans_and_stock_sglang_labels():
+    from streamrl.rollout.client import _versions
+
+    spans = [{"start": 0, "end": 2, "version": 3}, {"start": 2, "end": 3, "version": 4}]
+    assert _versions({"weight_versions": spans}, 3) == [3, 3, 4]
+    assert _versions({"weight_version": "default"}, 2) == [0, 0]  # SGLang's label for the weights it started with
+    assert _versions({"weight_version": "7"}, 2) == [7, 7]  # an update labelled by a streamrl push
+    with pytest.raises(ValueError):  # a label that names no version is a malformed response (GenerateError)
+        _versions({"weight_version": "v2-final"}, 1)

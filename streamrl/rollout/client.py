@@ -130,8 +130,10 @@ def _versions(meta: dict, n: int) -> list[int]:
         for span in spans:
             versions[span["start"]:span["end"]] = [int(span["version"])] * (span["end"] - span["start"])
         return versions
-    # A stock SGLang server reports one weight_version (a string) for the whole response.
-    return [int(meta.get("weight_version") or 0)] * n
+    # A stock SGLang server reports one weight_version label for the whole response: "default" for the weights
+    # it started with (version 0), else the label of its last update (streamrl's pushes label them with numbers).
+    label = meta.get("weight_version") or 0
+    return [0 if label == "default" else int(label)] * n
 
 
 def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 60.0) -> None:
