@@ -83,7 +83,9 @@ def headlines(results: Path) -> list[str]:
         m = trl["median"]
         steady = f", steady state {trl['steady_ratio']:.2f}×" if "steady_ratio" in trl else ""
         task = " on SmolLM2-135M" if trl.get("config") == "configs/smollm2.yaml" else ""
-        lines.append(f"- **streamrl / TRL GRPOTrainer{task}**: {trl['ratio']:.2f}× samples/s{steady} "
+        ran = trl.get("streamrl_settings")
+        how = f" (streamrl {ran['mode']}, max staleness {ran['max_staleness']})" if ran else ""
+        lines.append(f"- **streamrl / TRL GRPOTrainer{task}**{how}: {trl['ratio']:.2f}× samples/s{steady} "
                      f"({m['streamrl']['samples_per_s']:.3g} vs {m['trl']['samples_per_s']:.3g}; medians of "
                      f"{trl['repeats']})" + (f", final accuracy {m['streamrl']['held_out_final']:.2f} vs "
                                              f"{m['trl']['held_out_final']:.2f}" if "held_out_final" in m["trl"] else "")
