@@ -92,6 +92,7 @@ class Policy:
 
         self.cfg = cfg
         compute = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        self.mixed = cfg.learner.mixed_precision
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=weights_dtype(cfg),
                                                      attn_implementation=packing.attention())
         model.config.use_cache = False
@@ -255,9 +256,11 @@ class Policy:
         return per_token.sum()
 
     def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        # under mixed precision DeepSpeed's autocast runs the forward's matmuls (and so the backward's) in
-        # bfloat16; the gradients land on the fp32 weights
-        return packing.forward(self.model, batch)
+        # Mixed precision: the forward's matmuls (and so the backward's) run in bfloat16, the gradients land on the
+        # fp32 weights. DeepSpeed's own autocast (deepspeed_config) does it inside its forward; this one around it
+        # keeps the bf16 copies of the weights for both forwards of a shared prompt (5% of a step on a CPU).
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.mixed):
+            return packing.forward(self.model, batch)
 
     def _ptx_loss(self, batch: dict[str, torch.Tensor], stats: dict) -> torch.Tensor:
         """Summed token cross-entropy on SFT rows, weighted by ``ptx_coef``."""
