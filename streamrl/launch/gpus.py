@@ -29,7 +29,7 @@ def gpu_plan(cfg: Config, gpus: list[str]) -> dict[str, str]:
     server one of its own after them. Empty, so that every part sees every GPU, without GPUs, under Ray
     (which sets them per bundle) or when there are too few to go round; refused when the learner's ranks
     alone are too many (NCCL cannot put two ranks of a group on one GPU)."""
-    nproc, servers = cfg.learner.nproc, cfg.server.count if cfg.server.engine == "vllm" else 0
+    nproc, servers = cfg.learner.nproc, _gpu_servers(cfg)
     if cfg.launcher == "ray" or not gpus:
         return {}
     if nproc > len(gpus):
@@ -43,7 +43,7 @@ def gpu_plan(cfg: Config, gpus: list[str]) -> dict[str, str]:
 def share_gpus(cfg: Config, gpus: list[str], plan: dict[str, str]) -> str | None:
     """Where ``gpu_plan`` found too few GPUs for vllm servers of their own: they share learner rank 0's, and the
     push goes over gloo (NCCL cannot join two processes on one GPU). Returns what the display says, or None."""
-    servers = cfg.server.count if cfg.server.engine == "vllm" else 0
+    servers = _gpu_servers(cfg)
     if not gpus or plan or not servers or cfg.launcher == "ray":
         return None
     if cfg.weight_sync.backend == "nccl":
@@ -54,3 +54,8 @@ def share_gpus(cfg: Config, gpus: list[str], plan: dict[str, str]) -> str | None
     return (f"{len(gpus)} GPU(s) for {cfg.learner.nproc} learner rank(s) and {servers} vllm server(s): the servers "
             "share the first GPU with learner rank 0, weights go over gloo; set server.gpu_memory_utilization (e.g. "
             "0.5) to leave the learner room")
+
+
+def _gpu_servers(cfg: Config) -> int:
+    """Servers that compute on a GPU: vllm ones (hf servers keep to the CPU)."""
+    return cfg.server.count if cfg.server.engine == "vllm" else 0
