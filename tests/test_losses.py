@@ -24,6 +24,15 @@ def test_grpo_by_hand():
     assert torch.allclose(grpo(torch.tensor([1.0, 0.0, 0.0, 1.0]), scale=False), torch.tensor([0.5, -0.5, -0.5, 0.5]))
 
 
+@pytest.mark.parametrize("estimator", [rloo, grpo])
+def test_a_group_of_equal_rewards_gets_exactly_zero_advantages(estimator):
+    # eight rewards of 0.1 (a wrong bare number in the arithmetic env): in fp32 their mean is not 0.1, and GRPO's
+    # 1 / (std + eps) once scaled the rounding to advantages of -7e-3
+    for value in (0.1, 0.3, 1.0, -2.7):
+        assert estimator(torch.full((8,), value)).tolist() == [0.0] * 8
+    assert estimator(torch.tensor([0.1, 0.1, 0.1 + 1e-6])).abs().max() > 0  # any spread is signal
+
+
 def test_gae_recursion_by_hand():
     adv, ret = gae(torch.tensor([0.0, 0.0, 1.0]), torch.tensor([0.5, 0.5, 0.5]), gamma=1.0, lam=1.0)
     assert torch.allclose(adv, torch.tensor([0.5, 0.5, 0.5])) and torch.allclose(ret, torch.tensor([1.0, 1.0, 1.0]))

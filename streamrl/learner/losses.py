@@ -20,17 +20,25 @@ import torch
 def rloo(rewards: torch.Tensor) -> torch.Tensor:
     """Leave-one-out: ``A_i = R_i - mean_{j != i} R_j`` over one group. Sums to zero."""
     n = rewards.numel()
-    if n < 2:
+    if n < 2 or _equal(rewards):
         return torch.zeros_like(rewards)
     return rewards - (rewards.sum() - rewards) / (n - 1)
 
 
 def grpo(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """``(R_i - mean) / (std + eps)`` over one group (std unbiased; ``scale=False`` skips it)."""
+    if _equal(rewards):
+        return torch.zeros_like(rewards)
     centred = rewards - rewards.mean()
     if not scale or rewards.numel() < 2:
         return centred
     return centred / (rewards.std() + eps)
+
+
+def _equal(rewards: torch.Tensor) -> bool:
+    """A group of equal rewards has no signal: exactly zero advantages. Computed, the mean's rounding leaves
+    R_i - mean at ~1e-8 (eight rewards of 0.1 in fp32), which GRPO's 1 / (std + eps) blows up to ~1e-2."""
+    return bool((rewards == rewards[0]).all()) if rewards.numel() else True
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
