@@ -15,7 +15,10 @@ first 3 steps), and ``vllm`` does not run: TRL 1.16 supports vLLM 0.22-0.31, and
 one built for this torch) its colocated engine fails at the first weight sync (``'Parameter' object has no
 attribute 'weight_loader'``, vLLM issue 34201). TRL's GRPOTrainer has no padding-free option (its SFT and DPO
 trainers have one). streamrl runs ``streamrl up`` (every part its own process) with the recipe's settings and
-any ``--streamrl-set`` overrides; the table's title names its mode and max staleness.
+any ``--streamrl-set`` overrides; the table's title names its mode and max staleness. streamrl leaves the
+sequences of groups without signal (all rewards equal: zero advantages) out of its forwards and backwards and
+still counts their tokens in the loss's mean (``learner.skip_zero_advantage``: the same update); TRL trains on
+them.
 
 Precision (``--precision``, and ``--trl-precision`` for TRL when it differs): ``fp32``, or ``bf16`` mixed
 precision: fp32 weights and AdamW, matmuls under bf16 autocast (streamrl ``model.dtype=bfloat16
@@ -33,7 +36,8 @@ sides at seed r; the accuracy difference is paired by seed.
 
 The bound: a sample costs at least 2N FLOPs a token to generate (prompt and completion) and 6N a token to
 train on, at this machine's fp32 and bf16 matmul rates (measured first, on every core); each system's
-samples/s is reported as a fraction of what each rate allows (a side computing in bf16 can pass the fp32 one).
+samples/s is reported as a fraction of what each rate allows (a side computing in bf16 can pass the fp32 one,
+and one that skips the samples without signal the bound of training on every sample).
 
 streamrl's side may take extra config overrides (``--streamrl-set mode=sync``, repeatable), recorded in the
 JSON: a study of one setting's effect against the same TRL runs.

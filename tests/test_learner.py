@@ -123,6 +123,43 @@ def test_dynamic_sampling_leaves_out_groups_without_signal_and_accounts_for_each
 
 
 @pytest.mark.slow
+def test_sequences_without_signal_are_skipped_and_the_update_is_the_same(redis_server, tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    rng = np.random.default_rng(4)
+    groups = [synthetic_group(4, 24, prompt_len=8, vocab=200, rng=rng, prompt_id=str(i)) for i in range(4)]
+    for i, group in enumerate(groups):
+        for j, sample in enumerate(group.samples):  # groups 1, 2 and 3 without signal: step 2 has none at all
+            sample.reward = 0.1 if i else float(j % 2)
+
+    def learn(skip: bool) -> tuple[list[dict], dict]:
+        ns = Namespace.open(redis_server.url, f"learner-skip-{skip}-{uuid.uuid4().hex[:6]}")
+        for group in groups:
+            ReplayStream(ns).put(group)
+        out = subprocess.run(
+            [sys.executable, "-m", "streamrl", "launch-learner", f"model.path={tiny_model_dir}",
+             f"redis.url={redis_server.url}", f"run.name={ns.run}", f"run.dir={tmp_path}", "learner.groups_per_step=2",
+             f"learner.skip_zero_advantage={str(skip).lower()}", "learner.optimizer=sgd", "learner.lr=0.5",
+             "learner.micro_batch_tokens=64", "rollout.max_context=64", "--steps", "2"],
+            capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        records = [json.loads(line) for line in (tmp_path / ns.run / "metrics" / "learner.jsonl").open()]
+        weights = AutoModelForCausalLM.from_pretrained(tmp_path / ns.run / "export" / "version-2").state_dict()
+        return [r for r in records if "loss" in r], weights
+
+    (skipping, skipped), (training, trained) = learn(True), learn(False)
+    assert [r["zero_advantage_skipped"] for r in skipping] == [4, 8]
+    assert [r["zero_advantage_skipped"] for r in training] == [0, 0]
+    assert [r["tokens"] for r in skipping] == [r["tokens"] / 2 for r in training[:1]] + [0]
+    assert [r["tokens_global"] for r in skipping] == [r["tokens_global"] for r in training]
+    assert [r["loss"] for r in skipping] == pytest.approx([r["loss"] for r in training], abs=1e-7)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert max((trained[k] - initial[k]).abs().max().item() for k in trained) > 1e-3
+    for k in trained:  # the same update: the skipped sequences still count in the loss's mean
+        assert torch.allclose(skipped[k], trained[k], atol=1e-6), k
+
+
+@pytest.mark.slow
 def test_a_killed_learner_resumes_from_its_checkpoint_applying_every_group_exactly_once(
         redis_server, tiny_model_dir, tmp_path):
     import os

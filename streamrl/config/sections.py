@@ -199,6 +199,10 @@ class LearnerConfig(Section):
     drop_no_signal: bool = Field(False, description="DAPO's dynamic sampling: leave out groups whose rewards are "
                                  "all equal (RLOO and GRPO give them no gradient) and read on until groups_per_step "
                                  "groups with signal")
+    skip_zero_advantage: bool = Field(True, description="leave out of the forwards and backwards the sequences "
+                                      "whose advantage is zero on every generated token (a group without signal) "
+                                      "where that makes their gradient zero: rloo or grpo, no entropy bonus, no KL "
+                                      "term in the loss. They still count in the loss's mean: the update is the same")
     share_prompts: bool = Field(True, description="forward each prompt once per micro-batch, not once per sample "
                                 "(off: for models whose forward cannot continue from a KV cache)")
     mismatch_warn_kl: float = Field(0.01, ge=0, description="warn when KL(behaviour || learner) on tokens generated "

@@ -41,6 +41,11 @@ def no_signal(group: Group) -> bool:
     return len({s.reward for s in group.samples}) == 1
 
 
+def has_gradient(seq: TrainSequence) -> bool:
+    """A non-zero advantage on a generated token: without one the policy term's loss and gradient are zero."""
+    return bool(np.any(seq.advantages[seq.mask > 0]))
+
+
 def stale(group: Group, version: int, max_staleness: int) -> bool:
     oldest, _ = group.version_range()
     return oldest >= 0 and version - oldest > max_staleness

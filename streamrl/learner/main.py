@@ -89,6 +89,11 @@ class Learner:
         resumed = (checkpoint.load(self.policy.model, self.checkpoints, critic) if cfg.learner.resume == "auto"
                    else None)
         self.version = resumed["version"] if resumed else 0
+        learner = cfg.learner
+        # A sequence with zero advantages adds nothing to a step unless the loss has terms of its own: PPO's
+        # critic advantages (made later, per token), an entropy bonus, KL to the reference in the loss
+        self.skip_zero_advantage = (learner.skip_zero_advantage and learner.algorithm != "ppo"
+                                    and learner.entropy_coef == 0 and (learner.kl_coef == 0 or learner.kl_in_reward))
         self.reference = None
         if self.rank == 0 and cfg.learner.kl_in_reward and cfg.learner.kl_coef > 0:
             from streamrl.learner.reference import Reference
@@ -259,23 +264,28 @@ class Learner:
 
     def partition(self, minibatches: list[tuple[list, list[batching.TrainSequence]]], work: Work) -> None:
         """Rank 0: each minibatch's sequences packed into micro-batches, the same number on every rank and
-        balanced over them (``partition``), as one msgpack payload per rank."""
+        balanced over them (``partition``), as one msgpack payload per rank. Sequences without a gradient are
+        left out (``learner.skip_zero_advantage``); a rank left with nothing steps on a zero loss."""
         learner = self.cfg.learner
-        imbalance, per_rank, tokens_global = 0.0, 0, 0
+        imbalance, per_rank, tokens_global, skipped = 0.0, 0, 0, 0
         work.payloads = []
         for groups, seqs in minibatches:
+            tokens, count = int(sum(s.mask.sum() for s in seqs)), len(seqs)  # the loss's mean counts all of them
+            if self.skip_zero_advantage:
+                seqs = [s for s in seqs if batching.has_gradient(s)]
+                skipped += count - len(seqs)
             lengths = [len(s) for s in seqs]
             costs = [attention_cost(n, self.hidden) for n in lengths] if learner.balance == "flops" else None
             plan = plan_micro_batches(lengths, self.world, learner.micro_batch_tokens, costs)
-            tokens = int(sum(s.mask.sum() for s in seqs))
-            work.payloads.append([batching.pack([[seqs[i] for i in mb] for mb in rank], tokens, len(seqs))
+            work.payloads.append([batching.pack([[seqs[i] for i in mb] for mb in rank], tokens, count)
                                   for rank in plan.ranks])
             work.members.append([g.group_id for g in groups])
             loads = [sum(lengths[i] for i in mb) for rank in plan.ranks for mb in rank]
             imbalance = max(imbalance, max(loads) / max(sum(loads) / len(loads), 1e-9))
             per_rank += plan.per_rank
             tokens_global += tokens
-        work.info.update(micro_batch_imbalance=imbalance, micro_batches_per_rank=per_rank, tokens_global=tokens_global)
+        work.info.update(micro_batch_imbalance=imbalance, micro_batches_per_rank=per_rank, tokens_global=tokens_global,
+                         zero_advantage_skipped=skipped)
 
     def _catch_up(self) -> None:
         """While data is late, bring servers that lack the current weights up to date (plain DP only:
