@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -282,6 +283,10 @@ def test_the_display_shows_no_generation_rate_until_a_worker_reports_past_its_op
     with worker.open("a") as f:
         f.write(json.dumps({"time": 11.0, "episodes": 64, "tokens_per_s": 350.0}) + "\n")
     assert Dashboard(cfg).stats()["gen_tok_s"] == 350.0
+    with worker.open("a") as f:  # its last span, once it has stopped: nothing generated
+        f.write(json.dumps({"time": 16.0, "episodes": 0, "tokens_per_s": 0.0}) + "\n")
+    stats = Dashboard(cfg).stats()
+    assert stats["gen_tok_s"] == 0.0 and stats["gen_tok_s_run"] == pytest.approx(350.0 * 10 / 15)
 
 
 def test_the_summary_counts_stale_drops_and_says_what_to_do_when_many(tmp_path, capsys):
@@ -289,10 +294,12 @@ def test_the_summary_counts_stale_drops_and_says_what_to_do_when_many(tmp_path, 
     from streamrl.launch.display import Dashboard
 
     board = Dashboard(load_config("configs/quickstart.yaml", [f"run.dir={tmp_path}", "supervise.display=plain"]))
-    board.final = {"step": 40, "dropped_stale": 2, "accepted": 100}
+    board.final = {"step": 40, "dropped_stale": 2, "accepted": 100, "gen_tok_s_run": 151.4, "train_tok_s_run": 72.6}
     board.summary(60.0, 0)
     out = capsys.readouterr().out
     assert "2 of 100 finished" in out and "off_policy.stale=keep" not in out
+    assert re.search(r"generated tokens/s \(whole run\)\s*│\s*151 ", out)
+    assert re.search(r"trained tokens/s \(learner's time\)\s*│\s*73 ", out)
     board.final = {"step": 40, "dropped_stale": 14, "accepted": 100}
     board.summary(60.0, 0)
     assert "14% of the finished groups were dropped as stale" in capsys.readouterr().out

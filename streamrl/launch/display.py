@@ -25,6 +25,13 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
     return "–" if value is None else format(value, spec)
 
 
+def _run_rate(reports: list[dict]) -> float:
+    """A worker's tokens/s from its opening report to its last: each report's rate covers the span since the one
+    before (the live figure is the last span's alone, 0 once the worker has stopped)."""
+    tokens = sum(r.get("tokens_per_s", 0.0) * (r["time"] - before["time"]) for before, r in zip(reports, reports[1:]))
+    return tokens / max(reports[-1]["time"] - reports[0]["time"], 1e-9)
+
+
 STALE_WARNING = 0.05  # share of finished groups dropped as stale past which the summary says what to do
 
 
@@ -65,8 +72,9 @@ class Dashboard:
         pushes = [r for r in lines if "push_s" in r]
         evals = read_records(run / "metrics" / "eval.jsonl")
         # a worker's first report only marks its start (no rates yet): show a rate from its second on
-        workers = [rs[-1] for rs in (read_records(p) for p in sorted((run / "metrics").glob("rollout-*.jsonl")))
+        reports = [rs for rs in (read_records(p) for p in sorted((run / "metrics").glob("rollout-*.jsonl")))
                    if len(rs) > 1]
+        workers = [rs[-1] for rs in reports]
         out: dict[str, Any] = {"elapsed": time.time() - self.started}
         try:
             out["version"] = self.version.get()
@@ -94,7 +102,11 @@ class Dashboard:
             out["eval_first"], out["eval_last"] = evals[0], evals[-1]
         if workers:
             out["gen_tok_s"] = sum(w.get("tokens_per_s", 0.0) for w in workers)
+            out["gen_tok_s_run"] = sum(map(_run_rate, reports))
             out["worker_reward"] = workers[-1].get("reward_mean")
+        timed = [r for r in learner if "train_s" in r]  # a step whose every update was skipped has no time
+        if timed:
+            out["train_tok_s_run"] = sum(r["tokens_global"] for r in timed) / max(sum(r["train_s"] for r in timed), 1e-9)
         return out
 
     def _health(self) -> Table:
@@ -168,6 +180,8 @@ class Dashboard:
             table.add_row(f"eval accuracy before RL (step {first['step']})", _fmt(first["eval/accuracy"]))
             table.add_row(f"eval accuracy after (step {last['step']})", _fmt(last["eval/accuracy"]))
         table.add_row("steps", str(s.get("step", 0)))
+        table.add_row("generated tokens/s (whole run)", _fmt(s.get("gen_tok_s_run"), ".0f"))
+        table.add_row("trained tokens/s (learner's time)", _fmt(s.get("train_tok_s_run"), ".0f"))
         table.add_row("train reward first → last", f"{_fmt(s.get('first_reward'))} → {_fmt(s.get('reward'))}")
         table.add_row("max staleness seen (bound)", f"{s.get('staleness_max', '–')} ({self.cfg.staleness_bound})")
         dropped, finished = s.get("dropped_stale"), s.get("accepted")
