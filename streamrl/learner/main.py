@@ -92,8 +92,8 @@ class Learner:
         learner = cfg.learner
         # A sequence with zero advantages adds nothing to a step unless the loss has terms of its own: PPO's
         # critic advantages (made later, per token), an entropy bonus, KL to the reference in the loss
-        self.skip_zero_advantage = (learner.skip_zero_advantage and learner.algorithm != "ppo"
-                                    and learner.entropy_coef == 0 and (learner.kl_coef == 0 or learner.kl_in_reward))
+        self.zero_advantage_is_inert = (learner.algorithm != "ppo" and learner.entropy_coef == 0
+                                        and (learner.kl_coef == 0 or learner.kl_in_reward))
         self.reference = None
         if self.rank == 0 and cfg.learner.kl_in_reward and cfg.learner.kl_coef > 0:
             from streamrl.learner.reference import Reference
@@ -271,7 +271,7 @@ class Learner:
         work.payloads = []
         for groups, seqs in minibatches:
             tokens, count = int(sum(s.mask.sum() for s in seqs)), len(seqs)  # the loss's mean counts all of them
-            if self.skip_zero_advantage:
+            if learner.skip_zero_advantage and self.zero_advantage_is_inert:
                 seqs = [s for s in seqs if batching.has_gradient(s)]
                 skipped += count - len(seqs)
             lengths = [len(s) for s in seqs]
