@@ -1,9 +1,9 @@
 """streamrl against TRL's GRPOTrainer on the real-model task: SmolLM2-135M-Instruct learning two-digit addition
 (``configs/smollm2.yaml``), on the same machine.
 
-Both sides get the same model, training prompts, group size (``n``), groups per step, max new tokens,
-temperature (1.0, no top-p/top-k), learning rate (constant, AdamW), no KL term, and number of samples
-(steps × groups × n). Prompts and rewards come from the config's env on both sides: TRL's prompts are the
+Both sides get the same model, training prompts (each side reads them in an order drawn from its seed), group
+size (``n``), groups per step, max new tokens, temperature (1.0, no top-p/top-k), learning rate (constant, AdamW,
+no weight decay), no KL term, and number of samples (steps × groups × n). Prompts and rewards come from the config's env on both sides: TRL's prompts are the
 env's first observation of each row, and its reward function plays the env's ``step`` on each completion.
 Loss: token-level, normalised by the batch's token count on both sides (TRL ``loss_type="dapo"``);
 advantages r - mean (TRL ``scale_rewards="none"``) against streamrl's RLOO, the same times n/(n-1).
@@ -154,8 +154,8 @@ def trl_args(cfg: Config, out: Path, steps: int, seed: int, generation: str, pre
                "vllm": {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": cfg.rollout.max_context}}
     return GRPOConfig(output_dir=str(out), per_device_train_batch_size=cfg.learner.groups_per_step * s.n,
                       num_generations=s.n, max_completion_length=s.max_new_tokens, temperature=s.temperature,
-                      top_p=1.0, learning_rate=cfg.learner.lr, lr_scheduler_type="constant", warmup_steps=0,
-                      max_steps=steps, beta=0.0, scale_rewards="none", loss_type="dapo", use_cpu=True, report_to=[],
+                      top_p=1.0, learning_rate=cfg.learner.lr, weight_decay=cfg.learner.weight_decay,
+                      lr_scheduler_type="constant", warmup_steps=0, max_steps=steps, beta=0.0, scale_rewards="none", loss_type="dapo", use_cpu=True, report_to=[],
                       logging_steps=1, save_strategy="no", seed=seed, disable_tqdm=True, bf16=precision == "bf16",
                       **backend[generation])
 
@@ -194,8 +194,8 @@ def trl_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: int, ge
     rewards = [r["reward"] for r in trainer.state.log_history if "reward" in r]
     lengths = [r["completions/mean_length"] for r in trainer.state.log_history if "completions/mean_length" in r]
     given = {k: getattr(args, k) for k in ("per_device_train_batch_size", "num_generations", "max_completion_length",
-                                           "temperature", "top_p", "learning_rate", "max_steps", "beta",
-                                           "scale_rewards", "loss_type", "num_iterations", "use_vllm",
+                                           "temperature", "top_p", "learning_rate", "weight_decay", "max_steps",
+                                           "beta", "scale_rewards", "loss_type", "num_iterations", "use_vllm",
                                            "use_transformers_continuous_batching", "bf16")}
     given["versions"] = {name: importlib.metadata.version(name) for name in ("trl", "transformers", "torch")}
     return {"wall_s": wall, "samples": samples, "samples_per_s": samples / wall,

@@ -13,6 +13,7 @@ REFUSED = [
     (["off_policy.tis_cap=3"], "off_policy.tis_cap applies to correction=tis", "corrections_read_their_own_settings"),
     (["off_policy.correction=tis", "off_policy.behav_weight_cap=5"], "behav_weight_cap applies to correction=decoupled",
      "corrections_read_their_own_settings"),
+    (["rollout.shuffle=false"], "rollout.shuffle applies to rollout.dataset", "shuffle_needs_a_dataset"),
     (["server.kv_cache_gb=2"], "server.kv_cache_gb sizes the vllm engine", "engine_settings_fit_the_engine"),
     (["server.gpu_memory_utilization=0.5"], "server.gpu_memory_utilization sizes the vllm engine's share",
      "engine_settings_fit_the_engine"),
@@ -86,6 +87,7 @@ def test_every_rule_has_a_refusal_here_and_all_problems_come_at_once():
     ["server.engine=vllm", "weight_sync.backend=nccl"],
     ["rollout.sampling.n=1", "learner.algorithm=ppo", "rollout.min_group=1"],
     ["learner.micro_batch_tokens=512", "rollout.max_context=512"],
+    ["rollout.dataset=train.jsonl", "rollout.shuffle=false"],
 ], ids=lambda o: " ".join(o))
 def test_the_same_settings_where_they_apply_are_accepted(overrides):
     load_config(None, overrides)

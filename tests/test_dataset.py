@@ -25,6 +25,18 @@ def test_jsonl_and_parquet_rows_repeat_by_epoch(tmp_path):
         assert [prompts[i]["answer"] for i in range(7)] == [0, 1, 2, 0, 1, 2, 0]
 
 
+def test_a_seed_reads_each_epoch_in_its_own_order_the_same_in_every_process():
+    rows = [{"answer": i} for i in range(50)]
+    read = [Prompts(rows=rows, seed=7)[i]["answer"] for i in range(150)]
+    epochs = [read[:50], read[50:100], read[100:]]
+    assert all(sorted(e) == list(range(50)) for e in epochs)  # every row once an epoch
+    assert epochs[0] != epochs[1] and epochs[0] != list(range(50))
+    again = Prompts(rows=rows, seed=7)  # another worker, or a restarted one, asking out of order
+    assert [again[i]["answer"] for i in (120, 3, 77, 3)] == [read[120], read[3], read[77], read[3]]
+    assert [Prompts(rows=rows, seed=8)[i]["answer"] for i in range(50)] != epochs[0]
+    assert [Prompts(rows=rows, seed=-1)[i]["answer"] for i in range(50)] != epochs[0]
+
+
 def test_a_saved_hugging_face_dataset(tmp_path):
     datasets = pytest.importorskip("datasets", reason="datasets is not installed (pip install 'streamrl[data]')")
     rows = [{"prompt": "a", "answer": 1}, {"prompt": "b", "answer": 2}]

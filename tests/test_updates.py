@@ -324,3 +324,43 @@ def test_mixed_precision_computes_in_bf16_and_keeps_updates_bf16_weights_round_a
     assert mixed._logits(packing.collate(shard[0], mixed.device)).dtype == torch.bfloat16
     plain, moved = changed_after_a_step(False)
     assert {p.dtype for p in plain.module.parameters()} == {torch.bfloat16} and moved < 0.05
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_step_is_the_textbook_clipped_and_decayed_policy_gradient_step(config, tiny_model_dir, optimizer):
+    """One Policy step (packed rows, shared prompts, DeepSpeed) moves the weights exactly as the plain step
+    does: one forward per sequence, the token-mean loss -A * pi/pi_old over every generated token, the
+    gradient clipped to its norm bound, then torch's optimizer with the configured weight decay."""
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.config import load_config
+    from streamrl.learner.policy import Policy
+
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", f"learner.optimizer={optimizer}", "learner.lr=0.01",
+                             "learner.weight_decay=0.5", "learner.grad_clip=0.05"])
+    policy = Policy(cfg, tiny_model_dir)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    groups = [synthetic_group(4, 20 + 4 * g, prompt_len=6, vocab=200, rng=np.random.default_rng(g), prompt_id=f"p{g}")
+              for g in range(2)]
+    for group in groups:
+        for i, s in enumerate(group.samples):
+            s.reward = float(i % 3)  # each group has signal
+    seqs = batching.sequences(groups, version=0, algorithm="rloo")
+    tokens = int(sum(s.mask.sum() for s in seqs))
+    loss = 0.0
+    for s in seqs:  # the behaviour logprobs are the policy's own: on-policy, the importance weight is one
+        ids = torch.as_tensor(s.tokens.astype("int64"))[None]
+        logp = torch.log_softmax(plain(input_ids=ids).logits[0, :-1].float(), -1).gather(1, ids[0, 1:, None])[:, 0]
+        s.logprobs = np.r_[0.0, logp.detach().numpy()].astype(np.float32) * s.mask
+        generated = torch.as_tensor(s.mask[1:], dtype=torch.float32)
+        advantages = torch.as_tensor(s.advantages[1:])
+        loss = loss - (advantages * torch.exp(logp - logp.detach()) * generated).sum() / tokens
+    loss.backward()
+    assert torch.nn.utils.clip_grad_norm_(plain.parameters(), cfg.learner.grad_clip) > cfg.learner.grad_clip
+    {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[optimizer](plain.parameters(), lr=cfg.learner.lr,
+                                                                      weight_decay=cfg.learner.weight_decay).step()
+
+    assert policy.step([seqs[:5], seqs[5:]], tokens)["skipped"] == 0.0
+    expected = dict(plain.named_parameters())
+    for name, p in policy.module.named_parameters():
+        torch.testing.assert_close(p.detach(), expected[name].detach(), rtol=0, atol=1e-5)  # Adam divides near-zero gradients by their own size

@@ -66,6 +66,14 @@ def corrections_read_their_own_settings(cfg: Config) -> Iterator[str]:
 
 
 @rule
+def shuffle_needs_a_dataset(cfg: Config) -> Iterator[str]:
+    """`rollout.shuffle` without `rollout.dataset`: the env's own generator has no file order to shuffle."""
+    if not cfg.rollout.dataset and _changed(cfg.rollout, "shuffle"):
+        yield ("rollout.shuffle applies to rollout.dataset; without one the env's generator draws the prompts, "
+               "seeded by run.seed")
+
+
+@rule
 def engine_settings_fit_the_engine(cfg: Config) -> Iterator[str]:
     """`server.kv_cache_gb` or `server.gpu_memory_utilization` with an engine other than vllm;
     `rollout.sampling.top_p` / `top_k` with vllm,

@@ -22,8 +22,8 @@ class RunConfig(Section):
 
     name: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$", description="Redis namespace and run-dir name")
     dir: Path = Field(Path("runs"), description="parent of the run directory")
-    seed: int = Field(0, description="seeds the env's prompt generator and a recipe's data: runs with one seed see the "
-                      "same prompts")
+    seed: int = Field(0, description="seeds the env's prompt generator, the dataset's order and a recipe's data: runs "
+                      "with one seed see the same prompts")
 
     @property
     def path(self) -> Path:
@@ -124,6 +124,8 @@ class RolloutConfig(Section):
                      "an async function (client, item) -> reward, named the same ways (docs/agents.md)")
     env_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the env (or agent)")
     dataset: str | None = Field(None, description="JSONL/Parquet file; empty uses the env's generator")
+    shuffle: bool = Field(True, description="read the dataset in a new order each epoch, drawn from run.seed (off: "
+                          "in file order)")
     workers: int = Field(1, ge=0, description="rollout workers started by `streamrl up`")
     concurrency: int = Field(32, ge=1, description="episodes in flight per worker")
     coalesce_ms: float = Field(2.0, ge=0, description="how long a generation waits for sibling episodes with the "
@@ -186,6 +188,8 @@ class LearnerConfig(Section):
                                  "version: epochs x minibatches optimizer steps)")
     lr: float = Field(1e-5, gt=0, description="learning rate (constant after warmup)")
     optimizer: Literal["adamw", "sgd"] = Field("adamw", description="optimizer of the policy (a PPO critic uses AdamW)")
+    weight_decay: float = Field(0.0, ge=0, description="weight decay of the policy's and critic's optimizers "
+                                "(AdamW's is decoupled)")
     warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear learning-rate warmup")
     max_steps: int = Field(100, ge=1, description="learner steps (policy versions); the run ends after the last")
     epochs: int = Field(1, ge=1, description="passes over each batch (PPO epochs)")

@@ -57,7 +57,7 @@ class Critic:
 
         self.cfg = cfg
         model = ValueModel(path, weights_dtype(cfg))  # as the policy, mixed precision too (deepspeed_config)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learner.critic_lr)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learner.critic_lr, weight_decay=cfg.learner.weight_decay)
         self.model, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
 

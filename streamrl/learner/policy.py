@@ -97,8 +97,9 @@ class Policy:
                                                      attn_implementation=packing.attention())
         model.config.use_cache = False
         # torch's optimizers: nothing to compile, the same on CPU and GPU
-        optimizer = (torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr) if cfg.learner.optimizer == "adamw"
-                     else torch.optim.SGD(model.parameters(), lr=cfg.learner.lr))
+        learner = cfg.learner
+        optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[learner.optimizer](
+            model.parameters(), lr=learner.lr, weight_decay=learner.weight_decay)
         warmup = cfg.learner.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(

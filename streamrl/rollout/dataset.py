@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 
 class DatasetError(ValueError):
@@ -14,21 +17,26 @@ class DatasetError(ValueError):
 
 
 class Prompts:
-    """Row ``i`` of a finite dataset (repeating by epoch), or item ``i`` of an endless generator."""
+    """Row ``i`` of a finite dataset (repeating by epoch, each epoch in its own order when ``seed`` is given),
+    or item ``i`` of an endless generator. Any index maps to the same item in every process that asks."""
 
     def __init__(self, rows: list[dict[str, Any]] | None = None,
-                 generator: Callable[[], Iterator[dict[str, Any]]] | None = None):
+                 generator: Callable[[], Iterator[dict[str, Any]]] | None = None, seed: int | None = None):
         if (rows is None) == (generator is None):
             raise ValueError("Prompts needs rows or a generator")
         if rows is not None and not rows:
             raise DatasetError("the dataset has no rows")
-        self.rows, self._generator = rows, generator
+        self.rows, self._generator, self.seed = rows, generator, seed
         self._made: list[dict[str, Any]] = []
         self._source = generator() if generator else None
+        # two epochs: a claim let go near an epoch's end is served again after the next one began
+        self._order = functools.lru_cache(maxsize=2)(
+            lambda epoch: np.random.default_rng([seed % 2**64, epoch]).permutation(len(rows)))
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         if self.rows is not None:
-            return self.rows[index % len(self.rows)]
+            epoch, i = divmod(index, len(self.rows))
+            return self.rows[i if self.seed is None else int(self._order(epoch)[i])]
         if index >= len(self._made):  # the generator is deterministic: extend to the index
             self._made.extend(itertools.islice(self._source, index + 1 - len(self._made)))
         return self._made[index]

@@ -104,7 +104,8 @@ class RolloutWorker:
         if self.agent is not None and not rollout.dataset:
             raise ValueError(f"agent {rollout.env!r} has no dataset of its own: set rollout.dataset "
                              "(or a prepare.fn that writes one)")
-        self.prompts = (Prompts(rows=load_rows(rollout.dataset)) if rollout.dataset
+        self.prompts = (Prompts(rows=load_rows(rollout.dataset), seed=cfg.run.seed if rollout.shuffle else None)
+                        if rollout.dataset
                         else Prompts(generator=lambda: self.make_env().items(cfg.run.seed)))
         s = rollout.sampling
         self.params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
