@@ -200,7 +200,7 @@ def trl_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: int, ge
     given["versions"] = {name: importlib.metadata.version(name) for name in ("trl", "transformers", "torch")}
     return {"wall_s": wall, "samples": samples, "samples_per_s": samples / wall,
             "completion_tokens": sum(lengths) / len(lengths),
-            "train_reward_last5": sum(rewards[-5:]) / max(1, len(rewards[-5:])),
+            "train_reward_last5": sum(rewards[-5:]) / max(1, len(rewards[-5:])), "train_rewards": rewards,
             "held_out_final": greedy_accuracy(cfg, model, tokenizer, rows(prepared / "eval.jsonl")),
             "settings": given}
 
@@ -226,6 +226,7 @@ def streamrl_run(cfg: Config, prepared: Path, runs: Path, *, steps: int, seed: i
     return {"wall_s": wall, "samples": samples, "samples_per_s": samples / wall,
             "completion_tokens": sum(r["tokens_global"] for r in trained) / samples,
             "train_reward_last5": sum(r["reward_mean"] for r in trained[-5:]) / len(trained[-5:]),
+            "train_rewards": [r["reward_mean"] for r in trained],
             "eval_online_final": read_records(path / "metrics" / "eval.jsonl")[-1]["eval/accuracy"],
             "held_out_final": score_final(cfg, path / "export" / f"version-{trained[-1]['step']}",
                                           rows(prepared / "eval.jsonl"))}
