@@ -100,7 +100,7 @@ class Policy:
         learner = cfg.learner
         optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[learner.optimizer](
             model.parameters(), lr=learner.lr, weight_decay=learner.weight_decay)
-        warmup = cfg.learner.warmup_steps
+        warmup = learner.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg))
