@@ -356,11 +356,14 @@ def test_a_step_is_the_textbook_clipped_and_decayed_policy_gradient_step(config,
         advantages = torch.as_tensor(s.advantages[1:])
         loss = loss - (advantages * torch.exp(logp - logp.detach()) * generated).sum() / tokens
     loss.backward()
-    assert torch.nn.utils.clip_grad_norm_(plain.parameters(), cfg.learner.grad_clip) > cfg.learner.grad_clip
+    norm = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), cfg.learner.grad_clip))
+    assert norm > cfg.learner.grad_clip
     {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[optimizer](plain.parameters(), lr=cfg.learner.lr,
                                                                       weight_decay=cfg.learner.weight_decay).step()
 
-    assert policy.step([seqs[:5], seqs[5:]], tokens)["skipped"] == 0.0
+    stats = policy.step([seqs[:5], seqs[5:]], tokens)
+    assert stats["skipped"] == 0.0 and stats["grad_norm"] == pytest.approx(norm, rel=1e-4)  # before the clip
+    assert stats["entropy"] > 0  # measured without an entropy bonus in the loss
     expected = dict(plain.named_parameters())
     for name, p in policy.module.named_parameters():
         torch.testing.assert_close(p.detach(), expected[name].detach(), rtol=0, atol=1e-5)  # Adam divides near-zero gradients by their own size

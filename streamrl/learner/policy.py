@@ -9,6 +9,7 @@ the full batch's gradient however unevenly the tokens fell on the ranks.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -202,13 +203,16 @@ class Policy:
         if before_update:
             before_update()
         with timer("optimizer_s"):
-            if self._any_rank(bad or not self._grads_finite()):
+            norm = self._grad_norm()
+            if self._any_rank(bad or not math.isfinite(norm)):
                 self.model.zero_grad()
                 self.model.optimizer.zero_grad()
                 stats["skipped"] = 1.0
             else:
                 self.model.step()
                 stats["skipped"] = 0.0
+                # ZeRO's optimizers hold the partitioned gradients and measure their global norm themselves
+                stats["grad_norm"] = float(self.model.get_global_grad_norm() or norm)
         stats.update(timer.totals)
         n = max(stats["tokens"], 1.0)
         stats["clip_frac"] /= n
@@ -226,16 +230,16 @@ class Policy:
     def _loss(self, batch: dict[str, torch.Tensor], stats: dict) -> torch.Tensor:
         """Summed loss of one micro-batch: clipped policy term, minus entropy bonus, plus KL to the reference."""
         logits = self._logits(batch)
-        logp, entropy = packing.token_logprobs(logits, batch, self.temperature, entropy=self.cfg.learner.entropy_coef > 0)
+        logp, entropy = packing.token_logprobs(logits, batch, self.temperature, entropy=True)  # ~3 FLOPs a logit
         prox = batch.get("proximal")
         if prox is None and self.cfg.off_policy.correction != "none":  # the first minibatch: see score_proximal
             prox = batch["proximal"] = logp.detach()  # kept on the batch for later epochs
         mask = batch["mask"]
         per_token, s = self.loss(logp, batch["logprobs"], prox, batch["advantages"], mask)
         add_mismatch(stats, prox if prox is not None else logp.detach(), batch)
-        if entropy is not None:
+        if self.cfg.learner.entropy_coef > 0:
             per_token = per_token - self.cfg.learner.entropy_coef * entropy * mask
-            stats["entropy"] += float((entropy * mask).sum().detach())
+        stats["entropy"] += float((entropy * mask).sum().detach())
         if self.reference is not None:
             k = kl(logp, self.reference.logprobs(batch), self.cfg.learner.kl_estimator)
             per_token = per_token + self.cfg.learner.kl_coef * k * mask
@@ -310,9 +314,11 @@ class Policy:
     def _empty_loss(self) -> torch.Tensor:
         return empty_micro_batch_loss(self.model, self.cfg.learner.zero_stage)
 
-    def _grads_finite(self) -> bool:
+    def _grad_norm(self) -> float:
+        """The norm of the gradients this rank holds, before clipping (non-finite if any is): without ZeRO the
+        whole averaged gradient, so the global norm."""
         grads = [p.grad for p in self.model.module.parameters() if p.grad is not None]
-        return not grads or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))  # one pass, no [P] bool copy
+        return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0  # one pass, no [P] bool copy
 
     def _any_rank(self, flag: bool) -> bool:
         import torch.distributed as dist
