@@ -2,11 +2,12 @@
 (``configs/smollm2.yaml``), on the same machine.
 
 Both sides get the same model, training prompts (each side reads them in an order drawn from its seed), group
-size (``n``), groups per step, max new tokens, temperature (1.0, no top-p/top-k), learning rate (constant, AdamW,
-no weight decay), no KL term, and number of samples (steps × groups × n). Prompts and rewards come from the config's env on both sides: TRL's prompts are the
-env's first observation of each row, and its reward function plays the env's ``step`` on each completion.
-Loss: token-level, normalised by the batch's token count on both sides (TRL ``loss_type="dapo"``);
-advantages r - mean (TRL ``scale_rewards="none"``) against streamrl's RLOO, the same times n/(n-1).
+size (``n``), groups per step, max new tokens, temperature (1.0, no top-p/top-k), learning rate (constant,
+AdamW, no weight decay), no KL term, and number of samples (steps × groups × n). Prompts and rewards come from
+the config's env on both sides: TRL's prompts are the env's first observation of each row, and its reward
+function plays the env's ``step`` on each completion. Loss: token-level, normalised by the batch's token count
+on both sides (TRL ``loss_type="dapo"``); advantages r - mean (TRL ``scale_rewards="none"``) against
+streamrl's RLOO, the same times n/(n-1).
 
 TRL runs one process on every core; its generation backend is chosen with ``--trl-generation``: ``hf``
 (``model.generate``, its default), ``paged`` (transformers' continuous batching) or ``vllm`` (vLLM colocated
