@@ -21,13 +21,13 @@ def test_smollm2_trains_a_few_steps_through_every_part(tmp_path):
             f"router.port={free_port()}", f"router.prometheus_port={free_port()}", f"server.base_port={free_port()}",
             "learner.groups_per_step=2", "learner.max_steps=3", "learner.export_every=3", "eval.every=3",
             "eval.size=8", "rollout.sampling.n=4", "rollout.sampling.max_new_tokens=8", "rollout.concurrency=8",
-            "supervise.display=plain"]
+            "learner.drop_no_signal=true", "supervise.display=plain"]  # every step trains on groups with signal
     out = subprocess.run(argv, capture_output=True, text=True, timeout=900, env={**os.environ, "COLUMNS": "200"})
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
 
     steps = [r for r in read_records(run_path / "metrics" / "learner.jsonl") if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
-    assert all(r["updates"] == 1 and not r["skipped"] and r["tokens_global"] > 0 for r in steps)
+    assert all(r["updates"] == 1 and not r["skipped"] and r["tokens_global"] > 0 and r["grad_norm"] > 0 for r in steps)
     assert all(r["push_s"] > 0 for r in steps[1:])  # every version after the first reached the server
     evals = read_records(run_path / "metrics" / "eval.jsonl")
     assert [e["step"] for e in evals] == [0, 3] and evals[-1]["eval/version_min"] == 3
