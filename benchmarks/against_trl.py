@@ -156,7 +156,8 @@ def trl_args(cfg: Config, out: Path, steps: int, seed: int, generation: str, pre
     return GRPOConfig(output_dir=str(out), per_device_train_batch_size=cfg.learner.groups_per_step * s.n,
                       num_generations=s.n, max_completion_length=s.max_new_tokens, temperature=s.temperature,
                       top_p=1.0, learning_rate=cfg.learner.lr, weight_decay=cfg.learner.weight_decay,
-                      lr_scheduler_type="constant", warmup_steps=0, max_steps=steps, beta=0.0, scale_rewards="none", loss_type="dapo", use_cpu=True, report_to=[],
+                      lr_scheduler_type="constant", warmup_steps=0, max_steps=steps, beta=0.0, scale_rewards="none",
+                      loss_type="dapo", use_cpu=True, report_to=[],
                       logging_steps=1, save_strategy="no", seed=seed, disable_tqdm=True, bf16=precision == "bf16",
                       **backend[generation])
 

@@ -26,7 +26,7 @@ class Prompts:
             raise ValueError("Prompts needs rows or a generator")
         if rows is not None and not rows:
             raise DatasetError("the dataset has no rows")
-        self.rows, self._generator, self.seed = rows, generator, seed
+        self.rows, self.seed = rows, seed
         self._made: list[dict[str, Any]] = []
         self._source = generator() if generator else None
         # two epochs: a claim let go near an epoch's end is served again after the next one began
