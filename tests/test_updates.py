@@ -339,7 +339,7 @@ def test_a_step_is_the_textbook_clipped_and_decayed_policy_gradient_step(config,
     cfg = load_config(None, [f"model.path={tiny_model_dir}", f"learner.optimizer={optimizer}", "learner.lr=0.01",
                              "learner.weight_decay=0.5", "learner.grad_clip=0.05"])
     policy = Policy(cfg, tiny_model_dir)
-    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).to(policy.device)
     groups = [synthetic_group(4, 20 + 4 * g, prompt_len=6, vocab=200, rng=np.random.default_rng(g), prompt_id=f"p{g}")
               for g in range(2)]
     for group in groups:
@@ -349,11 +349,11 @@ def test_a_step_is_the_textbook_clipped_and_decayed_policy_gradient_step(config,
     tokens = int(sum(s.mask.sum() for s in seqs))
     loss = 0.0
     for s in seqs:  # the behaviour logprobs are the policy's own: on-policy, the importance weight is one
-        ids = torch.as_tensor(s.tokens.astype("int64"))[None]
+        ids = torch.as_tensor(s.tokens.astype("int64"), device=policy.device)[None]
         logp = torch.log_softmax(plain(input_ids=ids).logits[0, :-1].float(), -1).gather(1, ids[0, 1:, None])[:, 0]
-        s.logprobs = np.r_[0.0, logp.detach().numpy()].astype(np.float32) * s.mask
-        generated = torch.as_tensor(s.mask[1:], dtype=torch.float32)
-        advantages = torch.as_tensor(s.advantages[1:])
+        s.logprobs = np.r_[0.0, logp.detach().cpu().numpy()].astype(np.float32) * s.mask
+        generated = torch.as_tensor(s.mask[1:], dtype=torch.float32, device=policy.device)
+        advantages = torch.as_tensor(s.advantages[1:], device=policy.device)
         loss = loss - (advantages * torch.exp(logp - logp.detach()) * generated).sum() / tokens
     loss.backward()
     norm = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), cfg.learner.grad_clip))
