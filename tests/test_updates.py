@@ -365,5 +365,8 @@ def test_a_step_is_the_textbook_clipped_and_decayed_policy_gradient_step(config,
     assert stats["skipped"] == 0.0 and stats["grad_norm"] == pytest.approx(norm, rel=1e-4)  # before the clip
     assert stats["entropy"] > 0  # measured without an entropy bonus in the loss
     expected = dict(plain.named_parameters())
+    # Adam divides each gradient by its own size: an element whose gradient is near zero moves by up to the
+    # learning rate on a rounding difference (1.6e-5 on an H100); the decay missing would move some by 4e-4
+    tolerance = {"sgd": 1e-6, "adamw": 1e-4}[optimizer]
     for name, p in policy.module.named_parameters():
-        torch.testing.assert_close(p.detach(), expected[name].detach(), rtol=0, atol=1e-5)  # Adam divides near-zero gradients by their own size
+        torch.testing.assert_close(p.detach(), expected[name].detach(), rtol=0, atol=tolerance)
