@@ -27,7 +27,8 @@ learner.mixed_precision=true``, its servers serving bf16 copies; TRL ``bf16=True
 (streamrl without ``mixed_precision``) learned less in 20 steps: lr 1e-5 moves a weight by less than its bf16
 rounding step. Which precision is TRL's best depends on the CPU: on an Intel core with AMX its fp32 ran 20
 steps in 581 s against 784 s in bf16 (seed 0); on an AMD EPYC core with AVX512-BF16 its ``model.generate``
-runs 170 tokens/s under bf16 autocast against 135 in fp32. Both final models are scored in fp32.
+runs 170 tokens/s under bf16 autocast against 135 in fp32. Both final models are saved, loaded back and scored
+in fp32.
 
 Clocks: TRL's from the start of its training loop to its end; streamrl's from its rollout worker's opening
 report (every part started, the version-0 eval done) to the learner's last step. The final weights of both
@@ -142,7 +143,8 @@ def score_final(cfg: Config, model_dir: Path, held_out: list[dict]) -> float:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # in fp32 whatever was trained: TRL's model is scored as it stands, in its fp32 master weights
+    # in fp32 whatever was trained, from the saved weights: both sides load the same way (TRL's model in memory
+    # would run under the bf16 autocast accelerate wraps around its forward for training)
     return greedy_accuracy(cfg, AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
                            AutoTokenizer.from_pretrained(model_dir), held_out)
 
@@ -191,6 +193,7 @@ def trl_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: int, ge
                           processing_class=tokenizer, callbacks=[Clock()])
     trainer.remove_callback(PrinterCallback)  # a dict per step on stdout would bury the benchmark's own log
     trainer.train()
+    trainer.save_model(str(out / "final"))  # its fp32 weights and tokenizer, scored as streamrl's export is
     wall = clock["end"] - clock["start"]
     samples = steps * args.per_device_train_batch_size
     rewards = [r["reward"] for r in trainer.state.log_history if "reward" in r]
@@ -203,8 +206,7 @@ def trl_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: int, ge
     return {"wall_s": wall, "samples": samples, "samples_per_s": samples / wall,
             "completion_tokens": sum(lengths) / len(lengths),
             "train_reward_last5": sum(rewards[-5:]) / max(1, len(rewards[-5:])), "train_rewards": rewards,
-            "held_out_final": greedy_accuracy(cfg, model, tokenizer, rows(prepared / "eval.jsonl")),
-            "settings": given}
+            "held_out_final": score_final(cfg, out / "final", rows(prepared / "eval.jsonl")), "settings": given}
 
 
 def streamrl_run(cfg: Config, prepared: Path, runs: Path, *, steps: int, seed: int, precision: str,

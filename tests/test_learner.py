@@ -88,6 +88,7 @@ def test_two_rank_learner_trains_from_the_replay_stream(redis_server, tiny_model
     AutoTokenizer.from_pretrained(export / "version-3")
     original = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert any(not torch.equal(a, b) for a, b in zip(exported.parameters(), original.parameters()))
+    assert exported.config.use_cache and original.config.use_cache  # served as given: generation keeps its cache
 
 
 @pytest.mark.slow

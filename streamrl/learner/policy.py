@@ -96,7 +96,6 @@ class Policy:
         self.mixed = cfg.learner.mixed_precision
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=weights_dtype(cfg),
                                                      attn_implementation=packing.attention())
-        model.config.use_cache = False
         # torch's optimizers: nothing to compile, the same on CPU and GPU
         learner = cfg.learner
         optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[learner.optimizer](
