@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 
 from streamrl.envs.arithmetic import Arithmetic
@@ -110,6 +112,14 @@ class Flaky(Arithmetic):
         Flaky.resets += 1
         if Flaky.resets % 3 == 0:
             raise RuntimeError("flaky env failed on purpose")
+        return await super().reset(item)
+
+
+class Slow(Arithmetic):
+    """Arithmetic whose every episode takes at least two seconds: for tests of leases."""
+
+    async def reset(self, item):
+        await asyncio.sleep(2.0)
         return await super().reset(item)
 
 

@@ -59,6 +59,19 @@ def test_a_dead_workers_lease_expires(ns):
     assert admission.counters()["expired"] == 1
 
 
+def test_a_renewed_lease_outlives_its_first_deadline_and_an_expired_one_stays_expired(ns):
+    admission = Admission(ns, max_staleness=0, groups_per_step=2, lease_s=0.4)
+    assert admission.try_admit("slow") and admission.try_admit("gone")
+    time.sleep(0.25)
+    assert admission.renew(["slow"]) == 1
+    time.sleep(0.25)  # past the first deadline of both
+    assert admission.try_admit("new")  # "gone" expired and gave its slot ...
+    assert not admission.try_admit("newer")  # ... "slow" still holds its own
+    assert admission.counters()["expired"] == 1
+    time.sleep(0.5)
+    assert admission.renew(["slow", "never-admitted"]) == 0  # a lapsed lease is not revived
+
+
 def test_dropped_stale_counter(ns):
     admission = Admission(ns, max_staleness=0, groups_per_step=1)
     admission.count_dropped_stale(3)

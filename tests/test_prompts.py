@@ -31,3 +31,15 @@ def test_an_expired_claim_goes_to_another_worker(ns):
     assert other.claim() == 1
     time.sleep(0.3)
     assert other.claim() == 0
+
+
+def test_a_renewed_claim_is_not_taken_over_and_a_worker_renews_only_its_own(ns):
+    runner = PromptClaims(ns, "w0", lease_s=0.4, life="1")
+    other = PromptClaims(ns, "w1", lease_s=0.4, life="1")
+    assert runner.claim() == 0 and other.claim() == 1
+    time.sleep(0.25)
+    assert runner.renew([0, 1]) == 1  # w1's claim is not w0's to keep
+    assert PromptClaims(ns, "w0", life="2").renew([0]) == 0  # nor an earlier life's
+    time.sleep(0.25)
+    assert other.claim() == 1  # its own claim lapsed; w0's renewed one is not free
+    assert other.claim() == 2

@@ -84,6 +84,19 @@ def test_a_killed_worker_restarts_without_losing_or_repeating_a_prompt(fleet):
     assert sorted(prompts) == list(range(12))  # ... and none skipped
 
 
+def test_a_group_slower_than_its_lease_keeps_its_slot_and_its_prompt(fleet):
+    # Episodes take 2 s and leases last 0.9 s: only renewal keeps the bound at 4 groups.
+    proc = _worker(fleet, "rollout.env=streamrl.testing:Slow", "off_policy.max_staleness=0",
+                   "learner.groups_per_step=4", "rollout.group_lease_s=0.9", "rollout.prompt_lease_s=0.9")
+    admission = Admission(fleet.ns, max_staleness=0, groups_per_step=4)
+    _until(lambda: admission.counters()["accepted"] >= 4)
+    time.sleep(3)  # a second wave would have started and landed by now
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    assert admission.counters()["expired"] == 0
+    assert sorted(int(g.prompt_id) for g in _groups(fleet)) == [0, 1, 2, 3]
+
+
 def test_admission_holds_the_bound_while_the_version_stands_still(fleet):
     proc = _worker(fleet, "off_policy.max_staleness=1", "learner.groups_per_step=3")
     admission = Admission(fleet.ns, max_staleness=1, groups_per_step=3)

@@ -9,7 +9,8 @@ into the replay stream (less those the learner dropped as stale or, with dynamic
 as carrying no signal: they will never be trained, so they must not hold slots, or a burst
 of such data would stall the run)
 and ``running`` counts groups admitted but not yet put.
-Running groups hold a lease that expires, so a worker that dies mid-group does
+Running groups hold a lease that their worker renews while it runs them, so a
+group slower than the lease keeps its slot, and a worker that dies mid-group does
 not hold its slot forever. Check-and-admit is one Lua script: no two workers can
 take the last slot.
 """
@@ -47,6 +48,21 @@ end
 return 0
 """
 
+# Extend the leases still held; one already past its deadline is left to expire.
+_RENEW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local renewed = 0
+for i = 2, #ARGV do
+  local deadline = redis.call('ZSCORE', KEYS[1], ARGV[i])
+  if deadline and tonumber(deadline) > now then
+    redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), ARGV[i])
+    renewed = renewed + 1
+  end
+end
+return renewed
+"""
+
 COUNTERS = ("admitted", "accepted", "abandoned", "expired", "dropped_stale", "dropped_no_signal", "dead")
 
 
@@ -61,12 +77,20 @@ class Admission:
         self._keys = [ns.key("inflight"), ns.key("counters"), ns.key("version")]
         self._admit = ns.conn.register_script(_ADMIT)
         self._release = ns.conn.register_script(_RELEASE)
+        self._renew = ns.conn.register_script(_RENEW)
 
     def try_admit(self, group_id: str) -> bool:
         """Take a slot for ``group_id`` (or renew its lease). False when the bound is reached."""
         args = [group_id, self.lease_ms, self.max_staleness, self.groups_per_step]
         with self.ns.reachable(f"admit group {group_id}"):
             return bool(self._admit(keys=self._keys, args=args))
+
+    def renew(self, group_ids: list[str]) -> int:
+        """Extend the leases of groups still running; returns how many were still held."""
+        if not group_ids:
+            return 0
+        with self.ns.reachable(f"renew {len(group_ids)} group leases"):
+            return int(self._renew(keys=self._keys[:1], args=[self.lease_ms, *group_ids]))
 
     def abandon(self, group_id: str, reason: str = "failed") -> bool:
         """Give back the slot of a group that will never be put, counted under ``abandoned:<reason>``."""

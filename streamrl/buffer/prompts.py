@@ -1,7 +1,7 @@
 """Sharding prompts among rollout workers: each dataset index is claimed once, and finished once.
 
 Workers take global indices from one counter (index ``i`` is dataset row ``i mod N``
-of epoch ``i // N``). A claim holds a lease; putting the prompt's group into the
+of epoch ``i // N``). A claim holds a lease, renewed while its prompt runs; putting the prompt's group into the
 replay stream releases it in the same atomic step (see ``ReplayStream.put``), so a
 worker that dies mid-prompt leaves an expired claim that the next worker takes
 over — nothing lost, nothing done twice. A restarted worker takes back its own
@@ -35,6 +35,22 @@ redis.call('HSET', KEYS[4], index, ARGV[3])
 return index
 """
 
+# Extend this life's claims still held (an expired one may already be another worker's).
+_RENEW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local renewed = 0
+for i = 4, #ARGV do
+  local deadline = redis.call('ZSCORE', KEYS[1], ARGV[i])
+  if deadline and tonumber(deadline) > now and redis.call('HGET', KEYS[2], ARGV[i]) == ARGV[1]
+      and redis.call('HGET', KEYS[3], ARGV[i]) == ARGV[2] then
+    redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[i])
+    renewed = renewed + 1
+  end
+end
+return renewed
+"""
+
 
 class PromptClaims:
     def __init__(self, ns: Namespace, worker: str, *, lease_s: float = 600.0, life: str = ""):
@@ -44,11 +60,20 @@ class PromptClaims:
         self.keys = [ns.key("prompts:leases"), ns.key("prompts:owner"), ns.key("prompts:next"),
                      ns.key("prompts:life")]
         self._claim = ns.conn.register_script(_CLAIM)
+        self._renew = ns.conn.register_script(_RENEW)
 
     def claim(self) -> int:
         """The next prompt index this worker should run."""
         with self.ns.reachable("claim a prompt"):
             return int(self._claim(keys=self.keys, args=[self.worker, self.lease_ms, self.life]))
+
+    def renew(self, indices: list[int]) -> int:
+        """Extend the leases of prompts this life still runs; returns how many were still held."""
+        if not indices:
+            return 0
+        with self.ns.reachable(f"renew {len(indices)} prompt claims"):
+            return int(self._renew(keys=[self.keys[0], self.keys[1], self.keys[3]],
+                                   args=[self.worker, self.life, self.lease_ms, *indices]))
 
     def release(self, index: int) -> None:
         """Finish a prompt that produced no group (so it is not retried)."""

@@ -123,6 +123,8 @@ class RolloutWorker:
         groups_in_flight = asyncio.Semaphore(max_groups_in_flight(rollout))
         tasks: set[asyncio.Task] = set()
         reporter = asyncio.create_task(self._report_every(rollout.metrics_every_s))
+        self.running: dict[str, int] = {}  # group id -> its prompt index, while the group runs
+        keeper = asyncio.create_task(self._keep_leases(min(rollout.group_lease_s, rollout.prompt_lease_s) / 3))
         # a request may take the router its whole timeout, then the client hears why
         async with GenerateClient(self.router_url, timeout_s=self.cfg.router.request_timeout_s + 10) as client:
             self.coalescer = Coalescer(client.generate_n, rollout.coalesce_ms / 1000)
@@ -136,7 +138,9 @@ class RolloutWorker:
                     groups_in_flight.release()
                     break
                 index = await asyncio.to_thread(self.claims.claim)
+                self.running[group_id] = index
                 task = asyncio.create_task(self._group(group_id, index))
+                task.add_done_callback(lambda t, g=group_id: self.running.pop(g))
                 task.add_done_callback(lambda t: groups_in_flight.release())
                 task.add_done_callback(_log_crash)
                 tasks.add(task)
@@ -147,6 +151,7 @@ class RolloutWorker:
         if self.agent is not None:
             await self.agent.close()
         reporter.cancel()
+        keeper.cancel()
         self.metrics.write(self.admission.counters())
         self.version_watch.close()
 
@@ -223,6 +228,18 @@ class RolloutWorker:
                         siblings: int = 1) -> Completion:
         async with self.generation_gate:
             return await self.coalescer.generate(input_ids, params, priority, siblings)
+
+    async def _keep_leases(self, every_s: float) -> None:
+        """Renew the slot and the prompt claim of every running group: a group slower than its lease
+        would otherwise lose both, and another would take its slot or redo its prompt."""
+        while True:
+            await asyncio.sleep(every_s)
+            running = dict(self.running)
+            try:
+                await asyncio.to_thread(self.admission.renew, list(running))
+                await asyncio.to_thread(self.claims.renew, list(running.values()))
+            except BufferUnavailable as e:  # the leases may lapse; the put's ledger counts such a group late
+                log.warning("could not renew leases: %s", e)
 
     async def _report_every(self, seconds: float) -> None:
         while True:
