@@ -1,10 +1,10 @@
 """Sharding prompts among rollout workers: each dataset index is claimed once, and finished once.
 
 Workers take global indices from one counter (index ``i`` is dataset row ``i mod N``
-of epoch ``i // N``). A claim holds a lease, renewed while its prompt runs; putting the prompt's group into the
-replay stream releases it in the same atomic step (see ``ReplayStream.put``), so a
-worker that dies mid-prompt leaves an expired claim that the next worker takes
-over — nothing lost, nothing done twice. A restarted worker takes back its own
+of epoch ``i // N``). A claim holds a lease, renewed while its prompt runs; putting
+the prompt's group into the replay stream releases it in the same atomic step (see
+``ReplayStream.put``), so a worker that dies mid-prompt leaves an expired claim that
+the next worker takes over — nothing lost, nothing done twice. A restarted worker takes back its own
 claims at once, without waiting for the lease.
 """
 
