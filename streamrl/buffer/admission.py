@@ -17,11 +17,9 @@ take the last slot.
 
 from __future__ import annotations
 
-from streamrl.buffer.connection import Namespace
+from streamrl.buffer.connection import LUA_NOW, Namespace
 
-_ADMIT = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+_ADMIT = LUA_NOW + """
 local expired = redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 if expired > 0 then redis.call('HINCRBY', KEYS[2], 'expired', expired) end
 if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
@@ -49,9 +47,7 @@ return 0
 """
 
 # Extend the leases still held; one already past its deadline is left to expire.
-_RENEW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+_RENEW = LUA_NOW + """
 local renewed = 0
 for i = 2, #ARGV do
   local deadline = redis.call('ZSCORE', KEYS[1], ARGV[i])

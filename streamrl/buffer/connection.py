@@ -64,3 +64,10 @@ class Namespace:
             yield
         except (redis.ConnectionError, redis.TimeoutError) as e:
             raise BufferUnavailable(f"Redis at {self.url} unreachable while trying to {action}: {e}") from e
+
+
+# The opening of a Lua script that needs the time: ``now``, Redis's clock in ms (one clock for every worker).
+LUA_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""

@@ -10,12 +10,10 @@ claims at once, without waiting for the lease.
 
 from __future__ import annotations
 
-from streamrl.buffer.connection import Namespace
+from streamrl.buffer.connection import LUA_NOW, Namespace
 
 # Take a released or expired claim first (oldest first), else a fresh index.
-_CLAIM = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+_CLAIM = LUA_NOW + """
 local index
 local mine = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '+inf')
 for _, i in ipairs(mine) do
@@ -36,9 +34,7 @@ return index
 """
 
 # Extend this life's claims still held (an expired one may already be another worker's).
-_RENEW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+_RENEW = LUA_NOW + """
 local renewed = 0
 for i = 4, #ARGV do
   local deadline = redis.call('ZSCORE', KEYS[1], ARGV[i])
