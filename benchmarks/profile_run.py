@@ -95,7 +95,7 @@ def main() -> None:
     args = parser.parse_args()
     console.log(f"profiling every part of {args.run} for {args.seconds} s")
     cfg = load_config(args.run / "config.yaml")
-    urls = [f"http://{cfg.server.host}:{cfg.server.base_port + i}" for i in range(cfg.server.count)]
+    urls = [f"http://{cfg.server.host or '127.0.0.1'}:{cfg.server.base_port + i}" for i in range(cfg.server.count)]
     before = [server_counters(u) for u in urls]
     raw = record(args.run, args.seconds, args.rate)
     servers = generation(urls, before, [server_counters(u) for u in urls])

@@ -126,17 +126,19 @@ def launch_router(
     """Start sglang-router and keep its worker set in step with the server registry."""
     import threading
 
-    from streamrl.buffer import Namespace, ServerRegistry
+    from streamrl.buffer import Namespace, RouterAddress, ServerRegistry
+    from streamrl.node import node_address
     from streamrl.rollout.router import Router, follow_registry
 
     cfg = _load(config, overrides)
     cfg.run.path.mkdir(parents=True, exist_ok=True)
-    router = Router(host=cfg.router.host, port=cfg.router.port, policy=cfg.router.policy,
+    router = Router(host=node_address(cfg.router.host), port=cfg.router.port, policy=cfg.router.policy,
                     prometheus_port=cfg.router.prometheus_port, request_timeout_s=cfg.router.request_timeout_s,
                     health_check_interval_s=cfg.router.health_check_interval_s,
                     log_path=cfg.run.path / "router.log")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    address = None
     try:
         router.start()
         err.print(f"sglang-router ready on {router.url} (log: {router.log_path})", soft_wrap=True)
@@ -144,7 +146,9 @@ def launch_router(
         if cfg.redis.url:
             ns = Namespace.open(cfg.redis.url, cfg.run.name, **cfg.redis.retry())
             registry = ServerRegistry(ns, ttl_s=cfg.server.registry_ttl_s)
-            follow_registry(router, registry, every_s=cfg.router.sync_every_s, stop=stop, static=static)
+            address = RouterAddress(ns, ttl_s=cfg.server.registry_ttl_s)
+            follow_registry(router, registry, every_s=cfg.router.sync_every_s, stop=stop, static=static,
+                            address=address)
         else:
             err.print("redis.url is not set: routing only to --worker URLs", soft_wrap=True)
             router.sync(set(static))
@@ -156,6 +160,8 @@ def launch_router(
         err.print(f"[red]streamrl launch-router:[/] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(1) from None
     finally:
+        if address is not None:
+            address.withdraw(router.url)
         router.stop()
 
 
@@ -214,7 +220,7 @@ def redis(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
     if cfg.redis.url:
         err.print(f"redis.url is set ({redacted(cfg.redis.url)}): that server is used; nothing to start.")
         raise typer.Exit(2)
-    server = EmbeddedRedis(cfg.run.path / "redis", host=cfg.redis.host, port=cfg.redis.port,
+    server = EmbeddedRedis(cfg.run.path / "redis", host=cfg.redis.host or "127.0.0.1", port=cfg.redis.port,
                            password=cfg.redis.password, appendfsync=cfg.redis.appendfsync)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     server.start()
@@ -240,6 +246,24 @@ def doctor(run: Annotated[Path, typer.Argument(help="The run directory (RUN/conf
         raise typer.Exit(2) from None
     show(report, Console())
     raise typer.Exit(0 if report.balanced else 1)
+
+
+@app.command()
+def scale(
+    run: Annotated[Path, typer.Argument(help="The run directory (RUN/config.yaml) of a run `streamrl up` is running.")],
+    counts: Annotated[list[str], typer.Argument(help="servers=N and/or workers=N: how many the run should have.")],
+) -> None:
+    """Add rollout servers and workers to a running run; they join as late joiners (newest weights, the registry)."""
+    from streamrl.launch import scale as scaling
+
+    try:
+        wanted = scaling.parse(counts)
+        cfg = scaling.request(run, wanted)
+    except (ValueError, FileNotFoundError, ConnectionError, ConfigError) as e:
+        err.print(f"[red]streamrl scale:[/] {escape(str(e))}", soft_wrap=True)
+        raise typer.Exit(2) from None
+    err.print(f"asked run {cfg.run.name} for {', '.join(f'{k}={v}' for k, v in wanted.items())}; `streamrl up` "
+              "starts them (its display shows them)", soft_wrap=True)
 
 
 @app.command()

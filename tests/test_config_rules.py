@@ -52,9 +52,9 @@ REFUSED = [
     (["learner.ptx_coef=0.5"], "ptx_coef needs learner.ptx_dataset", "sft_mix_is_whole"),
     (["learner.deepspeed_config=ds.json", "learner.grad_clip=0.5"], "set gradient_clipping in that JSON",
      "deepspeed_json_is_used_as_is"),
-    (["ray.cpus_per_server=2"], "ray.cpus_per_server applies to launcher=ray", "launcher_settings_need_their_launcher"),
-    (["launcher=ray", "ray.strategy=SPREAD"], "cannot reach server.host=127.0.0.1",
-     "launcher_settings_need_their_launcher"),
+    (["ray.server.cpus=2"], "ray.server applies to launcher=ray", "launcher_settings_need_their_launcher"),
+    (["launcher=ray", "ray.address=10.0.0.1:6379", "server.host=127.0.0.1"],
+     "server.host=127.0.0.1: parts that Ray places on other nodes cannot reach", "launcher_settings_need_their_launcher"),
     (["prepare.args={a: 1}"], "prepare.args are the arguments of prepare.fn", "launcher_settings_need_their_launcher"),
 ]
 
@@ -82,7 +82,8 @@ def test_every_rule_has_a_refusal_here_and_all_problems_come_at_once():
     ["learner.credit=turn", "learner.turn_lam=0"],
     ["learner.kl_coef=0.1", "learner.kl_estimator=k1", "learner.kl_in_reward=true"],
     ["learner.ptx_dataset=sft.jsonl", "learner.ptx_coef=0.5"],
-    ["launcher=ray", "ray.cpus_per_server=2", "ray.strategy=STRICT_PACK"],
+    ["launcher=ray", "ray.server.cpus=2", "ray.server.strategy=STRICT_SPREAD", "ray.learner.labels={gpu: a100}"],
+    ["launcher=ray", "server.host=127.0.0.1"],  # a local cluster is one node: loopback reaches every part
     ["server.engine=sglang", "server.count=0"],
     ["server.engine=vllm", "weight_sync.backend=nccl"],
     ["rollout.sampling.n=1", "learner.algorithm=ppo", "rollout.min_group=1"],

@@ -8,7 +8,7 @@ from streamrl.buffer.connection import BufferUnavailable, Namespace, connect
 from streamrl.buffer.ledger import Ledger, LedgerReport
 from streamrl.buffer.prompts import PromptClaims
 from streamrl.buffer.redis_server import EmbeddedRedis
-from streamrl.buffer.registry import ServerInfo, ServerRegistry
+from streamrl.buffer.registry import RouterAddress, ServerInfo, ServerRegistry
 from streamrl.buffer.stream import Entry, ReplayStream, StreamReader
 from streamrl.buffer.version import PolicyVersion
 
@@ -23,6 +23,7 @@ __all__ = [
     "PolicyVersion",
     "PromptClaims",
     "ReplayStream",
+    "RouterAddress",
     "ServerInfo",
     "ServerRegistry",
     "StreamReader",

@@ -1,8 +1,10 @@
-"""Registry of rollout servers: each announces itself and heartbeats; silence means gone.
+"""Registry of rollout servers and the router: each announces itself and heartbeats; silence means gone.
 
 One key per server (``srl:{run}:server:{url}``) with a TTL that every heartbeat
 renews, so Redis itself expires a server that stopped beating. The router
-launcher and the learner's weight push read the live set from here.
+launcher and the learner's weight push read the live set from here. The router
+announces its own URL the same way (``srl:{run}:router``): under Ray it binds the
+address of whichever node it landed on, which no config names.
 """
 
 from __future__ import annotations
@@ -51,3 +53,25 @@ class ServerRegistry:
                 continue
             servers.append(ServerInfo(**msgpack.unpackb(value)))
         return servers
+
+
+class RouterAddress:
+    """The router's URL, as the router announced it; ``None`` until it does (or after it went silent)."""
+
+    def __init__(self, ns: Namespace, *, ttl_s: float = 10.0):
+        self.ns, self.ttl_ms, self.key = ns, int(ttl_s * 1000), ns.key("router")
+
+    def announce(self, url: str) -> None:
+        with self.ns.reachable("announce the router"):
+            self.ns.conn.set(self.key, url, px=self.ttl_ms)
+
+    def withdraw(self, url: str) -> None:
+        """Forget ``url`` unless a newer router has announced itself since."""
+        with self.ns.reachable("withdraw the router"):
+            if self.ns.conn.get(self.key) == url.encode():
+                self.ns.conn.delete(self.key)
+
+    def get(self) -> str | None:
+        with self.ns.reachable("look up the router"):
+            url = self.ns.conn.get(self.key)
+        return url.decode() if url is not None else None

@@ -218,17 +218,19 @@ def deepspeed_json_is_used_as_is(cfg: Config) -> Iterator[str]:
 
 @rule
 def launcher_settings_need_their_launcher(cfg: Config) -> Iterator[str]:
-    """`ray.*` without `launcher: ray`; `ray.strategy` SPREAD or STRICT_SPREAD (parts on several nodes) while
-    servers or the learner are reached at a loopback address; `prepare.args` without `prepare.fn`."""
+    """`ray.*` without `launcher: ray`; under Ray on a cluster (`ray.address`), an address pinned to loopback
+    (parts on other nodes cannot reach it: leave it empty and each part announces its node's address);
+    `prepare.args` without `prepare.fn`."""
     if cfg.launcher != "ray":
         for name in _changed(cfg.ray, *type(cfg.ray).model_fields):
             yield f"ray.{name} applies to launcher=ray (or `streamrl up CONFIG --ray ADDRESS`)"
-    elif cfg.ray.strategy in ("SPREAD", "STRICT_SPREAD"):
-        local = [f"{name}={host}" for name, host in (("server.host", cfg.server.host), ("router.host", cfg.router.host),
-                                                    ("weight_sync.master_address", cfg.weight_sync.master_address))
-                 if host in ("127.0.0.1", "localhost", "0.0.0.0")]
-        if local:
-            yield (f"ray.strategy: {cfg.ray.strategy} puts parts on several nodes, which cannot reach "
-                   f"{', '.join(local)}; use PACK or STRICT_PACK (one node), or start the parts on each machine")
+    elif cfg.ray.address is not None:
+        pinned = [f"{name}={host}" for name, host in (("redis.host", cfg.redis.host), ("server.host", cfg.server.host),
+                                                     ("router.host", cfg.router.host),
+                                                     ("weight_sync.master_address", cfg.weight_sync.master_address))
+                  if host in ("127.0.0.1", "localhost", "0.0.0.0", "::1")]
+        if pinned:
+            yield (f"{', '.join(pinned)}: parts that Ray places on other nodes cannot reach a loopback or wildcard "
+                   "address; leave it empty, and each part binds and announces the address of the node it lands on")
     if cfg.prepare.args and not cfg.prepare.fn:
         yield "prepare.args are the arguments of prepare.fn, which is not set"

@@ -35,7 +35,8 @@ class RedisConfig(Section):
 
     url: str | None = Field(None, description="redis://, rediss:// or unix:// URL; empty starts an embedded "
                                "redis-server")
-    host: str = Field("127.0.0.1", description="bind address of the embedded server")
+    host: str | None = Field(None, description="bind address of the embedded server; empty: `streamrl up`'s node as "
+                             "Ray names it under launcher=ray, else 127.0.0.1")
     port: int = Field(0, ge=0, le=65535, description="port of the embedded server; 0 picks a free one")
     password: str | None = Field(None, description="embedded server: password it requires (then in its URL)")
     appendfsync: Literal["always", "everysec", "no"] = Field(
@@ -74,7 +75,8 @@ class ModelConfig(Section):
 class RouterConfig(Section):
     """The sglang-router in front of the rollout servers."""
 
-    host: str = Field("127.0.0.1", description="address the router binds, and rollout workers reach it at")
+    host: str | None = Field(None, description="address the router binds, and rollout workers reach it at; empty: "
+                             "its node's address under Ray (announced in Redis), else 127.0.0.1")
     port: int = Field(30000, ge=1, le=65535, description="router port")
     policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = Field(
         "cache_aware", description="how the router picks a server for a request (cache_aware: the one holding the "
@@ -92,7 +94,8 @@ class ServerConfig(Section):
     engine: Literal["hf", "vllm", "sglang"] = Field("hf", description="hf (transformers, continuous batching), "
                                                     "vllm (vLLM's engine) or sglang (a stock SGLang server)")
     count: int = Field(1, ge=0, description="rollout servers started by `streamrl up`")
-    host: str = Field("127.0.0.1", description="address servers bind and register (others reach them at it)")
+    host: str | None = Field(None, description="address servers bind and register (others reach them at it); empty: "
+                             "each server's node address under Ray, else 127.0.0.1")
     base_port: int = Field(31000, ge=1, le=65535, description="port of server 0; server i listens on base_port + i")
     max_batch_size: int = Field(64, ge=1, description="sequences a server decodes at once")
     kv_cache_gb: float | None = Field(None, gt=0, description="vllm engine: KV cache size in GiB (default: 2 on a "
@@ -256,7 +259,8 @@ class WeightSyncConfig(Section):
                                                      "learner into vllm servers, else gloo (also where `streamrl up` "
                                                      "puts servers on the learner's GPU)")
     timeout_s: float = Field(60.0, gt=0, description="how long a push waits for a server before dropping it")
-    master_address: str = Field("127.0.0.1", description="learner rank 0's address, as servers reach it")
+    master_address: str | None = Field(None, description="learner rank 0's address, as servers reach it; empty: its "
+                                       "node's address under Ray, else 127.0.0.1")
 
 
 class PrepareConfig(Section):
@@ -294,17 +298,39 @@ class SuperviseConfig(Section):
                                 "servers wait on admission most of the time, may give its learner every core")
 
 
-class RayConfig(Section):
-    """Resources for `launcher: ray`: each part gets a bundle in one placement group."""
+class Placement(Section):
+    """Where Ray may put one kind of part and what each one reserves (a learner: each rank)."""
 
-    address: str | None = Field(None, description="cluster to join ('auto', ray://...); empty starts a local one")
-    cpus_per_server: float = Field(1.0, ge=0, description="CPUs in each server's bundle")
-    gpus_per_server: float = Field(0.0, ge=0, description="GPUs in each server's bundle")
-    cpus_per_learner_rank: float = Field(1.0, ge=0, description="CPUs in each learner rank's bundle")
-    gpus_per_learner_rank: float = Field(0.0, ge=0, description="GPUs in each learner rank's bundle")
-    cpus_per_part: float = Field(0.1, gt=0, description="router, each rollout worker, the evaluator")
+    cpus: float = Field(1.0, ge=0, description="CPUs each one reserves")
+    gpus: float = Field(0.0, ge=0, description="GPUs each one reserves (Ray sets its CUDA_VISIBLE_DEVICES)")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources each one reserves "
+                                        "(`ray start --resources`), e.g. {inference: 1}")
+    labels: dict[str, str] = Field(default_factory=dict, description="node labels its node must carry (`ray start "
+                                   "--labels`), e.g. {gpu: a100}")
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
-        "PACK", description="placement group strategy (Ray's)")
+        "PACK", description="Ray's placement group strategy among the parts of this kind (PACK: on as few nodes "
+                            "as have room)")
+
+    def bundle(self) -> dict[str, float]:
+        """What one of these reserves, as a Ray bundle."""
+        wanted = {"CPU": self.cpus, "GPU": self.gpus, **self.resources}
+        return {name: amount for name, amount in wanted.items() if amount > 0}
+
+
+def _light() -> Placement:
+    return Placement(cpus=0.1)
+
+
+class RayConfig(Section):
+    """`launcher: ray`: the cluster, and per kind of part what it reserves and where it may go."""
+
+    address: str | None = Field(None, description="cluster to join ('auto', HOST:PORT, ray://...); empty starts a "
+                                "local one")
+    server: Placement = Field(default_factory=Placement, description="each rollout server")
+    learner: Placement = Field(default_factory=Placement, description="each learner rank")
+    rollout: Placement = Field(default_factory=_light, description="each rollout worker")
+    router: Placement = Field(default_factory=_light, description="the router")
+    evaluator: Placement = Field(default_factory=_light, description="the evaluator")
 
 
 class Config(Section):

@@ -111,13 +111,16 @@ class Dashboard:
 
     def _health(self) -> Table:
         table = Table(title="parts", expand=False)
-        for col in ("part", "pid", "state", "restarts", "up"):
+        parts = self.supervisor.parts if self.supervisor else []
+        nodes = any(part.host not in (None, "127.0.0.1") for part in parts)  # a column only where Ray spread them
+        for col in ("part", *(["node"] if nodes else []), "pid", "state", "restarts", "up"):
             table.add_column(col)
-        for part in self.supervisor.parts if self.supervisor else []:
-            state = ("done" if part.finished else "running" if part.alive()
+        for part in parts:
+            state = ("done" if part.finished else "placing" if part.placing else "running" if part.alive()
                      else f"exited {part.proc.returncode}" if part.proc else "waiting")
-            colour = {"running": "green", "done": "blue"}.get(state, "red")
-            table.add_row(part.name, str(part.pid or "–"), f"[{colour}]{state}[/]", str(part.restarts),
+            colour = {"running": "green", "done": "blue", "placing": "yellow"}.get(state, "red")
+            table.add_row(part.name, *([part.host or "–"] if nodes else []), str(part.pid or "–"),
+                          f"[{colour}]{state}[/]", str(part.restarts),
                           f"{time.time() - part.started_at:.0f}s" if part.started_at else "–")
         return table
 

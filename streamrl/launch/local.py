@@ -1,7 +1,10 @@
-"""``streamrl up``: every part of a run on this machine, one process each, in dependency order.
+"""``streamrl up``: every part of a run, one process each, in dependency order.
 
     prepare (recipe) → Redis → router → servers → rollout workers → evaluator (eval at version 0)
     → learner (torchrun when learner.nproc > 1) → watch until the learner and evaluator finish
+
+The parts run on this machine, or on a Ray cluster's nodes (``launcher: ray``, ``streamrl.launch.ray``);
+while the run goes on, ``streamrl scale`` can ask it for more servers and workers.
 
 Every part reads the same resolved config, written to ``RUN/config.yaml`` (with the embedded
 Redis URL filled in). The embedded Redis is a part like the others: restarted on the same port
@@ -17,6 +20,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,7 @@ from streamrl.buffer import EmbeddedRedis
 from streamrl.buffer.redis_server import free_port
 from streamrl.config import Config, ConfigError, load_config
 from streamrl.envs.registry import load_plugin
+from streamrl.launch import scale
 from streamrl.launch.display import Dashboard
 from streamrl.launch.gpus import gpu_plan, share_gpus, visible_gpus
 from streamrl.launch.plots import plot_run
@@ -70,37 +75,55 @@ def _threads(cfg: Config, learner: bool = False) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)}
 
 
+def _answers(part: Part, host: str | None, port: int) -> Callable[[], bool]:
+    """Ready once the part answers /health where it runs: the configured host, else the node it landed on."""
+    return lambda: part.host is not None and _healthy(f"http://{host or part.host}:{port}")
+
+
+def server_part(cfg: Config, i: int, config_file: Path, gpus: dict[str, str] | None = None) -> Part:
+    port = cfg.server.base_port + i
+    part = Part(f"server-{i}", "server", [*_me(), "serve", str(config_file), "--port", str(port)],
+                cfg.run.path / "logs" / f"server-{i}.log",
+                env={**_threads(cfg), **({"CUDA_VISIBLE_DEVICES": gpus[f"server-{i}"]} if gpus and f"server-{i}" in gpus
+                                         else {})})
+    part.ready = _answers(part, cfg.server.host, port)
+    return part
+
+
+def rollout_part(cfg: Config, i: int, config_file: Path) -> Part:
+    return Part(f"rollout-{i}", "rollout", [*_me(), "launch-rollout", str(config_file), "--name", f"worker-{i}"],
+                cfg.run.path / "logs" / f"rollout-{i}.log", env={"OMP_NUM_THREADS": "1"})
+
+
+def _me() -> list[str]:
+    return [sys.executable, "-m", "streamrl"]
+
+
 def parts(cfg: Config, config_file: Path, redis: EmbeddedRedis | None = None,
           gpus: dict[str, str] | None = None) -> list[Part]:
     """What to start, in order, for this config; ``gpus``: ``CUDA_VISIBLE_DEVICES`` by part (``gpu_plan``)."""
-    gpus = {name: {"CUDA_VISIBLE_DEVICES": ids} for name, ids in (gpus or {}).items()}
-    me = [sys.executable, "-m", "streamrl"]
     logs, cfg_arg = cfg.run.path / "logs", str(config_file)
-    router_url = f"http://{cfg.router.host}:{cfg.router.port}"
     out = [Part("redis", "redis", redis.argv(), redis.log_path, ready=redis.ping)] if redis else []
     # The learner starts first: its start-up (imports, DeepSpeed, ~10 s) overlaps the others'. It cannot
     # step before there is data, and the workers start only after the evaluator's baseline (version 0).
-    if cfg.learner.nproc == 1:
-        learner = [*me, "launch-learner", cfg_arg]
+    # Several ranks run under torchrun here; Ray starts an actor per rank itself, each with torchrun's variables.
+    if cfg.learner.nproc == 1 or cfg.launcher == "ray":
+        learner = [*_me(), "launch-learner", cfg_arg]
     else:
         learner = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(cfg.learner.nproc),
                    "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "streamrl",
                    "launch-learner", cfg_arg]
     out.append(Part("learner", "learner", learner, logs / "learner.log",
-                    env={**_threads(cfg, learner=True), **gpus.get("learner", {})}))
-    out.append(Part("router", "router", [*me, "launch-router", cfg_arg], logs / "router.log",
-                    ready=lambda: _healthy(router_url)))
-    for i in range(cfg.server.count):
-        url = f"http://{cfg.server.host}:{cfg.server.base_port + i}"
-        out.append(Part(f"server-{i}", "server", [*me, "serve", cfg_arg, "--port", str(cfg.server.base_port + i)],
-                        logs / f"server-{i}.log", env={**_threads(cfg), **gpus.get(f"server-{i}", {})},
-                        ready=lambda url=url: _healthy(url)))
+                    env={**_threads(cfg, learner=True),
+                         **({"CUDA_VISIBLE_DEVICES": gpus["learner"]} if gpus and "learner" in gpus else {})}))
+    router = Part("router", "router", [*_me(), "launch-router", cfg_arg], logs / "router.log")
+    router.ready = _answers(router, cfg.router.host, cfg.router.port)
+    out.append(router)
+    out.extend(server_part(cfg, i, config_file, gpus) for i in range(cfg.server.count))
     if cfg.eval.dataset:
-        out.append(Part("evaluator", "evaluator", [*me, "evaluate", cfg_arg], logs / "evaluator.log",
+        out.append(Part("evaluator", "evaluator", [*_me(), "evaluate", cfg_arg], logs / "evaluator.log",
                         env={"OMP_NUM_THREADS": "1"}, ready=lambda: _has_eval(cfg, 0)))
-    for i in range(cfg.rollout.workers):
-        out.append(Part(f"rollout-{i}", "rollout", [*me, "launch-rollout", cfg_arg, "--name", f"worker-{i}"],
-                        logs / f"rollout-{i}.log", env={"OMP_NUM_THREADS": "1"}))
+    out.extend(rollout_part(cfg, i, config_file) for i in range(cfg.rollout.workers))
     return out
 
 
@@ -133,21 +156,24 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
     launcher = supervisor = redis = None
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the run like Ctrl-C, even while parts start
     try:
+        if cfg.launcher == "ray":  # first: the cluster must be able to hold the run before anything starts
+            from streamrl.launch.ray import RayActors
+
+            say(f"joining Ray ({cfg.ray.address or 'a local cluster'})")
+            launcher = RayActors(cfg)
         if not cfg.redis.url:  # a fixed port, so that a restarted Redis is where everyone looks
-            redis = EmbeddedRedis(cfg.run.path / "redis", host=cfg.redis.host,
-                                  port=cfg.redis.port or free_port(cfg.redis.host), password=cfg.redis.password,
-                                  appendfsync=cfg.redis.appendfsync)
+            host = cfg.redis.host or (launcher.node_ip if launcher else "127.0.0.1")
+            redis = EmbeddedRedis(cfg.run.path / "redis", host=host, port=cfg.redis.port or free_port(host),
+                                  password=cfg.redis.password, appendfsync=cfg.redis.appendfsync)
             cfg.redis.url = redis.url
         config_file = cfg.run.path / "config.yaml"
         config_file.unlink(missing_ok=True)
         with os.fdopen(os.open(config_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:  # holds the Redis password
             yaml.safe_dump(cfg.model_dump(mode="json"), f, sort_keys=False)
         todo = parts(cfg, config_file, redis, plan)
-        if cfg.launcher == "ray":
-            from streamrl.launch.ray import RayActors
-
-            say(f"placing {len(todo)} parts on Ray ({cfg.ray.address or 'a local cluster'})")
-            launcher = RayActors(cfg, todo)
+        if launcher:
+            say(f"placing {len(todo)} parts on Ray")
+            launcher.place(todo)
         supervisor = Supervisor(cfg.supervise.restart, cfg.supervise.max_restarts, cfg.supervise.ready_timeout_s,
                                 say, state_path=cfg.run.path / "parts.json", launcher=launcher)
         dashboard.connect(cfg.redis.url, supervisor)
@@ -157,13 +183,14 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
         say("all parts ready")
         while not all(p.finished for p in supervisor.parts if p.kind in ("learner", "evaluator")):
             supervisor.check()
+            _scale(cfg, dashboard.ns, supervisor, launcher, config_file, plan)
             dashboard.refresh()
             time.sleep(cfg.supervise.refresh_s)
         code = 0
     except KeyboardInterrupt:
         say("interrupted: stopping every part")
         code = 130
-    except (PartFailed, RuntimeError) as e:  # RuntimeError: e.g. Ray could not place the parts
+    except (PartFailed, RuntimeError) as e:  # RuntimeError: e.g. the Ray cluster cannot hold the run
         say(f"stopping the run: {e}")
         code = 1
     finally:
@@ -181,6 +208,25 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
     except FileNotFoundError:
         pass  # stopped before any step or evaluation: nothing to draw
     return code
+
+
+def _scale(cfg: Config, ns, supervisor: Supervisor, launcher, config_file: Path, gpus: dict[str, str]) -> None:
+    """Start the servers and workers that `streamrl scale` asked for and the run does not have yet."""
+    wanted = scale.wanted(ns)
+    have = {kind: sum(1 for p in supervisor.parts if p.kind == kind) for kind in ("server", "rollout")}
+    if gpus and wanted.get("server", 0) > have["server"]:
+        supervisor.say("streamrl scale: servers added to a run whose parts have GPUs of their own need "
+                       "launcher=ray (Ray gives each its own); not adding any")
+        wanted["server"] = have["server"]
+    new = [*(server_part(cfg, i, config_file) for i in range(have["server"], wanted.get("server", 0))),
+           *(rollout_part(cfg, i, config_file) for i in range(have["rollout"], wanted.get("rollout", 0)))]
+    if not new:
+        return
+    if launcher:
+        launcher.place(new)
+    for part in new:
+        supervisor.say(f"scaling up: starting {part.name}")
+        supervisor.start(part)
 
 
 def _lock_down(cfg: Config) -> None:

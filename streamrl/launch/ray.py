@@ -1,36 +1,57 @@
-"""The same parts as Ray actors: ``launcher: ray`` (or ``streamrl up --ray ADDRESS``).
+"""The parts as Ray actors across a cluster's nodes: ``launcher: ray`` (or ``streamrl up --ray ADDRESS``).
 
-One placement group holds a bundle per part (CPUs and GPUs from the ``ray`` config section:
-per server, per learner rank, and a small share for the router, workers and evaluator). Each
-part's actor starts the part's command on its node as a child process, so the part is exactly
-the process ``streamrl up`` would start locally; the supervisor drives the actors through the
-same interface (pid, poll, stop). Logs go to ``RUN/logs`` — a shared filesystem across nodes.
+Each kind of part has a placement group of its own, a bundle per part (per rank for the learner), sized and
+steered by its ``ray.<kind>`` section: CPUs, GPUs, custom resources, node labels, strategy. An actor in each
+bundle asks Ray for its node's address, then starts the part's command there as a child process told that
+address (``STREAMRL_NODE_IP``), so the part binds and announces an address the other nodes reach. The
+learner is a gang: an actor per rank, started with the variables torchrun would set, meeting at rank 0's
+node. Redis stays beside ``streamrl up`` (the run's control plane: every part holds its URL), as does the
+driver's own supervision; logs go to ``RUN/logs``, which must be on a filesystem every node shares.
+
+A part whose node dies is restarted into the same bundle: Ray moves the bundle to a node with room. Until
+one has room the part is *placing* (the supervisor says what it waits for), and a node that joins gets it.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
+from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from streamrl.buffer.redis_server import die_with_parent, free_port
 from streamrl.config import Config
-from streamrl.launch.supervisor import Part, kill_tree
+from streamrl.config.sections import Placement
+from streamrl.launch.supervisor import LocalProcesses, Part, kill_tree
+from streamrl.node import NODE_IP_ENV
+
+KINDS = ("server", "learner", "rollout", "router", "evaluator")  # placed by Ray; Redis stays with the driver
 
 
 @ray.remote(num_cpus=0)
 class PartProcess:
-    """Runs one part's command on the node Ray placed it on."""
+    """One process of a part (a learner: one rank), on the node Ray placed this actor on."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], log_path: str, cwd: str):
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        return free_port(self.node_ip())
+
+    def start(self, argv: list[str], env: dict[str, str], log_path: str, cwd: str) -> int:
+        ip = self.node_ip()
+        told = {NODE_IP_ENV: ip, **_gloo_interface(ip), **env}
         with open(log_path, "ab") as log:
+            # the part dies with this actor (ray.kill, a crash): none outlives its bundle
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, **env}, cwd=cwd, start_new_session=True)
-
-    def pid(self) -> int:
+                                         env={**os.environ, **told}, cwd=cwd, start_new_session=True,
+                                         preexec_fn=die_with_parent)
         return self.proc.pid
 
     def poll(self) -> int | None:
@@ -41,76 +62,224 @@ class PartProcess:
         return self.proc.poll()
 
 
-class RayProcess:
-    """A Popen look-alike over a ``PartProcess`` actor."""
+def _gloo_interface(ip: str) -> dict[str, str]:
+    """gloo binds the interface its host name resolves to, which on a multi-homed node (or one whose name
+    resolves to another address) is not the one Ray's other nodes reach: name the interface that holds ``ip``."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return {}
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addresses):
+            return {"GLOO_SOCKET_IFNAME": name}
+    return {}
 
-    def __init__(self, actor: Any, timeout_s: float):
-        self.actor = actor
-        self.pid: int = ray.get(actor.pid.remote(), timeout=timeout_s)
+
+def rank_env(ips: list[str], port: int) -> list[dict[str, str]]:
+    """torchrun's variables for a gang of ranks on nodes ``ips`` (rank order), meeting at rank 0's node."""
+    env, seen = [], defaultdict(int)
+    for rank, ip in enumerate(ips):
+        env.append({"RANK": str(rank), "WORLD_SIZE": str(len(ips)), "LOCAL_RANK": str(seen[ip]),
+                    "LOCAL_WORLD_SIZE": str(ips.count(ip)), "MASTER_ADDR": ips[0], "MASTER_PORT": str(port)})
+        seen[ip] += 1
+    return env
+
+
+class RayPart:
+    """A Popen look-alike over the actors of one part. While Ray has not placed every actor, the part is
+    ``placing`` and counts as alive; then it starts, and any process's exit is the part's (a learner's ranks
+    live and die together, as under torchrun)."""
+
+    def __init__(self, part: Part, actors: list[Any], cwd: str, asks: str):
+        self.part, self.actors, self.cwd, self.asks = part, actors, cwd, asks
+        self.placed = [actor.node_ip.remote() for actor in actors]
+        self.pid: int | None = None
+        self.host: str | None = None
         self.returncode: int | None = None
 
+    @property
+    def placing(self) -> bool:
+        return self.pid is None and self.returncode is None
+
     def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
-                self.returncode = ray.get(self.actor.poll.remote(), timeout=30)
-            except ray.exceptions.GetTimeoutError:  # slow to answer is not dead: ask again next time
-                return None
-            except ray.exceptions.RayError:  # the actor (or its node) is gone: so is the part
-                self.returncode = -9
+        if self.returncode is None and self.placing:
+            self._start_when_placed()
+        if self.returncode is None and not self.placing:
+            self._poll_processes()
         return self.returncode
 
+    def _start_when_placed(self) -> None:
+        done, _ = ray.wait(self.placed, num_returns=len(self.placed), timeout=0)
+        if len(done) < len(self.placed):
+            return
+        try:
+            ips = ray.get(self.placed)
+            envs = [self.part.env] * len(ips)
+            if len(ips) > 1 or self.part.kind == "learner":
+                port = ray.get(self.actors[0].free_port.remote(), timeout=30)
+                envs = [{**self.part.env, **ranks} for ranks in rank_env(ips, port)]
+            log = str(self.part.log_path.resolve())
+            pids = ray.get([a.start.remote(self.part.argv, e, log, self.cwd) for a, e in zip(self.actors, envs)],
+                           timeout=60)
+        except ray.exceptions.RayError:  # an actor (or its node) died on the way: the supervisor restarts us
+            self.returncode = -9
+            return
+        self.pid, self.host = pids[0], ips[0]
 
-def bundle(part: Part, cfg: Config) -> dict[str, float]:
-    r = cfg.ray
-    if part.kind == "server":
-        wanted = {"CPU": r.cpus_per_server, "GPU": r.gpus_per_server}
-    elif part.kind == "learner":
-        wanted = {"CPU": r.cpus_per_learner_rank * cfg.learner.nproc, "GPU": r.gpus_per_learner_rank * cfg.learner.nproc}
-    else:
-        wanted = {"CPU": r.cpus_per_part}
-    return {k: v for k, v in wanted.items() if v > 0}
+    def _poll_processes(self) -> None:
+        try:
+            codes = ray.get([actor.poll.remote() for actor in self.actors], timeout=30)
+        except ray.exceptions.GetTimeoutError:  # slow to answer is not dead: ask again next time
+            return
+        except ray.exceptions.RayError:  # an actor, or its node, is gone: so is the part
+            self.returncode = -9
+            return
+        failed = [code for code in codes if code not in (None, 0)]
+        if failed:
+            self.returncode = failed[0]
+        elif all(code == 0 for code in codes):
+            self.returncode = 0
+
+    def waiting_for(self) -> str:
+        """What the part waits for while placing, and what the cluster has free now."""
+        free = ray.available_resources()
+        nodes = ", ".join(f"{n.ip} {n.resources}" for n in alive_nodes())
+        return (f"Ray to place it: it asks {self.asks}; free now {_fmt(free)} (alive nodes: {nodes}). "
+                "It starts as soon as a node has room, one that joins included")
+
+    def stop(self, timeout_s: float) -> None:
+        stop_together([self], timeout_s)
+
+
+def stop_together(parts: list[RayPart], timeout_s: float) -> None:
+    """SIGTERM every started process of these parts at once, wait for them together, then drop the actors
+    (which kills what is left: each process dies with its actor)."""
+    stops = [actor.stop.remote(timeout_s) for p in parts if not p.placing for actor in p.actors]
+    if stops:  # wait returns a dead actor's answer (its error) at once, without cutting the others' short
+        ray.wait(stops, num_returns=len(stops), timeout=timeout_s + 30)
+    for p in parts:
+        for actor in p.actors:
+            ray.kill(actor)
+        if p.returncode is None:
+            p.returncode = -15
+
+
+@dataclass(frozen=True)
+class Node:
+    ip: str
+    resources: dict[str, float]
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+def alive_nodes() -> list[Node]:
+    return [Node(n["NodeManagerAddress"], {k: v for k, v in n["Resources"].items() if not k.startswith("node:")},
+                 {k: v for k, v in n.get("Labels", {}).items() if not k.startswith("ray.io/")})
+            for n in ray.nodes() if n["Alive"]]
+
+
+def _fmt(resources: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items())
+                           if not k.startswith(("node:", "memory", "object_store_memory"))) + "}"
+
+
+def _fits(bundle: dict[str, float], node: Node, labels: dict[str, str]) -> bool:
+    return (all(node.labels.get(k) == v for k, v in labels.items())
+            and all(node.resources.get(k, 0.0) >= v for k, v in bundle.items()))
+
+
+def asked(cfg: Config) -> dict[str, int]:
+    """How many bundles each kind asks for: one per part, one per learner rank."""
+    return {"server": cfg.server.count, "learner": cfg.learner.nproc, "rollout": cfg.rollout.workers,
+            "router": 1, "evaluator": 1 if cfg.eval.dataset else 0}
+
+
+def unplaceable(requests: dict[str, tuple[int, Placement]], nodes: list[Node]) -> list[str]:
+    """Why the cluster ``nodes`` can never hold these requests (``kind: (bundles, placement)``); nothing if it
+    may. Only what no packing can satisfy is refused: a run that fits is never turned away."""
+    problems = []
+    cluster = ", ".join(f"{n.ip} {_fmt(n.resources)}{f' labels {n.labels}' if n.labels else ''}" for n in nodes)
+    total: dict[str, float] = defaultdict(float)
+    for kind, (count, place) in requests.items():
+        if not count:
+            continue
+        bundle = place.bundle()
+        for name, amount in bundle.items():
+            total[name] += amount * count
+        hosts = [n for n in nodes if _fits(bundle, n, place.labels)]
+        where = f" on a node labelled {place.labels}" if place.labels else ""
+        if not hosts:
+            problems.append(f"ray.{kind}: each of {count} asks {_fmt(bundle)}{where}, which no node has")
+        elif place.strategy == "STRICT_PACK" and not any(
+                _fits({k: v * count for k, v in bundle.items()}, n, place.labels) for n in hosts):
+            problems.append(f"ray.{kind}: STRICT_PACK puts all {count} on one node, {count} × {_fmt(bundle)}{where}, "
+                            "which no node has")
+        elif place.strategy == "STRICT_SPREAD" and len(hosts) < count:
+            problems.append(f"ray.{kind}: STRICT_SPREAD puts each of {count} on a node of its own, but only "
+                            f"{len(hosts)} node(s) have {_fmt(bundle)}{where}")
+    have = {k: sum(n.resources.get(k, 0.0) for n in nodes) for k in total}
+    short = {k: v for k, v in total.items() if v > have[k] + 1e-9}
+    if short:
+        problems.append(f"the run asks {_fmt(total)} in all; the cluster has {_fmt(have)}")
+    if problems:
+        problems.append(f"the cluster: {cluster or 'no alive node'}")
+    return problems
 
 
 class RayActors:
-    """Launcher: every part in its own bundle of one placement group."""
+    """Launcher: every part of each kind in a bundle of that kind's placement group."""
 
-    def __init__(self, cfg: Config, parts: list[Part]):
+    def __init__(self, cfg: Config):
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
             ray.init(address=cfg.ray.address, include_dashboard=False, log_to_driver=False,
                      **({"num_cpus": os.cpu_count()} if cfg.ray.address is None else {}))
-        self.index = {part.name: i for i, part in enumerate(parts)}
-        self.bundles = [bundle(p, cfg) for p in parts]
-        self.group = placement_group(self.bundles, strategy=cfg.ray.strategy)
-        ready, _ = ray.wait([self.group.ready()], timeout=cfg.supervise.ready_timeout_s)
-        if not ready:
-            remove_placement_group(self.group)
-            raise RuntimeError(f"Ray could not reserve {self.bundles} "
-                               f"(cluster: {ray.cluster_resources()}); lower the ray.* resource settings")
-        self.cwd = os.getcwd()
-        self.timeout_s = cfg.supervise.ready_timeout_s
+        self.cfg, self.cwd = cfg, os.getcwd()
+        self.node_ip = ray.util.get_node_ip_address()  # the driver's node: Redis binds here
+        self.groups: list[PlacementGroup] = []
+        self.bundles: dict[str, tuple[PlacementGroup, int]] = {}  # part name -> its group, first bundle
+        self.local = LocalProcesses()
+        requests = {kind: (n, getattr(cfg.ray, kind)) for kind, n in asked(cfg).items()}
+        problems = unplaceable(requests, alive_nodes())
+        if problems:
+            self.close()
+            raise RuntimeError("this Ray cluster cannot hold the run:\n  " + "\n  ".join(problems))
 
-    def spawn(self, part: Part) -> RayProcess:
-        if isinstance(part.proc, RayProcess):  # a restart: the old actor must give its bundle back first
-            self.stop_all([part], timeout_s=10)
-        i = self.index[part.name]
-        strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=i)
-        # the actor holds its bundle's CPUs and GPUs; Ray sets CUDA_VISIBLE_DEVICES, the part inherits it
-        actor = PartProcess.options(scheduling_strategy=strategy, num_cpus=self.bundles[i].get("CPU", 0),
-                                    num_gpus=self.bundles[i].get("GPU", 0)).remote(
-            part.argv, part.env, str(part.log_path.resolve()), self.cwd)
-        return RayProcess(actor, self.timeout_s)
+    def place(self, parts: list[Part]) -> None:
+        """Reserve a placement group per kind for ``parts`` (the run's, or those `streamrl scale` adds)."""
+        by_kind: dict[str, list[Part]] = defaultdict(list)
+        for part in parts:
+            if part.kind in KINDS:
+                by_kind[part.kind].append(part)
+        for kind, members in by_kind.items():
+            place: Placement = getattr(self.cfg.ray, kind)
+            per_part = self.cfg.learner.nproc if kind == "learner" else 1
+            count = len(members) * per_part
+            group = placement_group([place.bundle()] * count, strategy=place.strategy,
+                                    bundle_label_selector=[place.labels] * count if place.labels else None)
+            self.groups.append(group)
+            for i, part in enumerate(members):
+                self.bundles[part.name] = (group, i * per_part)
+
+    def spawn(self, part: Part) -> Any:
+        if part.kind not in KINDS:
+            return self.local.spawn(part)
+        if isinstance(part.proc, RayPart):  # a restart: the old actors give their bundles back first
+            part.proc.stop(timeout_s=10)
+        group, first = self.bundles[part.name]
+        place: Placement = getattr(self.cfg.ray, part.kind)
+        bundle = place.bundle()
+        actors = [PartProcess.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=first + i),
+            num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+            resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}).remote()
+            for i in range(self.cfg.learner.nproc if part.kind == "learner" else 1)]
+        labels = f" on a node labelled {place.labels}" if place.labels else ""
+        return RayPart(part, actors, self.cwd, f"{len(actors)} × {_fmt(bundle)}{labels}")
 
     def stop_all(self, parts: list[Part], timeout_s: float) -> None:
-        stops = [part.proc.actor.stop.remote(timeout_s) for part in parts]
-        for part, stop in zip(parts, stops):
-            try:
-                part.proc.returncode = ray.get(stop, timeout=timeout_s + 30)
-            except ray.exceptions.RayError:
-                pass
-            ray.kill(part.proc.actor)
+        self.local.stop_all([p for p in parts if not isinstance(p.proc, RayPart)], timeout_s)
+        stop_together([p.proc for p in parts if isinstance(p.proc, RayPart)], timeout_s)
 
     def close(self) -> None:
-        remove_placement_group(self.group)
+        for group in self.groups:
+            remove_placement_group(group)
         if self.owns_ray:
             ray.shutdown()

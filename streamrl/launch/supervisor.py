@@ -38,11 +38,25 @@ class Part:
     proc: Any = None               # a Popen, or anything with pid, poll() and returncode
     restarts: int = 0
     started_at: float = 0.0
+    started_at_mono: float = 0.0
     finished: bool = False         # exited 0 on its own: done, not dead
 
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
+
+    @property
+    def host(self) -> str | None:
+        """The address of the node the part runs on (None while a launcher is still placing it)."""
+        return getattr(self.proc, "host", "127.0.0.1") if self.proc else None
+
+    @property
+    def placing(self) -> bool:
+        return bool(getattr(self.proc, "placing", False))
+
+    @property
+    def where(self) -> str:
+        return f"pid {self.pid} on {self.host}" if self.host != "127.0.0.1" else f"pid {self.pid}"
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -135,7 +149,7 @@ class Supervisor:
             self.parts.append(part)
         part.log_path.parent.mkdir(parents=True, exist_ok=True)
         part.proc = self.launcher.spawn(part)
-        part.started_at, part.finished = time.time(), False
+        part.started_at, part.started_at_mono, part.finished = time.time(), time.monotonic(), False
         self._save()
         self._wait_ready(part)
         return part
@@ -144,22 +158,36 @@ class Supervisor:
         """``RUN/parts.json``: every part's pid, restarts and log, for people and tools looking in."""
         if self.state_path is None:
             return
-        state = {p.name: {"kind": p.kind, "pid": p.pid, "restarts": p.restarts, "started_at": p.started_at,
-                          "log": str(p.log_path)} for p in self.parts}
+        state = {p.name: {"kind": p.kind, "pid": p.pid, "host": p.host, "restarts": p.restarts,
+                          "started_at": p.started_at, "log": str(p.log_path)} for p in self.parts}
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=1))
         os.replace(tmp, self.state_path)
 
     def _wait_ready(self, part: Part) -> None:
+        self._wait_placed(part)
         deadline = time.monotonic() + self.ready_timeout_s
         while part.ready is not None and not part.ready():
             if not part.alive():
-                raise PartFailed(f"{part.name} exited with {part.proc.returncode} before it was ready; "
+                raise PartFailed(f"{part.name} ({part.where}) exited with {part.proc.returncode} before it was ready; "
                                  f"the end of {part.log_path}:\n{part.log_tail()}")
             if time.monotonic() > deadline:
-                raise PartFailed(f"{part.name} was not ready after {self.ready_timeout_s:.0f}s; "
+                raise PartFailed(f"{part.name} ({part.where}) was not ready after {self.ready_timeout_s:.0f}s; "
                                  f"the end of {part.log_path}:\n{part.log_tail()}")
             time.sleep(0.2)
+
+    def _wait_placed(self, part: Part) -> None:
+        """Wait, without a deadline, while the launcher finds room for the part (Ray: a node with the resources
+        it asks for; one that joins the cluster later will do); say once what it waits for."""
+        said = False
+        while part.placing and part.alive():
+            if not said and time.monotonic() - part.started_at_mono > 2:
+                self.say(f"{part.name} waits for {part.proc.waiting_for()}")
+                said = True
+            time.sleep(0.2)
+        if said:
+            self.say(f"{part.name} placed on {part.host}")
+        self._save()
 
     def check(self) -> None:
         """Notice parts that exited: done (status 0 and not meant to run forever), restarted, or fatal."""
@@ -172,11 +200,11 @@ class Supervisor:
                 continue
             if part.kind in self.restart_kinds and part.restarts < self.max_restarts:
                 part.restarts += 1
-                self.say(f"{part.name} (pid {part.pid}) exited with {code}; restarting "
+                self.say(f"{part.name} ({part.where}) exited with {code}; restarting "
                          f"({part.restarts}/{self.max_restarts}). The end of its log:\n{part.log_tail(8)}")
                 self.start(part)
                 continue
-            raise PartFailed(f"{part.name} (pid {part.pid}) exited with {code}; the end of {part.log_path}:\n"
+            raise PartFailed(f"{part.name} ({part.where}) exited with {code}; the end of {part.log_path}:\n"
                              f"{part.log_tail()}")
 
     def stop(self, timeout_s: float = 15.0) -> None:

@@ -22,6 +22,7 @@ import torch
 from streamrl.buffer import ServerRegistry
 from streamrl.buffer.redis_server import free_port
 from streamrl.config import Config
+from streamrl.node import node_address
 from streamrl.weightsync import Staging, broadcast, buckets, make_group, metas, pack
 
 log = logging.getLogger("streamrl.push")
@@ -50,12 +51,12 @@ class WeightPusher:
         self.http = httpx.Client(timeout=self.sync.timeout_s, headers=headers)
 
     def _join(self, url: str, started: float) -> None:
-        port = free_port()
+        address, port = node_address(self.sync.master_address), free_port()
         backend = transport(self.cfg)
-        mine = self.pool.submit(make_group, self.sync.master_address, port, 0, 2, backend=backend,
+        mine = self.pool.submit(make_group, address, port, 0, 2, backend=backend,
                                 group_name=GROUP, timeout_s=self.sync.timeout_s)
         reply = self.http.post(f"{url}/init_weights_update_group", json={
-            "master_address": self.sync.master_address, "master_port": port, "rank_offset": 1, "world_size": 2,
+            "master_address": address, "master_port": port, "rank_offset": 1, "world_size": 2,
             "backend": backend, "group_name": GROUP, "timeout_s": self.sync.timeout_s})
         reply.raise_for_status()
         self.groups[url] = mine.result(self.sync.timeout_s)

@@ -23,6 +23,7 @@ from streamrl.rollout.client import GenerateClient, GenerateError, run_event_loo
 from streamrl.rollout.dataset import load_rows
 from streamrl.rollout.engines.base import SamplingParams
 from streamrl.rollout.episode import ChatRenderer, run_episode
+from streamrl.rollout.router import RouterLocator
 from streamrl.rollout.worker import episode_player
 
 log = logging.getLogger("streamrl.evaluate")
@@ -40,7 +41,7 @@ class Evaluator:
         self.params = SamplingParams(max_new_tokens=cfg.rollout.sampling.max_new_tokens, temperature=0.0)
         ns = Namespace.open(redis_url, cfg.run.name, **cfg.redis.retry())
         self.version, self.registry = PolicyVersion(ns), ServerRegistry(ns, ttl_s=cfg.server.registry_ttl_s)
-        self.router_url = cfg.rollout.router_url or f"http://{cfg.router.host}:{cfg.router.port}"
+        self.router = RouterLocator(cfg, ns)
         self.metrics = cfg.run.path / "metrics" / "eval.jsonl"
         self.rollouts = cfg.run.path / "rollouts"
         self.metrics.parent.mkdir(parents=True, exist_ok=True)
@@ -56,7 +57,8 @@ class Evaluator:
         last, every = self.cfg.learner.max_steps, self.cfg.eval.every
         pending = sorted({0, last, *range(every, last, every)} - self.done_steps())
         timeout_s = self.cfg.router.request_timeout_s + 10  # the router's own timeout, then its answer
-        async with GenerateClient(self.router_url, retries=5, timeout_s=timeout_s) as self.client:
+        async with GenerateClient(await self.router.url(), retries=5, timeout_s=timeout_s) as self.client:
+            follower = asyncio.create_task(self.router.follow(self.client))
             while pending and not stop.is_set():
                 step = await asyncio.to_thread(self.version.get)
                 due = [s for s in pending if s <= step]
@@ -67,6 +69,7 @@ class Evaluator:
                 target = due[-1] if step < last else last
                 await self._servers_reach(target)
                 self.write(await self._evaluate_patiently(target))
+            follower.cancel()
         if self.agent is not None:
             await self.agent.close()
 

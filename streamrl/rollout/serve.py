@@ -13,6 +13,7 @@ import uvicorn
 from streamrl.buffer import Namespace, ServerInfo, ServerRegistry
 from streamrl.config import Config
 from streamrl.models import load_tokenizer
+from streamrl.node import node_address
 from streamrl.rollout.engines import load_engine
 from streamrl.rollout.server import create_app
 
@@ -25,7 +26,7 @@ def serve(cfg: Config, *, host: str | None = None, port: int | None = None) -> N
     hf_logging.disable_progress_bar()  # a server's log is for requests, not loading bars
     if not cfg.model.path:
         raise ValueError("model.path is not set: give a local Hugging Face model directory")
-    host, port = host or cfg.server.host, port or cfg.server.base_port
+    host, port = host or node_address(cfg.server.host), port or cfg.server.base_port
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
     model_path, version = newest_weights(cfg)
     engine = load_engine(cfg.server.engine, model_path, dtype=cfg.model.dtype,

@@ -38,6 +38,7 @@ from streamrl.rollout.coalesce import Coalescer
 from streamrl.rollout.dataset import Prompts, load_rows
 from streamrl.rollout.engines.base import Completion, SamplingParams
 from streamrl.rollout.episode import ChatRenderer, EnvFault, run_episode
+from streamrl.rollout.router import RouterLocator
 from streamrl.rollout.tool_calls import load_parser
 
 log = logging.getLogger("streamrl.worker")
@@ -110,7 +111,7 @@ class RolloutWorker:
         s = rollout.sampling
         self.params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                                      top_k=s.top_k)
-        self.router_url = rollout.router_url or f"http://{cfg.router.host}:{cfg.router.port}"
+        self.router = RouterLocator(cfg, ns)
         self.metrics = WorkerMetrics(cfg.run.path / "metrics" / f"rollout-{name}.jsonl", rollout.prometheus_port)
         self.stopping = asyncio.Event()
 
@@ -126,9 +127,11 @@ class RolloutWorker:
         self.running: dict[str, int] = {}  # group id -> its prompt index, while the group runs
         keeper = asyncio.create_task(self._keep_leases(min(rollout.group_lease_s, rollout.prompt_lease_s) / 3))
         # a request may take the router its whole timeout, then the client hears why
-        async with GenerateClient(self.router_url, timeout_s=self.cfg.router.request_timeout_s + 10) as client:
+        router_url = await self.router.url()
+        async with GenerateClient(router_url, timeout_s=self.cfg.router.request_timeout_s + 10) as client:
+            follower = asyncio.create_task(self.router.follow(client))
             self.coalescer = Coalescer(client.generate_n, rollout.coalesce_ms / 1000)
-            log.info("%s: generating through %s", self.name, self.router_url)
+            log.info("%s: generating through %s", self.name, router_url)
             await self._report()  # an opening report: when generation began (start-up done); rates count from here
             started = 0
             while not self.stopping.is_set() and (max_groups is None or started < max_groups):
@@ -148,6 +151,7 @@ class RolloutWorker:
                 started += 1
             if tasks:  # finish what was started; a group is put whole or not at all
                 await asyncio.wait(tasks)
+            follower.cancel()
         if self.agent is not None:
             await self.agent.close()
         reporter.cancel()
