@@ -14,11 +14,13 @@ REFERENCE = Path(__file__).parent.parent / "docs" / "reference"
 COMMITTED = REFERENCE / "config.md"
 
 
-def sections(model: type[BaseModel] = Config, path: str = ""):
-    for key, field in model.model_fields.items():
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            yield f"{path}{key}", field.annotation
-            yield from sections(field.annotation, f"{path}{key}.")
+def sections(defaults: BaseModel, path: str = ""):
+    """(dotted name, the section as the default config holds it) for every section below ``defaults``."""
+    for key in type(defaults).model_fields:
+        value = getattr(defaults, key)
+        if isinstance(value, BaseModel):
+            yield f"{path}{key}", value
+            yield from sections(value, f"{path}{key}.")
 
 
 def test_the_committed_reference_is_what_the_code_generates():
@@ -41,22 +43,24 @@ def test_the_command_prints_the_reference_and_refuses_a_config():
 
 
 def test_every_setting_section_and_rule_is_explained():
-    undocumented = [f"{name}.{key}" for name, model in sections() for key, f in model.model_fields.items()
+    undocumented = [f"{name}.{key}" for name, section in sections(Config())
+                    for key, f in type(section).model_fields.items()
                     if not f.description and not (isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel))]
     undocumented += [f"{key}" for key, f in Config.model_fields.items() if not f.description
                      and not (isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel))]
     assert not undocumented
-    assert all(model.__doc__ and model.__doc__ != BaseModel.__doc__ for _, model in sections())
+    assert all(section.__doc__ and section.__doc__ != BaseModel.__doc__ for _, section in sections(Config()))
     assert RULES and all(rule.__doc__ for rule in RULES)  # each rule's line on the page
 
 
 def test_every_setting_appears_with_its_default():
     page = markdown()
-    for name, model in [("", Config), *sections()]:
+    for name, defaults in [("", Config()), *sections(Config())]:
         table = page.split(f"## `{name}`\n" if name else "## Top level\n")[1].split("\n## ")[0]
-        for key, field in model.model_fields.items():
-            if not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+        for key in type(defaults).model_fields:
+            if not isinstance(value := getattr(defaults, key), BaseModel):
                 row = next(line for line in table.splitlines() if line.startswith(f"| `{key}` |"))
-                assert f"| {_default(field)} |" in row, row
+                assert f"| {_default(value)} |" in row, row
     assert '| `max_staleness` | integer, ≥ 0 | `2` |' in page  # type, bound and default as pydantic has them
+    assert page.split("## `ray.router`")[1].split("\n## ")[0].count("| `cpus` | number, ≥ 0 | `0.1` |") == 1  # as ray makes it
     assert '| `engine` | `"hf"` \\| `"vllm"` \\| `"sglang"` | `"hf"` |' in page

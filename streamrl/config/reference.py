@@ -32,19 +32,22 @@ def markdown() -> str:
     return "\n".join([HEADER, *_sections("", Config), _rules()])
 
 
-def _sections(name: str, model: type[BaseModel]) -> list[str]:
-    """This section's table, then each of its subsections' (``rollout``, then ``rollout.sampling``)."""
-    out = [_section(name, model)]
+def _sections(name: str, model: type[BaseModel], defaults: BaseModel | None = None) -> list[str]:
+    """This section's table, then each of its subsections' (``rollout``, then ``rollout.sampling``).
+    ``defaults``: the section as its parent makes it (``ray.router`` reserves less than a bare ``Placement``)."""
+    defaults = defaults or model()
+    out = [_section(name, model, defaults)]
     for key, field in model.model_fields.items():
         if _is_section(field.annotation):
-            out += _sections(f"{name}.{key}".lstrip("."), field.annotation)
+            out += _sections(f"{name}.{key}".lstrip("."), field.annotation, getattr(defaults, key))
     return out
 
 
-def _section(name: str, model: type[BaseModel]) -> str:
+def _section(name: str, model: type[BaseModel], defaults: BaseModel) -> str:
     title = f"`{name}`" if name else "Top level"
     doc = _doc(model) if name else ""
-    rows = [f"| `{key}` | {_type(f.annotation)}{_bounds(f)} | {_default(f)} | {_cell(f.description or '')} |"
+    rows = [f"| `{key}` | {_type(f.annotation)}{_bounds(f)} | {_default(getattr(defaults, key))} | "
+            f"{_cell(f.description or '')} |"
             for key, f in model.model_fields.items() if not _is_section(f.annotation)]
     table = ["| field | type | default | meaning |", "|---|---|---|---|", *rows]
     return "\n".join([f"## {title}", "", *([doc, ""] if doc else []), *table, ""])
@@ -87,8 +90,7 @@ def _bounds(field: Any) -> str:
     return f", {', '.join(out)}" if out else ""
 
 
-def _default(field: Any) -> str:
-    value = field.get_default(call_default_factory=True)  # as the rules read it (config.rules._changed)
+def _default(value: Any) -> str:
     if isinstance(value, Path):
         value = str(value)
     return f"`{json.dumps(value)}`"
