@@ -203,8 +203,8 @@ def test_up_places_the_parts_on_a_local_ray_cluster(tmp_path):
             f"run.dir={tmp_path}", "run.name=onray", "prepare.args.sft_steps=20", "prepare.args.train_size=200",
             "prepare.args.eval_size=8", f"router.port={free_port()}", f"router.prometheus_port={free_port()}",
             f"server.base_port={free_port()}", "learner.groups_per_step=4", "learner.max_steps=3", "eval.every=3",
-            "eval.size=8", "rollout.concurrency=16", "supervise.display=plain", "ray.cpus_per_server=0.5",
-            "ray.cpus_per_learner_rank=0.5", "ray.cpus_per_part=0.2"]
+            "eval.size=8", "rollout.concurrency=16", "supervise.display=plain", "ray.server.cpus=0.5",
+            "ray.learner.cpus=0.5", "ray.rollout.cpus=0.2", "ray.router.cpus=0.2", "ray.evaluator.cpus=0.2"]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "200"})
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "placing 6 parts on Ray" in out.stdout

@@ -229,7 +229,8 @@ class RayActors:
     def __init__(self, cfg: Config):
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
-            ray.init(address=cfg.ray.address, include_dashboard=False, log_to_driver=False,
+            # "local" starts a cluster of our own: None would join any cluster already running on this machine
+            ray.init(address=cfg.ray.address or "local", include_dashboard=False, log_to_driver=False,
                      **({"num_cpus": os.cpu_count()} if cfg.ray.address is None else {}))
         self.cfg, self.cwd = cfg, os.getcwd()
         self.node_ip = ray.util.get_node_ip_address()  # the driver's node: Redis binds here
