@@ -65,7 +65,12 @@ class Node:
     num_cpus: int
     resources: dict = field(default_factory=dict)
     labels: dict = field(default_factory=dict)
+    ifname: str = "eth0"  # its interface on the cluster's subnet, for GLOO_SOCKET_IFNAME and the like
     alive: bool = True
+
+    def command(self, args: list[str]) -> list[str]:
+        """`args` run on this node: inside its namespace."""
+        return ["ip", "netns", "exec", self.netns, *args] if self.netns else list(args)
 
 
 def _ip(*args: str) -> str:
@@ -255,18 +260,16 @@ class NetnsCluster:
             args += ["--resources", json.dumps(node.resources)]
         if node.labels:
             args += ["--labels", ",".join(f"{k}={v}" for k, v in node.labels.items())]
-        if node.netns:
-            args = ["ip", "netns", "exec", node.netns, *args]
         env = {**os.environ, **self.env, MARKER: self.tag, "RAY_USAGE_STATS_ENABLED": "0"}
         env.pop("RAY_ADDRESS")  # `ray start` takes it from its arguments
-        proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(node.command(args), env=env, capture_output=True, text=True, timeout=120)
         if proc.returncode:
             raise RuntimeError(f"ray start ({node.name}) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
     def _start_head(self) -> None:
         ip = f"{self.subnet}.1"
         node = Node("head", ip, None, self.root / "head", self.head_cpus, {"head": 1000, **(self.head_resources or {})},
-                    self.head_labels or {})
+                    self.head_labels or {}, ifname=self.uplink)
         # every port the head listens on, chosen free: Ray's fixed defaults (8265, 10001, 52365) would collide
         # with any other Ray on this machine
         port, nm, om, client, dash, agent, agent_grpc, env_agent, metrics = _free_ports(9)
@@ -283,7 +286,8 @@ class NetnsCluster:
 
     def add_node(self, num_cpus: int = 1, resources: dict | None = None, labels: dict | None = None,
                  name: str | None = None) -> Node:
-        """A new host joining the running cluster. It has `resources` plus 1000 of a resource named after it."""
+        """A new host joining the running cluster (registered with the GCS when this returns). It has `resources`
+        plus 1000 of a resource named after it."""
         name = name or f"n{len(self.nodes)}"
         netns, ip = self._make_host(name)
         node = Node(name, ip, netns, self.root / name, num_cpus, {name: 1000, **(resources or {})}, labels or {})
@@ -339,7 +343,9 @@ def netns_cluster(monkeypatch):
         cluster.start()
     except NetnsUnavailable as e:
         pytest.skip(str(e))
-    with cluster:
+    try:
         for key, value in cluster.env.items():
             monkeypatch.setenv(key, value)
         yield cluster
+    finally:
+        cluster.close()

@@ -66,3 +66,14 @@ def test_scale_takes_counts_and_refuses_what_it_cannot_do(tmp_path):
                                                      "rollout-0": {"kind": "rollout"}}))
     with pytest.raises(ValueError, match=r"only adds parts: servers=1 \(it has 2\)"):
         scale.request(tmp_path, {"servers": 1, "workers": 1})
+
+
+@pytest.mark.parametrize(("value", "selector", "selected"), [
+    ("a100", "a100", True), ("a100", "h100", False), (None, "a100", False), ("a100", "!h100", True),
+    ("a100", "!a100", False), (None, "!a100", True), ("a100", "in(h100,a100)", True), ("a100", "!in(h100,a100)", False),
+    ("a100", "in(h100, a100)", False),  # as Ray reads it: " a100" is another value
+])
+def test_label_selectors_read_as_ray_reads_them(value, selector, selected):
+    from streamrl.launch.ray import _selects
+
+    assert _selects(value, selector) == selected

@@ -127,8 +127,8 @@ class RayPart:
     def _poll_processes(self) -> None:
         try:
             codes = ray.get([actor.poll.remote() for actor in self.actors], timeout=30)
-        except ray.exceptions.GetTimeoutError:  # slow to answer is not dead: ask again next time
-            return
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
+            return  # slow to answer, or unreachable until Ray decides whether its node is dead: ask again
         except ray.exceptions.RayError:  # an actor, or its node, is gone: so is the part
             self.returncode = -9
             return
@@ -181,8 +181,16 @@ def _fmt(resources: dict[str, float]) -> str:
 
 
 def _fits(bundle: dict[str, float], node: Node, labels: dict[str, str]) -> bool:
-    return (all(node.labels.get(k) == v for k, v in labels.items())
+    return (all(_selects(node.labels.get(k), v) for k, v in labels.items())
             and all(node.resources.get(k, 0.0) >= v for k, v in bundle.items()))
+
+
+def _selects(value: str | None, selector: str) -> bool:
+    """Ray's label selector on one key: ``v``, ``!v``, ``in(a,b)``, ``!in(a,b)`` (a missing key is never ``v``,
+    always ``!v``). Ray does not strip spaces after the commas, nor does this."""
+    negated, selector = selector.startswith("!"), selector.removeprefix("!")
+    allowed = selector[3:-1].split(",") if selector.startswith("in(") and selector.endswith(")") else [selector]
+    return (value in allowed) != negated
 
 
 def asked(cfg: Config) -> dict[str, int]:
