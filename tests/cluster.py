@@ -47,8 +47,9 @@ RAY = str(Path(sys.executable).parent / "ray")
 MARKER = "STREAMRL_NETNS_CLUSTER"
 # Ray's GCS marks a node dead after `failure_threshold` missed health checks, one every `period_ms` (defaults
 # 3000 ms x 5, ~15 s for a killed node); a killed node's namespace answers with RST, so each miss is immediate.
+# (And checks start `initial_delay_ms` after a node joins, 5000 by default.)
 FAST_HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_timeout_ms": 2000,
-                      "health_check_failure_threshold": 3}
+                      "health_check_failure_threshold": 3, "health_check_initial_delay_ms": 1000}
 _instances = itertools.count()
 
 
@@ -185,7 +186,7 @@ class NetnsCluster:
         self.object_store_memory = object_store_memory
         self.subnet_prefix = subnet_prefix
         self.nodes: list[Node] = []
-        self.head_address = ""
+        self.head_address = self.subnet = ""
         self.switch = f"srl-{self.tag}-sw"
         self.uplink = f"srl{self.tag}"  # the head's veth, the one link in the root namespace (<= 15 chars)
         self.root: Path | None = None
@@ -289,12 +290,22 @@ class NetnsCluster:
         """A new host joining the running cluster (registered with the GCS when this returns). It has `resources`
         plus 1000 of a resource named after it."""
         name = name or f"n{len(self.nodes)}"
+        # it names a namespace and a link (`p-<name>`, 15 chars at most); "sw" is the switch's
+        assert re.fullmatch(r"\w{1,13}", name) and name not in {"sw", *(n.name for n in self.nodes)}, name
         netns, ip = self._make_host(name)
         node = Node(name, ip, netns, self.root / name, num_cpus, {name: 1000, **(resources or {})}, labels or {})
         self.nodes.append(node)  # before `ray start`, so close() cleans up after a failed one
         # its own port space: Ray's default ports cannot collide with anything here
         self._ray_start(node, "--address", self.head_address)
         return node
+
+    def _namespaces(self) -> list[str]:
+        """Ours, by name rather than from self.nodes, to get one whose add_node failed half-way too."""
+        try:
+            listing = _ip("netns", "list")
+        except (OSError, RuntimeError):  # no `ip`, or not allowed: then there are none
+            return []
+        return [name for line in listing.splitlines() if (name := line.split(" ")[0]).startswith(f"srl-{self.tag}-")]
 
     # ---- failures
 
@@ -318,12 +329,12 @@ class NetnsCluster:
             return
         self._closed = True
         errors = []
-        steps = [lambda n=n: _kill_until_gone(lambda: _netns_pids(n.netns)) for n in self.nodes if n.netns]
+        namespaces = self._namespaces()
+        steps = [lambda ns=ns: _kill_until_gone(lambda: _netns_pids(ns)) for ns in namespaces]
         steps.append(lambda: _kill_until_gone(lambda: list(_marked(self.tag))))
-        steps += [lambda: subprocess.run(["ip", "link", "del", self.uplink], capture_output=True)]
-        steps += [lambda n=n: subprocess.run(["ip", "netns", "del", n.netns], capture_output=True)
-                  for n in self.nodes if n.netns]
-        steps.append(lambda: subprocess.run(["ip", "netns", "del", self.switch], capture_output=True))
+        # deleted here, as `ip netns del` removes the namespace's links only later, in the background
+        steps.append(lambda: subprocess.run(["ip", "link", "del", self.uplink], capture_output=True))
+        steps += [lambda ns=ns: subprocess.run(["ip", "netns", "del", ns], capture_output=True) for ns in namespaces]
         if self.root:
             steps.append(lambda: shutil.rmtree(self.root, ignore_errors=True))
         for step in steps:  # every step, whatever failed before it

@@ -10,6 +10,7 @@ import time
 import uuid
 
 import pytest
+from cluster import netns_cluster  # noqa: F401  (a fixture: a Ray cluster of several hosts, in network namespaces)
 
 from streamrl.buffer import EmbeddedRedis, Namespace
 from streamrl.buffer.redis_server import free_port
@@ -34,6 +35,19 @@ def tiny_model_dir(tmp_path_factory) -> str:
     from streamrl.testing import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def quickstart_prepared(tmp_path_factory):
+    """The quickstart recipe's data and warm-started model (``RUN/prepared``, 90 s to make), made once: a test
+    copies it into its run directory, and `streamrl up` finds it done."""
+    from streamrl.config import load_config
+    from streamrl.recipes.reverse import prepare
+
+    run_dir = tmp_path_factory.mktemp("quickstart")
+    cfg = load_config("configs/quickstart.yaml", [f"run.dir={run_dir}"])
+    prepare(cfg, **cfg.prepare.args)
+    return cfg.run.path / "prepared"
 
 
 class Cluster:

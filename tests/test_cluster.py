@@ -38,9 +38,9 @@ def answer(cmd, arg):
         return time.monotonic() - start
 
 
-print("ready", flush=True)
+print("=" + json.dumps("ready"), flush=True)  # "=": Ray prints its notices to this stdout too
 for line in sys.stdin:
-    print("=" + json.dumps(answer(*json.loads(line))), flush=True)  # Ray prints its notices here too
+    print("=" + json.dumps(answer(*json.loads(line))), flush=True)
 """
 
 
@@ -48,11 +48,14 @@ class Driver:
     def __init__(self, env: dict):
         self.proc = subprocess.Popen([sys.executable, "-c", DRIVER], env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout.readline() == "ready\n"
+        assert self.answer() == "ready"
 
     def __call__(self, cmd: str, arg=None):
         self.proc.stdin.write(json.dumps([cmd, arg]) + "\n")
         self.proc.stdin.flush()
+        return self.answer()
+
+    def answer(self):
         while (line := self.proc.stdout.readline())[:1] != "=":
             assert line, "the driver died"
         return json.loads(line[1:])

@@ -92,7 +92,8 @@ class RayPart:
         self.part, self.actors, self.cwd, self.asks = part, actors, cwd, asks
         self.placed = [actor.node_ip.remote() for actor in actors]
         self.pid: int | None = None
-        self.host: str | None = None
+        self.host: str | None = None  # the node of its first process (a learner's rank 0)
+        self.hosts: list[str] = []    # the node of each process
         self.returncode: int | None = None
 
     @property
@@ -122,7 +123,7 @@ class RayPart:
         except ray.exceptions.RayError:  # an actor (or its node) died on the way: the supervisor restarts us
             self.returncode = -9
             return
-        self.pid, self.host = pids[0], ips[0]
+        self.pid, self.host, self.hosts = pids[0], ips[0], ips
 
     def _poll_processes(self) -> None:
         try:

@@ -158,8 +158,9 @@ class Supervisor:
         """``RUN/parts.json``: every part's pid, restarts and log, for people and tools looking in."""
         if self.state_path is None:
             return
-        state = {p.name: {"kind": p.kind, "pid": p.pid, "host": p.host, "restarts": p.restarts,
-                          "started_at": p.started_at, "log": str(p.log_path)} for p in self.parts}
+        state = {p.name: {"kind": p.kind, "pid": p.pid, "host": p.host, "hosts": getattr(p.proc, "hosts", [p.host]),
+                          "restarts": p.restarts, "started_at": p.started_at, "log": str(p.log_path)}
+                 for p in self.parts}
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=1))
         os.replace(tmp, self.state_path)
