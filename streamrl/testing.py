@@ -7,6 +7,7 @@ import asyncio
 import numpy as np
 
 from streamrl.envs.arithmetic import Arithmetic
+from streamrl.envs.single_turn import SingleTurn
 from streamrl.protocol import Group, Sample
 
 
@@ -120,6 +121,19 @@ class Slow(Arithmetic):
 
     async def reset(self, item):
         await asyncio.sleep(2.0)
+        return await super().reset(item)
+
+
+class Unhurried(SingleTurn):
+    """A single-turn env whose every episode waits ``delay_s`` first (as a slow checker would): it paces a toy
+    run that would otherwise end before a test has made its events happen."""
+
+    def __init__(self, delay_s: float = 1.0, **kwargs):
+        super().__init__(**kwargs)
+        self.delay_s = delay_s
+
+    async def reset(self, item):
+        await asyncio.sleep(self.delay_s)
         return await super().reset(item)
 
 

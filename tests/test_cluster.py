@@ -7,7 +7,8 @@ import sys
 
 import psutil
 import pytest
-from cluster import MARKER, netns_cluster  # noqa: F401  (the fixture)
+
+from streamrl.netns import MARKER
 
 # A driver that answers one JSON command a line, so one connection sees the cluster change under it.
 DRIVER = r"""
@@ -88,7 +89,7 @@ def gone(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_nodes_in_namespaces_are_separate_hosts(netns_cluster):  # noqa: F811  (the imported fixture)
+def test_nodes_in_namespaces_are_separate_hosts(netns_cluster):
     cluster = netns_cluster
     n1 = cluster.add_node(1, labels={"zone": "one"})
     driver = Driver(dict(os.environ))  # the fixture put the cluster's env in os.environ

@@ -12,9 +12,9 @@ import time
 import httpx
 import pytest
 import torch
-from cluster import NetnsCluster, NetnsUnavailable
 
 from streamrl.buffer.redis_server import free_port
+from streamrl.netns import NetnsCluster, NetnsUnavailable
 from streamrl.rollout.evaluate import read_records
 
 pytestmark = pytest.mark.slow
@@ -137,7 +137,7 @@ def _run_across_nodes(cluster: NetnsCluster, prepared, tmp_path) -> None:
             "ray.learner.labels={role: train}", "ray.learner.cpus=0.5", "ray.server.labels={role: gen}",
             "ray.server.cpus=0.5", "ray.rollout.labels={role: gen}", "server.heartbeat_s=0.5",
             "server.registry_ttl_s=3", "router.sync_every_s=0.5", "supervise.display=plain",
-            "supervise.max_restarts=5"]
+            "supervise.max_restarts=5", "rollout.env=streamrl.testing:Unhurried", "rollout.env_args.delay_s=3"]
     with log.open("w") as out:
         up = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **cluster.env, **ENV})
     said = lambda text: text in log.read_text(errors="replace")  # noqa: E731

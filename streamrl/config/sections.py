@@ -317,8 +317,10 @@ class Placement(Section):
         return {name: amount for name, amount in wanted.items() if amount > 0}
 
 
-def _light() -> Placement:
-    return Placement(cpus=0.1)
+class LightPlacement(Placement):
+    """Where Ray may put one kind of light part (no model: it reserves a tenth of a CPU by default)."""
+
+    cpus: float = Field(0.1, ge=0, description="CPUs each one reserves")
 
 
 class RayConfig(Section):
@@ -328,9 +330,9 @@ class RayConfig(Section):
                                 "local one")
     server: Placement = Field(default_factory=Placement, description="each rollout server")
     learner: Placement = Field(default_factory=Placement, description="each learner rank")
-    rollout: Placement = Field(default_factory=_light, description="each rollout worker")
-    router: Placement = Field(default_factory=_light, description="the router")
-    evaluator: Placement = Field(default_factory=_light, description="the evaluator")
+    rollout: LightPlacement = Field(default_factory=LightPlacement, description="each rollout worker")
+    router: LightPlacement = Field(default_factory=LightPlacement, description="the router")
+    evaluator: LightPlacement = Field(default_factory=LightPlacement, description="the evaluator")
 
 
 class Config(Section):

@@ -226,7 +226,7 @@ def _scale(cfg: Config, ns, supervisor: Supervisor, launcher, config_file: Path,
         launcher.place(new)
     for part in new:
         supervisor.say(f"scaling up: starting {part.name}")
-        supervisor.start(part)
+        supervisor.start(part, wait=False)
 
 
 def _lock_down(cfg: Config) -> None:

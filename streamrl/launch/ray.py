@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from streamrl.buffer.redis_server import die_with_parent, free_port
@@ -88,8 +89,9 @@ class RayPart:
     ``placing`` and counts as alive; then it starts, and any process's exit is the part's (a learner's ranks
     live and die together, as under torchrun)."""
 
-    def __init__(self, part: Part, actors: list[Any], cwd: str, asks: str):
-        self.part, self.actors, self.cwd, self.asks = part, actors, cwd, asks
+    def __init__(self, part: Part, actors: list[Any], cwd: str, bundles: tuple[PlacementGroup, list[int]], asks: str):
+        self.part, self.actors, self.cwd, self.bundles, self.asks = part, actors, cwd, bundles, asks
+        self.look_after = time.monotonic() + 2  # an actor takes a moment to start even where there is room
         self.placed = [actor.node_ip.remote() for actor in actors]
         self.pid: int | None = None
         self.host: str | None = None  # the node of its first process (a learner's rank 0)
@@ -139,12 +141,19 @@ class RayPart:
         elif all(code == 0 for code in codes):
             self.returncode = 0
 
-    def waiting_for(self) -> str:
-        """What the part waits for while placing, and what the cluster has free now."""
-        free = ray.available_resources()
-        nodes = ", ".join(f"{n.ip} {n.resources}" for n in alive_nodes())
-        return (f"Ray to place it: it asks {self.asks}; free now {_fmt(free)} (alive nodes: {nodes}). "
-                "It starts as soon as a node has room, one that joins included")
+    def waiting_for(self) -> str | None:
+        """What the part waits for while Ray has no room for it; None while its bundles are placed (its actors
+        are merely starting), or when asked again within two seconds."""
+        if time.monotonic() < self.look_after:
+            return None
+        self.look_after = time.monotonic() + 2
+        group, indices = self.bundles
+        placed = placement_group_table(group)["bundles_to_node_id"]
+        if all(placed.get(i) for i in indices):
+            return None
+        nodes = ", ".join(f"{n.ip} {_fmt(n.resources)}" for n in alive_nodes())
+        return (f"Ray to place it: it asks {self.asks}; free now {_fmt(ray.available_resources())} (alive nodes: "
+                f"{nodes}). It starts as soon as a node has room, one that joins the cluster included")
 
     def stop(self, timeout_s: float) -> None:
         stop_together([self], timeout_s)
@@ -177,8 +186,9 @@ def alive_nodes() -> list[Node]:
 
 
 def _fmt(resources: dict[str, float]) -> str:
+    """Resources as a user asks for them: without Ray's own bookkeeping (memory, node and bundle markers)."""
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items())
-                           if not k.startswith(("node:", "memory", "object_store_memory"))) + "}"
+                           if not k.startswith(("node:", "memory", "object_store_memory", "bundle_group_"))) + "}"
 
 
 def _fits(bundle: dict[str, float], node: Node, labels: dict[str, str]) -> bool:
@@ -282,7 +292,8 @@ class RayActors:
             resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}).remote()
             for i in range(self.cfg.learner.nproc if part.kind == "learner" else 1)]
         labels = f" on a node labelled {place.labels}" if place.labels else ""
-        return RayPart(part, actors, self.cwd, f"{len(actors)} × {_fmt(bundle)}{labels}")
+        return RayPart(part, actors, self.cwd, (group, [first + i for i in range(len(actors))]),
+                       f"{len(actors)} × {_fmt(bundle)}{labels}")
 
     def stop_all(self, parts: list[Part], timeout_s: float) -> None:
         self.local.stop_all([p for p in parts if not isinstance(p.proc, RayPart)], timeout_s)

@@ -38,7 +38,8 @@ class Part:
     proc: Any = None               # a Popen, or anything with pid, poll() and returncode
     restarts: int = 0
     started_at: float = 0.0
-    started_at_mono: float = 0.0
+    pending: bool = False          # started, not yet seen placed and ready
+    said_waiting: bool = False     # the supervisor said what its placing waits for
     finished: bool = False         # exited 0 on its own: done, not dead
 
     @property
@@ -144,15 +145,38 @@ class Supervisor:
         self.restart_kinds, self.max_restarts, self.ready_timeout_s = set(restart), max_restarts, ready_timeout_s
         self.say, self.state_path = say, state_path
 
-    def start(self, part: Part) -> Part:
+    def start(self, part: Part, wait: bool = True) -> Part:
+        """Start ``part``; with ``wait``, return once it is placed and ready (the run's first start, in order).
+        Without, ``check`` sees it through placing and readiness on its rounds (restarts, added parts): a part
+        that waits for a node must not hold up the watch over the others."""
         if part not in self.parts:
             self.parts.append(part)
         part.log_path.parent.mkdir(parents=True, exist_ok=True)
         part.proc = self.launcher.spawn(part)
-        part.started_at, part.started_at_mono, part.finished = time.time(), time.monotonic(), False
+        part.started_at, part.pending, part.said_waiting = time.time(), True, False
+        part.finished = False
+        self._save()
+        if wait:
+            while part.placing and part.alive():
+                self._say_waiting(part)
+                time.sleep(0.2)
+            self._settle(part)
+        return part
+
+    def _say_waiting(self, part: Part) -> None:
+        """Once, while the launcher finds no room for a part (Ray: no node with what it asks for, until one
+        joins), what it waits for."""
+        if not part.said_waiting and (reason := part.proc.waiting_for()):
+            self.say(f"{part.name} waits for {reason}")
+            part.said_waiting = True
+
+    def _settle(self, part: Part) -> None:
+        """A part just placed: record where, then wait until it is ready."""
+        part.pending = False
+        if part.said_waiting:
+            self.say(f"{part.name} placed on {part.host}")
         self._save()
         self._wait_ready(part)
-        return part
 
     def _save(self) -> None:
         """``RUN/parts.json``: every part's pid, restarts and log, for people and tools looking in."""
@@ -166,33 +190,25 @@ class Supervisor:
         os.replace(tmp, self.state_path)
 
     def _wait_ready(self, part: Part) -> None:
-        self._wait_placed(part)
         deadline = time.monotonic() + self.ready_timeout_s
         while part.ready is not None and not part.ready():
             if not part.alive():
-                raise PartFailed(f"{part.name} ({part.where}) exited with {part.proc.returncode} before it was ready; "
-                                 f"the end of {part.log_path}:\n{part.log_tail()}")
+                raise PartFailed(f"{part.name} ({part.where}) exited with {part.proc.returncode} before it was "
+                                 f"ready; the end of {part.log_path}:\n{part.log_tail()}")
             if time.monotonic() > deadline:
                 raise PartFailed(f"{part.name} ({part.where}) was not ready after {self.ready_timeout_s:.0f}s; "
                                  f"the end of {part.log_path}:\n{part.log_tail()}")
             time.sleep(0.2)
 
-    def _wait_placed(self, part: Part) -> None:
-        """Wait, without a deadline, while the launcher finds room for the part (Ray: a node with the resources
-        it asks for; one that joins the cluster later will do); say once what it waits for."""
-        said = False
-        while part.placing and part.alive():
-            if not said and time.monotonic() - part.started_at_mono > 2:
-                self.say(f"{part.name} waits for {part.proc.waiting_for()}")
-                said = True
-            time.sleep(0.2)
-        if said:
-            self.say(f"{part.name} placed on {part.host}")
-        self._save()
-
     def check(self) -> None:
         """Notice parts that exited: done (status 0 and not meant to run forever), restarted, or fatal."""
         for part in self.parts:
+            if part.pending and part.alive():
+                if part.placing:
+                    self._say_waiting(part)
+                else:
+                    self._settle(part)
+                continue
             if part.finished or part.alive():
                 continue
             code = part.proc.returncode
@@ -203,7 +219,7 @@ class Supervisor:
                 part.restarts += 1
                 self.say(f"{part.name} ({part.where}) exited with {code}; restarting "
                          f"({part.restarts}/{self.max_restarts}). The end of its log:\n{part.log_tail(8)}")
-                self.start(part)
+                self.start(part, wait=False)
                 continue
             raise PartFailed(f"{part.name} ({part.where}) exited with {code}; the end of {part.log_path}:\n"
                              f"{part.log_tail()}")
