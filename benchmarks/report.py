@@ -18,7 +18,8 @@ from benchmarks.common import console, points
 TITLES = {"queue": "Replay stream", "partition": "Micro-batch partitioning", "generate": "Generation",
           "learner": "Learner", "weight_push": "Weight push", "e2e": "End to end: async vs sync",
           "ablation": "Ablations on the agentic workload", "trl": "Against TRL", "simulate": "Simulated fleets",
-          "soak": "Soak: memory over a long run", "agent": "Agents through the gateway"}
+          "soak": "Soak: memory over a long run", "agent": "Agents through the gateway",
+          "nodes": "One node or two on Ray"}
 MODULES = {"queue": "replay_stream", "trl": "against_trl"}  # a study's module, where not its own name
 HEADLINES = {"e2e": "- **async (", "ablation": "- **ablation `", "trl": "- **streamrl / TRL", "soak": "- **soak**",
              "agent": "- **agent gateway"}

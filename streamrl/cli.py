@@ -313,12 +313,12 @@ def show_config(
 @app.command()
 def bench(
     suite: Annotated[str, typer.Argument(help="Study to run: queue, partition, generate, learner, weight-push, e2e, "
-                                                "ablation, trl, simulate, agent; "
+                                                "ablation, trl, simulate, agent, nodes; "
                                                 "or 'report' to gather results into docs/benchmarks.md.")],
     quick: Annotated[bool, typer.Option("--quick", help="A short run that still measures both sides.")] = False,
     out: Annotated[Path, typer.Option(help="Where JSON and PNG results go.")] = Path("benchmarks/results"),
     model: Annotated[Path | None, typer.Option(help="HF model directory, for studies that run a model.")] = None,
-    repeats: Annotated[int | None, typer.Option(help="Runs of each arm, for e2e, ablation and trl (default: the "
+    repeats: Annotated[int | None, typer.Option(help="Runs of each arm, for e2e, ablation, trl and nodes (default: the "
                                                    "study's own).", min=1)] = None,
     steps: Annotated[int | None, typer.Option(help="trl: learner steps of each run (default: 20).", min=1)] = None,
     trl_generation: Annotated[str | None, typer.Option(help="trl: TRL's generation backend: hf (model.generate), "
@@ -344,8 +344,8 @@ def bench(
         raise typer.Exit(2)
     options = {"model": str(model)} if model else {}
     if repeats:
-        if suite not in ("e2e", "ablation", "trl"):
-            err.print(f"--repeats applies to e2e, ablation and trl, not {suite}")
+        if suite not in ("e2e", "ablation", "trl", "nodes"):
+            err.print(f"--repeats applies to e2e, ablation, trl and nodes, not {suite}")
             raise typer.Exit(2)
         options["repeats"] = repeats
     for name, value in (("steps", steps), ("trl_generation", trl_generation), ("precision", precision),

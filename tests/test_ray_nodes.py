@@ -48,7 +48,10 @@ def _tails(log, run_path) -> str:
 
 
 def _requests_served(url: str) -> float:
-    metrics = httpx.get(f"{url}/metrics", timeout=5).text
+    try:
+        metrics = httpx.get(f"{url}/metrics", timeout=5).text
+    except httpx.HTTPError:  # placed, not listening yet
+        return 0.0
     return sum(float(line.split()[-1]) for line in metrics.splitlines()
                if line.startswith('streamrl_requests_total{status="ok"}'))
 
@@ -137,7 +140,7 @@ def _run_across_nodes(cluster: NetnsCluster, prepared, tmp_path) -> None:
             "ray.learner.labels={role: train}", "ray.learner.cpus=0.5", "ray.server.labels={role: gen}",
             "ray.server.cpus=0.5", "ray.rollout.labels={role: gen}", "server.heartbeat_s=0.5",
             "server.registry_ttl_s=3", "router.sync_every_s=0.5", "supervise.display=plain",
-            "supervise.max_restarts=5", "rollout.env=streamrl.testing:Unhurried", "rollout.env_args.delay_s=3"]
+            "supervise.max_restarts=5", "rollout.env=streamrl.testing:Unhurried", "rollout.env_args.delay_s=1"]
     with log.open("w") as out:
         up = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **cluster.env, **ENV})
     said = lambda text: text in log.read_text(errors="replace")  # noqa: E731
