@@ -27,6 +27,8 @@ PLACEHOLDER = re.compile(r"\b[A-Z][A-Z_]+\b(?!=)|\.\.\.|\[")  # a template: CONF
 RUN = "run here"
 GPU, MACHINES = "needs a GPU", "needs several machines (the guide's addresses)"
 YOURS = "runs the reader's own config or code"
+RAY_NODES = ("the guide's machines; tests/test_ray_nodes.py::test_the_quickstart_across_nodes_learns_scales_and_"
+             "survives_losing_its_generation_and_learner_nodes runs the same steps on hosts made of network namespaces")
 BENCH = "a benchmark study (tests/test_benchmarks.py runs the studies' --quick forms)"
 # a run too long for CI: its config and overrides are checked here as `streamrl up` checks them first, and a test
 # runs the same config shortened
@@ -68,6 +70,9 @@ COMMANDS = {
     "streamrl up my-model.yaml learner.tensorboard=true": YOURS,
     "tensorboard --logdir runs/my-model/tensorboard": YOURS,
     # several machines
+    "ray start --head --node-ip-address 10.0.0.1 --port 6379 --labels role=cpu": RAY_NODES,
+    "ray start --address 10.0.0.1:6379 --node-ip-address 10.0.0.2 --labels role=gpu": RAY_NODES,
+    "streamrl up cluster.yaml --ray 10.0.0.1:6379": RAY_NODES,
     "torchrun --nproc_per_node 8 -m streamrl launch-learner cluster.yaml": MACHINES,
     "streamrl launch-router cluster.yaml": MACHINES,
     "CUDA_VISIBLE_DEVICES=0 streamrl serve cluster.yaml server.host=10.0.0.31 --port 31000": MACHINES,
