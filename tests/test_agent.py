@@ -235,15 +235,17 @@ def test_hermes_and_json_parsers_read_calls_and_leave_the_rest_as_content():
 
 
 @pytest.mark.slow
-def test_the_quickstart_played_by_an_agent_learns_with_up(tmp_path):
+def test_the_quickstart_played_by_an_agent_learns_with_up(tmp_path, quickstart_prepared):
     """`streamrl up` with the quickstart's task played through the gateway: it trains, evaluates and learns."""
     import os
+    import shutil
     import subprocess
     import sys
 
     from streamrl.buffer.redis_server import free_port
     from streamrl.rollout.evaluate import read_records
 
+    shutil.copytree(quickstart_prepared, tmp_path / "agent" / "prepared")  # the recipe's warm start, made once
     argv = [sys.executable, "-m", "streamrl", "up", "configs/quickstart.yaml", f"run.dir={tmp_path}", "run.name=agent",
             f"rollout.env={Path(agents.__file__)}:single_turn", "learner.max_steps=20", "eval.every=20",
             f"router.port={free_port()}", f"router.prometheus_port={free_port()}", f"server.base_port={free_port()}",

@@ -4,6 +4,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -155,11 +156,12 @@ def test_up_survives_killing_each_part_in_turn_and_its_ledger_balances(tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM: scripts/test.sh installs its CPU build")
-def test_up_with_the_vllm_engine_learns_and_survives_a_dead_engine_and_a_server_kill(tmp_path):
+def test_up_with_the_vllm_engine_learns_and_survives_a_dead_engine_and_a_server_kill(tmp_path, quickstart_prepared):
     """The quickstart served by vLLM's CPU build: it learns; a server whose engine core was killed exits
     and is restarted; a SIGKILLed server comes back from the learner's newest export (a late joiner), is
     caught up by a push, and serves the last weights."""
     run_path = tmp_path / "onvllm"
+    shutil.copytree(quickstart_prepared, run_path / "prepared")  # the recipe's warm start, made once
     argv = [sys.executable, "-m", "streamrl", "up", "configs/quickstart.yaml", "server.engine=vllm",
             f"run.dir={tmp_path}", "run.name=onvllm", f"router.port={free_port()}",
             f"router.prometheus_port={free_port()}", f"server.base_port={free_port()}", "server.heartbeat_s=0.3",
