@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import yaml
 
-from streamrl.buffer import EmbeddedRedis
+from streamrl.buffer import BufferUnavailable, EmbeddedRedis, Namespace
 from streamrl.buffer.redis_server import free_port
 from streamrl.config import Config, ConfigError, load_config
 from streamrl.envs.registry import load_plugin
@@ -177,13 +177,15 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
         supervisor = Supervisor(cfg.supervise.restart, cfg.supervise.max_restarts, cfg.supervise.ready_timeout_s,
                                 say, state_path=cfg.run.path / "parts.json", launcher=launcher)
         dashboard.connect(cfg.redis.url, supervisor)
+        # read each round without retries: waiting on a Redis that is down would hold up its own restart
+        requests = Namespace.open(cfg.redis.url, cfg.run.name, retries=0)
         for part in todo:
             say(f"starting {part.name}")
             supervisor.start(part)
         say("all parts ready")
         while not all(p.finished for p in supervisor.parts if p.kind in ("learner", "evaluator")):
             supervisor.check()
-            _scale(cfg, dashboard.ns, supervisor, launcher, config_file, plan)
+            _scale(cfg, requests, supervisor, launcher, config_file, plan)
             dashboard.refresh()
             time.sleep(cfg.supervise.refresh_s)
         code = 0
@@ -210,9 +212,13 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
     return code
 
 
-def _scale(cfg: Config, ns, supervisor: Supervisor, launcher, config_file: Path, gpus: dict[str, str]) -> None:
+def _scale(cfg: Config, ns: Namespace, supervisor: Supervisor, launcher, config_file: Path,
+           gpus: dict[str, str]) -> None:
     """Start the servers and workers that `streamrl scale` asked for and the run does not have yet."""
-    wanted = scale.wanted(ns)
+    try:
+        wanted = scale.wanted(ns)
+    except BufferUnavailable:  # Redis is a part too, and may be restarting: ask again next round
+        return
     have = {kind: sum(1 for p in supervisor.parts if p.kind == kind) for kind in ("server", "rollout")}
     if gpus and wanted.get("server", 0) > have["server"]:
         supervisor.say("streamrl scale: servers added to a run whose parts have GPUs of their own need "
