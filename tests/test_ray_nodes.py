@@ -111,13 +111,14 @@ def test_a_placement_no_node_can_hold_is_refused_before_anything_starts(netns_cl
     assert not (tmp_path / "refused" / "redis").exists() and not (tmp_path / "refused" / "parts.json").exists()
 
 
+@pytest.mark.timeout(900)
 def test_the_quickstart_across_nodes_learns_scales_and_survives_losing_its_generation_and_learner_nodes(
         quickstart_prepared, tmp_path):
     """Servers and the worker on a node of their own, the learner's two ranks on two others (the head, where
-    `streamrl up` and Redis run, is one). Mid-run: a second server is added (`streamrl scale`) and serves; the
-    generation node dies and its parts wait until a node that can hold them joins; a learner node dies and the
-    learner resumes from its checkpoint on a new one. The run learns and its ledger balances: nothing lost,
-    nothing trained twice."""
+    `streamrl up` and Redis run, is one). Mid-run: a second server and worker are added (`streamrl scale`) and
+    serve and push groups; the generation node dies and its parts wait until a node that can hold them joins; a
+    learner node dies and the learner resumes from its checkpoint on a new one. The run learns and its ledger
+    balances: nothing lost, nothing trained twice."""
     try:
         cluster = NetnsCluster(head_labels={"role": "train"}).start()
     except NetnsUnavailable as e:
@@ -150,12 +151,14 @@ def _run_across_nodes(cluster: NetnsCluster, prepared, tmp_path) -> None:
         assert parts["server-0"]["host"] == parts["rollout-0"]["host"] == gen.ip
         assert sorted(parts["learner"]["hosts"]) == sorted([cluster.head.ip, train.ip])
 
-        scale = subprocess.run([sys.executable, "-m", "streamrl", "scale", str(run_path), "servers=2"],
+        scale = subprocess.run([sys.executable, "-m", "streamrl", "scale", str(run_path), "servers=2", "workers=2"],
                                capture_output=True, text=True, timeout=60)
         assert scale.returncode == 0, scale.stderr
         _until("server-1", lambda: _parts(run_path).get("server-1", {}).get("host"), up, log, run_path)
         added = f"http://{_parts(run_path)['server-1']['host']}:{base_port + 1}"
         _until("requests served by server-1", lambda: _requests_served(added) > 0, up, log, run_path)
+        _until("groups from rollout-1", lambda: any(r.get("groups_pushed") for r in read_records(
+            run_path / "metrics" / "rollout-worker-1.jsonl")), up, log, run_path)
 
         cluster.kill_node(gen)  # both servers and the worker go with it, and no node left can hold them
         died, step_at_death = time.monotonic(), len(_steps(run_path))
