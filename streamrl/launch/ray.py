@@ -204,6 +204,11 @@ def _selects(value: str | None, selector: str) -> bool:
     return (value in allowed) != negated
 
 
+def _choosy(place: Placement) -> bool:
+    """Whether this kind may go only to some nodes."""
+    return bool(place.labels or place.resources or place.gpus)
+
+
 def asked(cfg: Config) -> dict[str, int]:
     """How many bundles each kind asks for: one per part, one per learner rank."""
     return {"server": cfg.server.count, "learner": cfg.learner.nproc, "rollout": cfg.rollout.workers,
@@ -262,25 +267,33 @@ class RayActors:
             self.close()
             raise RuntimeError("this Ray cluster cannot hold the run:\n  " + "\n  ".join(problems))
 
-    def place(self, parts: list[Part]) -> None:
-        """Reserve a placement group per kind for ``parts`` (the run's, or those `streamrl scale` adds)."""
+    def place(self, parts: list[Part], settle_s: float = 15.0) -> None:
+        """Reserve a placement group per kind for ``parts`` (the run's, or those `streamrl scale` adds).
+
+        Ray places each group as it comes, so the kinds that may go only to some nodes (labels, GPUs, custom
+        resources) are reserved first, each given ``settle_s`` to land: a kind that may go anywhere must not
+        take the room on the only nodes another can use.
+        """
         by_kind: dict[str, list[Part]] = defaultdict(list)
         for part in parts:
             if part.kind in KINDS:
                 by_kind[part.kind].append(part)
-        for kind, members in by_kind.items():
+        for kind in sorted(by_kind, key=lambda k: not _choosy(getattr(self.cfg.ray, k))):
             place: Placement = getattr(self.cfg.ray, kind)
             per_part = self.cfg.learner.nproc if kind == "learner" else 1
-            count = len(members) * per_part
+            count = len(by_kind[kind]) * per_part
             group = placement_group([place.bundle()] * count, strategy=place.strategy,
                                     bundle_label_selector=[place.labels] * count if place.labels else None)
             self.groups.append(group)
-            for i, part in enumerate(members):
+            for i, part in enumerate(by_kind[kind]):
                 self.bundles[part.name] = (group, i * per_part)
+            ray.wait([group.ready()], timeout=settle_s)  # not placed in time: it waits, and says so when spawned
 
     def spawn(self, part: Part) -> Any:
-        if part.kind not in KINDS:
-            return self.local.spawn(part)
+        if part.kind not in KINDS:  # Redis: beside this process, bound to its node's address
+            proc = self.local.spawn(part)
+            proc.host = self.node_ip
+            return proc
         if isinstance(part.proc, RayPart):  # a restart: the old actors give their bundles back first
             part.proc.stop(timeout_s=10)
         group, first = self.bundles[part.name]
