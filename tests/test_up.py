@@ -215,6 +215,9 @@ def test_up_places_the_parts_on_a_local_ray_cluster(tmp_path):
     assert [e["step"] for e in read_records(run_path / "metrics" / "eval.jsonl")] == [0, 3]
     parts = json.loads((run_path / "parts.json").read_text())
     assert set(parts) == {"redis", "router", "server-0", "rollout-0", "evaluator", "learner"}
+    # a local cluster is this machine: its parts keep to loopback, never the machine's outward address Ray names
+    assert {p["host"] for p in parts.values()} == {"127.0.0.1"}
+    assert "redis://" in (cfg := (run_path / "config.yaml").read_text()) and "@127.0.0.1:" in cfg
     time.sleep(0.5)
     assert not [p["pid"] for p in parts.values() if psutil.pid_exists(p["pid"])
                 and psutil.Process(p["pid"]).status() != psutil.STATUS_ZOMBIE]

@@ -46,8 +46,7 @@ class PartProcess:
         return free_port(self.node_ip())
 
     def start(self, argv: list[str], env: dict[str, str], log_path: str, cwd: str) -> int:
-        ip = self.node_ip()
-        told = {NODE_IP_ENV: ip, **_gloo_interface(ip), **env}
+        told = {**_gloo_interface(env[NODE_IP_ENV]), **env}
         with open(log_path, "ab") as log:
             # the part dies with this actor (ray.kill, a crash): none outlives its bundle
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -89,8 +88,10 @@ class RayPart:
     ``placing`` and counts as alive; then it starts, and any process's exit is the part's (a learner's ranks
     live and die together, as under torchrun)."""
 
-    def __init__(self, part: Part, actors: list[Any], cwd: str, bundles: tuple[PlacementGroup, list[int]], asks: str):
+    def __init__(self, part: Part, actors: list[Any], cwd: str, bundles: tuple[PlacementGroup, list[int]], asks: str,
+                 loopback: bool = False):
         self.part, self.actors, self.cwd, self.bundles, self.asks = part, actors, cwd, bundles, asks
+        self.loopback = loopback  # a cluster of this machine alone: parts keep to 127.0.0.1
         self.look_after = time.monotonic() + 2  # an actor takes a moment to start even where there is room
         self.placed = [actor.node_ip.remote() for actor in actors]
         self.pid: int | None = None
@@ -114,11 +115,11 @@ class RayPart:
         if len(done) < len(self.placed):
             return
         try:
-            ips = ray.get(self.placed)
-            envs = [self.part.env] * len(ips)
+            ips = ["127.0.0.1"] * len(self.placed) if self.loopback else ray.get(self.placed)
+            envs = [{**self.part.env, NODE_IP_ENV: ip} for ip in ips]
             if len(ips) > 1 or self.part.kind == "learner":
                 port = ray.get(self.actors[0].free_port.remote(), timeout=30)
-                envs = [{**self.part.env, **ranks} for ranks in rank_env(ips, port)]
+                envs = [{**env, **ranks} for env, ranks in zip(envs, rank_env(ips, port))]
             log = str(self.part.log_path.resolve())
             pids = ray.get([a.start.remote(self.part.argv, e, log, self.cwd) for a, e in zip(self.actors, envs)],
                            timeout=60)
@@ -257,7 +258,10 @@ class RayActors:
             ray.init(address=cfg.ray.address or "local", include_dashboard=False, log_to_driver=False,
                      **({"num_cpus": os.cpu_count()} if cfg.ray.address is None else {}))
         self.cfg, self.cwd = cfg, os.getcwd()
-        self.node_ip = ray.util.get_node_ip_address()  # the driver's node: Redis binds here
+        # the driver's node, where Redis binds. A local cluster is this machine alone: its parts keep to loopback
+        # (Ray would name the machine's outward address, and every part would listen there)
+        self.loopback = cfg.ray.address is None
+        self.node_ip = "127.0.0.1" if self.loopback else ray.util.get_node_ip_address()
         self.groups: list[PlacementGroup] = []
         self.bundles: dict[str, tuple[PlacementGroup, int]] = {}  # part name -> its group, first bundle
         self.local = LocalProcesses()
@@ -265,7 +269,8 @@ class RayActors:
         problems = unplaceable(requests, alive_nodes())
         if problems:
             self.close()
-            raise RuntimeError("this Ray cluster cannot hold the run:\n  " + "\n  ".join(problems))
+            raise RuntimeError("this Ray cluster cannot hold the run (reserve less in ray.<kind>, or add nodes):\n  "
+                               + "\n  ".join(problems))
 
     def place(self, parts: list[Part], settle_s: float = 15.0) -> None:
         """Reserve a placement group per kind for ``parts`` (the run's, or those `streamrl scale` adds).
@@ -306,7 +311,7 @@ class RayActors:
             for i in range(self.cfg.learner.nproc if part.kind == "learner" else 1)]
         labels = f" on a node labelled {place.labels}" if place.labels else ""
         return RayPart(part, actors, self.cwd, (group, [first + i for i in range(len(actors))]),
-                       f"{len(actors)} × {_fmt(bundle)}{labels}")
+                       f"{len(actors)} × {_fmt(bundle)}{labels}", self.loopback)
 
     def stop_all(self, parts: list[Part], timeout_s: float) -> None:
         self.local.stop_all([p for p in parts if not isinstance(p.proc, RayPart)], timeout_s)
