@@ -111,3 +111,15 @@ def test_concurrent_workers_never_exceed_the_bound(ns, redis_server):
 def test_bad_parameters_are_refused(ns):
     with pytest.raises(ValueError, match="groups_per_step >= 1"):
         Admission(ns, max_staleness=0, groups_per_step=0)
+
+
+def test_a_restarted_worker_takes_back_the_slots_of_its_earlier_life_only(ns):
+    from streamrl.buffer.admission import group_id
+
+    admission = Admission(ns, max_staleness=0, groups_per_step=4)
+    old, sibling, new = group_id("w0", "life-a"), group_id("w01", "life-a"), group_id("w0", "life-b")
+    assert old.startswith("w0/life-a/") and all(admission.try_admit(g) for g in (old, sibling, new))
+    assert admission.reclaim("w0", "life-b") == 1  # w0's earlier life; not w01's, not its own
+    assert admission.running() == 2 and admission.try_admit(group_id("w0", "life-b"))  # the slot is free again
+    assert admission.counters()["abandoned:worker_restarted"] == 1
+    assert admission.reclaim("w0", "life-b") == 0

@@ -66,8 +66,9 @@ def test_groups_of_the_builtin_envs_land_with_masks_logprobs_and_versions(fleet,
 
 
 def test_a_killed_worker_restarts_without_losing_or_repeating_a_prompt(fleet):
-    # Admission bounds the run: (max_staleness 0 + version 0 + 1) * 12 groups, then the worker waits.
-    args = ["off_policy.max_staleness=0", "learner.groups_per_step=12", "rollout.group_lease_s=3"]
+    # Admission bounds the run: (max_staleness 0 + version 0 + 1) * 12 groups, then the worker waits. The
+    # restarted worker takes back the slots of the groups that died with it at once: leases of 600 s never lapse
+    args = ["off_policy.max_staleness=0", "learner.groups_per_step=12"]
     proc = _worker(fleet, *args)
     _until(lambda: len(_groups(fleet)) >= 3)
     proc.send_signal(signal.SIGKILL)
@@ -82,6 +83,9 @@ def test_a_killed_worker_restarts_without_losing_or_repeating_a_prompt(fleet):
     assert len(groups) == 12 and len(set(g.group_id for g in groups)) == 12
     assert len(set(prompts)) == 12  # no prompt twice ...
     assert sorted(prompts) == list(range(12))  # ... and none skipped
+    counters = Admission(fleet.ns, max_staleness=0, groups_per_step=12).counters()
+    assert counters["expired"] == 0 and counters["accepted"] == 12
+    assert counters["admitted"] == 12 + counters.get("abandoned:worker_restarted", 0)
 
 
 def test_a_group_slower_than_its_lease_keeps_its_slot_and_its_prompt(fleet):

@@ -11,11 +11,15 @@ of such data would stall the run)
 and ``running`` counts groups admitted but not yet put.
 Running groups hold a lease that their worker renews while it runs them, so a
 group slower than the lease keeps its slot, and a worker that dies mid-group does
-not hold its slot forever. Check-and-admit is one Lua script: no two workers can
-take the last slot.
+not hold its slot forever. A worker restarted under its name gives back at once the
+slots of its earlier life, whose groups will never be put (``reclaim``): group ids
+begin with ``NAME/LIFE/`` (``group_id``). Check-and-admit is one Lua script: no two
+workers can take the last slot.
 """
 
 from __future__ import annotations
+
+import uuid
 
 from streamrl.buffer.connection import LUA_NOW, Namespace
 
@@ -46,6 +50,22 @@ end
 return 0
 """
 
+# Give back the slots of groups whose id begins with this worker's name but not its life.
+_RECLAIM = """
+local taken = 0
+for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  if string.sub(id, 1, #ARGV[1]) == ARGV[1] and string.sub(id, 1, #ARGV[2]) ~= ARGV[2] then
+    redis.call('ZREM', KEYS[1], id)
+    taken = taken + 1
+  end
+end
+if taken > 0 then
+  redis.call('HINCRBY', KEYS[2], 'abandoned', taken)
+  redis.call('HINCRBY', KEYS[2], 'abandoned:worker_restarted', taken)
+end
+return taken
+"""
+
 # Extend the leases still held; one already past its deadline is left to expire.
 _RENEW = LUA_NOW + """
 local renewed = 0
@@ -74,6 +94,7 @@ class Admission:
         self._admit = ns.conn.register_script(_ADMIT)
         self._release = ns.conn.register_script(_RELEASE)
         self._renew = ns.conn.register_script(_RENEW)
+        self._reclaim = ns.conn.register_script(_RECLAIM)
 
     def try_admit(self, group_id: str) -> bool:
         """Take a slot for ``group_id`` (or renew its lease). False when the bound is reached."""
@@ -92,6 +113,12 @@ class Admission:
         """Give back the slot of a group that will never be put, counted under ``abandoned:<reason>``."""
         with self.ns.reachable(f"abandon group {group_id}"):
             return bool(self._release(keys=self._keys[:2], args=[group_id, reason]))
+
+    def reclaim(self, worker: str, life: str) -> int:
+        """Give back the slots of groups ``worker`` admitted in an earlier life (it died mid-group and was
+        restarted: they will never be put); returns how many. A group put late still counts as ``late``."""
+        with self.ns.reachable(f"reclaim the slots of {worker}'s earlier life"):
+            return int(self._reclaim(keys=self._keys[:2], args=[f"{worker}/", f"{worker}/{life}/"]))
 
     def running(self) -> int:
         with self.ns.reachable("count running groups"):
@@ -113,3 +140,8 @@ class Admission:
         """The learner left out ``n`` groups whose rewards were all equal (dynamic sampling)."""
         with self.ns.reachable("count dropped groups"):
             self.ns.conn.hincrby(self._keys[1], "dropped_no_signal", n)
+
+
+def group_id(worker: str, life: str) -> str:
+    """A new group's id, naming the worker and the life of it that admits the group (see ``reclaim``)."""
+    return f"{worker}/{life}/{uuid.uuid4().hex}"

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_se
 from prometheus_client import Counter as PromCounter
 
 from streamrl.buffer import Admission, BufferUnavailable, Namespace, PolicyVersion, PromptClaims, ReplayStream
+from streamrl.buffer.admission import group_id as admitted_group_id
 from streamrl.config import Config, RolloutConfig
 from streamrl.envs import Env, Observation, StepResult, env_factory
 from streamrl.envs.registry import env_plugin, is_agent
@@ -89,6 +90,8 @@ class GuardedEnv(Env):
 
 class RolloutWorker:
     def __init__(self, cfg: Config, name: str, *, redis_url: str):
+        if not name or "/" in name:
+            raise ValueError(f"worker name {name!r}: give a non-empty name without '/' (it begins its group ids)")
         self.cfg, self.name = cfg, name
         rollout = cfg.rollout
         if not cfg.model.path and not cfg.model.tokenizer:
@@ -99,7 +102,8 @@ class RolloutWorker:
         self.version_watch = self.version.watch()
         self.admission = Admission(ns, max_staleness=cfg.staleness_bound, groups_per_step=cfg.learner.groups_per_step,
                                    lease_s=rollout.group_lease_s)
-        self.claims = PromptClaims(ns, name, lease_s=rollout.prompt_lease_s, life=uuid.uuid4().hex)
+        self.life = uuid.uuid4().hex  # this run of the worker, told from earlier ones under the same name
+        self.claims = PromptClaims(ns, name, lease_s=rollout.prompt_lease_s, life=self.life)
         self.renderer = ChatRenderer(load_tokenizer(cfg.model.tokenizer or cfg.model.path))
         self.make_env, self.agent = episode_player(cfg, self.renderer)
         if self.agent is not None and not rollout.dataset:
@@ -126,6 +130,9 @@ class RolloutWorker:
         reporter = asyncio.create_task(self._report_every(rollout.metrics_every_s))
         self.running: dict[str, int] = {}  # group id -> its prompt index, while the group runs
         keeper = asyncio.create_task(self._keep_leases(min(rollout.group_lease_s, rollout.prompt_lease_s) / 3))
+        if reclaimed := await asyncio.to_thread(self.admission.reclaim, self.name, self.life):
+            log.info("%s: gave back %d admission slots of its earlier life (its groups died with it)", self.name,
+                     reclaimed)
         # a request may take the router its whole timeout, then the client hears why
         router_url = await self.router.url()
         async with GenerateClient(router_url, timeout_s=self.cfg.router.request_timeout_s + 10) as client:
@@ -136,7 +143,7 @@ class RolloutWorker:
             started = 0
             while not self.stopping.is_set() and (max_groups is None or started < max_groups):
                 await groups_in_flight.acquire()
-                group_id = uuid.uuid4().hex
+                group_id = admitted_group_id(self.name, self.life)
                 if not await self._admit(group_id):
                     groups_in_flight.release()
                     break
