@@ -50,8 +50,10 @@ def test_ranks_meet_at_rank_0s_node_numbered_as_torchrun_numbers_them():
     assert {(e["WORLD_SIZE"], e["MASTER_ADDR"], e["MASTER_PORT"]) for e in env} == {("3", "10.0.0.2", "29500")}
 
 
-def test_scale_takes_counts_and_refuses_what_it_cannot_do(tmp_path):
+def test_scale_takes_counts_and_refuses_what_it_cannot_do(tmp_path, ns, redis_server):
     import json
+
+    import yaml
 
     from streamrl.launch import scale
 
@@ -61,11 +63,18 @@ def test_scale_takes_counts_and_refuses_what_it_cannot_do(tmp_path):
             scale.parse(bad)
     with pytest.raises(FileNotFoundError, match="config.yaml does not exist"):
         scale.request(tmp_path, {"servers": 2})
-    (tmp_path / "config.yaml").write_text("{}")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"run": {"name": ns.run}, "redis": {"url": redis_server.url}}))
     (tmp_path / "parts.json").write_text(json.dumps({"server-0": {"kind": "server"}, "server-1": {"kind": "server"},
                                                      "rollout-0": {"kind": "rollout"}}))
     with pytest.raises(ValueError, match=r"only adds parts: servers=1 \(it has 2\)"):
         scale.request(tmp_path, {"servers": 1, "workers": 1})
+    scale.request(tmp_path, {"servers": 4})
+    assert scale.wanted(ns) == {"server": 4}
+    # asked for but not started yet: a smaller request is still refused, and would not undo the first
+    with pytest.raises(ValueError, match=r"servers=3 \(it has 4\)"):
+        scale.request(tmp_path, {"servers": 3})
+    scale.request(tmp_path, {"workers": 2})
+    assert scale.wanted(ns) == {"server": 4, "rollout": 2}
 
 
 @pytest.mark.parametrize(("value", "selector", "selected"), [

@@ -37,24 +37,41 @@ def running(run_dir: Path) -> dict[str, int]:
     return {name: sum(1 for p in parts.values() if p["kind"] == kind) for name, kind in KINDS.items()}
 
 
+# Raise each asked-for count, never lower it: two `streamrl scale` commands at once can only add.
+_RAISE = """
+for i = 1, #ARGV, 2 do
+  if tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0') < tonumber(ARGV[i + 1]) then
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+  end
+end
+"""
+
+
 def request(run_dir: Path, wanted: dict[str, int]) -> Config:
-    """Ask the run in ``run_dir`` for these counts; refuses fewer than it has (returns the run's config)."""
+    """Ask the run in ``run_dir`` for these counts; refuses fewer than it has or was already asked for (returns
+    the run's config)."""
     config = run_dir / "config.yaml"
     if not config.is_file():
         raise FileNotFoundError(f"{config} does not exist: give the directory of a run started by `streamrl up`")
-    have = running(run_dir)
-    fewer = [f"{name}={n} (it has {have[name]})" for name, n in wanted.items() if n < have[name]]
-    if fewer:
-        raise ValueError(f"streamrl scale only adds parts: {', '.join(fewer)}")
     cfg = load_config(config, [])
     ns = Namespace.open(cfg.redis.url, cfg.run.name, retries=0)
+    have, asked = running(run_dir), _asked(ns)
+    fewer = [f"{name}={n} (it has {max(have[name], asked.get(name, 0))})" for name, n in wanted.items()
+             if n < max(have[name], asked.get(name, 0))]
+    if fewer:
+        raise ValueError(f"streamrl scale only adds parts: {', '.join(fewer)}")
     with ns.reachable("ask the run to scale"):
-        ns.conn.hset(ns.key("scale"), mapping=wanted)
+        ns.conn.eval(_RAISE, 1, ns.key("scale"), *(x for item in wanted.items() for x in item))
     return cfg
 
 
-def wanted(ns: Namespace) -> dict[str, int]:
-    """The counts `streamrl scale` last asked for (``servers``, ``workers``), by kind of part."""
+def _asked(ns: Namespace) -> dict[str, int]:
+    """The counts `streamrl scale` asked for so far (``servers``, ``workers``)."""
     with ns.reachable("read the scale request"):
         asked = ns.conn.hgetall(ns.key("scale"))
-    return {KINDS[k.decode()]: int(v) for k, v in asked.items() if k.decode() in KINDS}
+    return {k.decode(): int(v) for k, v in asked.items() if k.decode() in KINDS}
+
+
+def wanted(ns: Namespace) -> dict[str, int]:
+    """The counts `streamrl scale` asked for, by kind of part."""
+    return {KINDS[name]: n for name, n in _asked(ns).items()}
