@@ -56,10 +56,11 @@ def request(run_dir: Path, wanted: dict[str, int]) -> Config:
     cfg = load_config(config, [])
     ns = Namespace.open(cfg.redis.url, cfg.run.name, retries=0)
     have, asked = running(run_dir), _asked(ns)
-    fewer = [f"{name}={n} (it has {max(have[name], asked.get(name, 0))})" for name, n in wanted.items()
-             if n < max(have[name], asked.get(name, 0))]
+    floor = {name: max(have[name], asked.get(name, 0)) for name in wanted}
+    fewer = [f"{name}={n} (the run has or was asked for {floor[name]})" for name, n in wanted.items()
+             if n < floor[name]]
     if fewer:
-        raise ValueError(f"streamrl scale only adds parts: {', '.join(fewer)}")
+        raise ValueError(f"counts only grow (a part is not taken away mid-group): {', '.join(fewer)}")
     with ns.reachable("ask the run to scale"):
         ns.conn.eval(_RAISE, 1, ns.key("scale"), *(x for item in wanted.items() for x in item))
     return cfg
