@@ -54,7 +54,7 @@ def up(
     ray: Annotated[str | None, typer.Option(help="Place the parts on Ray: a cluster address ('auto', "
                                                     "ray://...) or 'local' for a local cluster.")] = None,
 ) -> None:
-    """Run everything on this machine: Redis, router, servers, rollout workers, evaluator, learner."""
+    """Run everything: Redis, router, servers, rollout workers, evaluator, learner (on this machine, or on Ray)."""
     from streamrl.launch.local import up as run_up
 
     if config is not None and "=" in str(config) and not config.exists():
@@ -160,9 +160,12 @@ def launch_router(
         err.print(f"[red]streamrl launch-router:[/] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(1) from None
     finally:
-        if address is not None:
-            address.withdraw(router.url)
         router.stop()
+        if address is not None:
+            try:
+                address.withdraw(router.url)
+            except Exception as e:  # Redis away: the announcement expires on its own
+                err.print(f"could not withdraw the router's announcement: {escape(str(e))}", soft_wrap=True)
 
 
 @app.command("launch-rollout")

@@ -56,6 +56,8 @@ REFUSED = [
     (["launcher=ray", "ray.address=10.0.0.1:6379", "server.host=127.0.0.1"],
      "server.host=127.0.0.1: parts that Ray places on other nodes cannot reach", "launcher_settings_need_their_launcher"),
     (["prepare.args={a: 1}"], "prepare.args are the arguments of prepare.fn", "launcher_settings_need_their_launcher"),
+    (["launcher=ray", "ray.router.cpus=0"], "ray.router reserves nothing", "launcher_settings_need_their_launcher"),
+    (["router.sync_every_s=10"], "the router's announcement would expire", "ports_and_heartbeats_fit"),
 ]
 
 

@@ -48,6 +48,8 @@ def test_ranks_meet_at_rank_0s_node_numbered_as_torchrun_numbers_them():
     assert [(e["RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in env] == [("0", "0", "2"), ("1", "0", "1"),
                                                                                   ("2", "1", "2")]
     assert {(e["WORLD_SIZE"], e["MASTER_ADDR"], e["MASTER_PORT"]) for e in env} == {("3", "10.0.0.2", "29500")}
+    # each rank given GPUs of its own by Ray sees them from device 0 (DeepSpeed sets the device from LOCAL_RANK)
+    assert {e["LOCAL_RANK"] for e in rank_env(["10.0.0.2", "10.0.0.2"], 29500, own_gpus=True)} == {"0"}
 
 
 def test_scale_takes_counts_and_refuses_what_it_cannot_do(tmp_path, ns, redis_server):

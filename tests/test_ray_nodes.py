@@ -89,7 +89,7 @@ def test_a_learner_of_two_ranks_on_two_nodes_computes_the_update_of_one_rank(net
         hosts = proc.hosts
     finally:
         launcher.close()
-        assert not ray.is_initialized()
+    assert not ray.is_initialized()
     assert len(set(hosts)) == 2 and set(hosts) <= {netns_cluster.head.ip, b.ip, c.ip}
     one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
     for k in one:

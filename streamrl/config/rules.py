@@ -115,14 +115,18 @@ def groups_can_be_trained(cfg: Config) -> Iterator[str]:
 
 @rule
 def ports_and_heartbeats_fit(cfg: Config) -> Iterator[str]:
-    """`server.base_port + server.count - 1` past 65535; `server.heartbeat_s` not below `server.registry_ttl_s`;
-    `rollout.prometheus_port` with several workers (they would share it)."""
+    """`server.base_port + server.count - 1` past 65535; `server.heartbeat_s` or `router.sync_every_s` (the
+    router's announcement) not below `server.registry_ttl_s`; `rollout.prometheus_port` with several workers (they
+    would share it)."""
     server = cfg.server
     if server.base_port + max(server.count, 1) - 1 > 65535:
         yield f"server.base_port: {server.base_port} + {server.count} servers runs past port 65535"
     if server.heartbeat_s >= server.registry_ttl_s:
         yield (f"server.heartbeat_s: {server.heartbeat_s} >= server.registry_ttl_s = {server.registry_ttl_s}; "
                "servers would expire between heartbeats")
+    if cfg.router.sync_every_s >= server.registry_ttl_s:
+        yield (f"router.sync_every_s: {cfg.router.sync_every_s} >= server.registry_ttl_s = {server.registry_ttl_s}; "
+               "the router's announcement would expire between its renewals")
     if cfg.rollout.prometheus_port is not None and cfg.rollout.workers > 1:
         yield (f"rollout.prometheus_port: {cfg.rollout.workers} workers would all bind port "
                f"{cfg.rollout.prometheus_port}; leave it unset or run one worker per config")
@@ -219,8 +223,8 @@ def deepspeed_json_is_used_as_is(cfg: Config) -> Iterator[str]:
 @rule
 def launcher_settings_need_their_launcher(cfg: Config) -> Iterator[str]:
     """`ray.*` without `launcher: ray`; under Ray on a cluster (`ray.address`), an address pinned to loopback
-    (parts on other nodes cannot reach it: leave it empty and each part announces its node's address);
-    `prepare.args` without `prepare.fn`."""
+    (parts on other nodes cannot reach it: leave it empty and each part announces its node's address); a
+    `ray.<kind>` that reserves nothing; `prepare.args` without `prepare.fn`."""
     if cfg.launcher != "ray":
         for name in _changed(cfg.ray, *type(cfg.ray).model_fields):
             yield f"ray.{name} applies to launcher=ray (or `streamrl up CONFIG --ray ADDRESS`)"
@@ -232,5 +236,8 @@ def launcher_settings_need_their_launcher(cfg: Config) -> Iterator[str]:
         if pinned:
             yield (f"{', '.join(pinned)}: parts that Ray places on other nodes cannot reach a loopback or wildcard "
                    "address; leave it empty, and each part binds and announces the address of the node it lands on")
+    for kind in ("server", "learner", "rollout", "router", "evaluator"):
+        if cfg.launcher == "ray" and not getattr(cfg.ray, kind).bundle():
+            yield f"ray.{kind} reserves nothing (cpus 0, no gpus or resources): Ray places no empty bundle"
     if cfg.prepare.args and not cfg.prepare.fn:
         yield "prepare.args are the arguments of prepare.fn, which is not set"

@@ -35,8 +35,8 @@ class RedisConfig(Section):
 
     url: str | None = Field(None, description="redis://, rediss:// or unix:// URL; empty starts an embedded "
                                "redis-server")
-    host: str | None = Field(None, description="bind address of the embedded server; empty: `streamrl up`'s node as "
-                             "Ray names it under launcher=ray, else 127.0.0.1")
+    host: str | None = Field(None, description="bind address of the embedded server; empty: `streamrl up`'s node on a "
+                             "Ray cluster (ray.address), else 127.0.0.1")
     port: int = Field(0, ge=0, le=65535, description="port of the embedded server; 0 picks a free one")
     password: str | None = Field(None, description="embedded server: password it requires (then in its URL)")
     appendfsync: Literal["always", "everysec", "no"] = Field(
@@ -76,7 +76,7 @@ class RouterConfig(Section):
     """The sglang-router in front of the rollout servers."""
 
     host: str | None = Field(None, description="address the router binds, and rollout workers reach it at; empty: "
-                             "its node's address under Ray (announced in Redis), else 127.0.0.1")
+                             "its node's address on a Ray cluster (ray.address), else 127.0.0.1; announced in Redis")
     port: int = Field(30000, ge=1, le=65535, description="router port")
     policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = Field(
         "cache_aware", description="how the router picks a server for a request (cache_aware: the one holding the "
@@ -95,7 +95,7 @@ class ServerConfig(Section):
                                                     "vllm (vLLM's engine) or sglang (a stock SGLang server)")
     count: int = Field(1, ge=0, description="rollout servers started by `streamrl up`")
     host: str | None = Field(None, description="address servers bind and register (others reach them at it); empty: "
-                             "each server's node address under Ray, else 127.0.0.1")
+                             "its node's address on a Ray cluster (ray.address), else 127.0.0.1")
     base_port: int = Field(31000, ge=1, le=65535, description="port of server 0; server i listens on base_port + i")
     max_batch_size: int = Field(64, ge=1, description="sequences a server decodes at once")
     kv_cache_gb: float | None = Field(None, gt=0, description="vllm engine: KV cache size in GiB (default: 2 on a "
@@ -260,7 +260,7 @@ class WeightSyncConfig(Section):
                                                      "puts servers on the learner's GPU)")
     timeout_s: float = Field(60.0, gt=0, description="how long a push waits for a server before dropping it")
     master_address: str | None = Field(None, description="learner rank 0's address, as servers reach it; empty: its "
-                                       "node's address under Ray, else 127.0.0.1")
+                                       "node's address on a Ray cluster (ray.address), else 127.0.0.1")
 
 
 class PrepareConfig(Section):

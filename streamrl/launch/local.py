@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import yaml
@@ -37,6 +37,9 @@ from streamrl.launch.gpus import gpu_plan, share_gpus, visible_gpus
 from streamrl.launch.plots import plot_run
 from streamrl.launch.supervisor import Part, PartFailed, Supervisor
 from streamrl.rollout.evaluate import read_records
+
+if TYPE_CHECKING:
+    from streamrl.launch.ray import RayActors
 
 
 def prepare(cfg: Config, path: str | None, overrides: list[str]) -> Config:
@@ -178,14 +181,14 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
                                 say, state_path=cfg.run.path / "parts.json", launcher=launcher)
         dashboard.connect(cfg.redis.url, supervisor)
         # read each round without retries: waiting on a Redis that is down would hold up its own restart
-        requests = Namespace.open(cfg.redis.url, cfg.run.name, retries=0)
+        requests, told = Namespace.open(cfg.redis.url, cfg.run.name, retries=0), set()
         for part in todo:
             say(f"starting {part.name}")
             supervisor.start(part)
         say("all parts ready")
         while not all(p.finished for p in supervisor.parts if p.kind in ("learner", "evaluator")):
             supervisor.check()
-            _scale(cfg, requests, supervisor, launcher, config_file, plan)
+            _scale(cfg, requests, supervisor, launcher, config_file, plan, told)
             dashboard.refresh()
             time.sleep(cfg.supervise.refresh_s)
         code = 0
@@ -212,24 +215,26 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
     return code
 
 
-def _scale(cfg: Config, ns: Namespace, supervisor: Supervisor, launcher, config_file: Path,
-           gpus: dict[str, str]) -> None:
+def _scale(cfg: Config, ns: Namespace, supervisor: Supervisor, launcher: RayActors | None, config_file: Path,
+           plan: dict[str, str], told: set[str]) -> None:
     """Start the servers and workers that `streamrl scale` asked for and the run does not have yet."""
     try:
         wanted = scale.wanted(ns)
     except BufferUnavailable:  # Redis is a part too, and may be restarting: ask again next round
         return
     have = {kind: sum(1 for p in supervisor.parts if p.kind == kind) for kind in ("server", "rollout")}
-    if gpus and wanted.get("server", 0) > have["server"]:
-        supervisor.say("streamrl scale: servers added to a run whose parts have GPUs of their own need "
-                       "launcher=ray (Ray gives each its own); not adding any")
+    if wanted.get("server", 0) > have["server"] and any(name.startswith("server-") for name in plan):
+        if "gpus" not in told:
+            supervisor.say("streamrl scale: servers added to a run whose servers have GPUs of their own need "
+                           "launcher=ray (Ray gives each its own); adding no server")
+            told.add("gpus")
         wanted["server"] = have["server"]
     new = [*(server_part(cfg, i, config_file) for i in range(have["server"], wanted.get("server", 0))),
            *(rollout_part(cfg, i, config_file) for i in range(have["rollout"], wanted.get("rollout", 0)))]
     if not new:
         return
     if launcher:
-        launcher.place(new)
+        launcher.place(new, settle_s=0)  # the watch goes on; a part with no room waits, and says so
     for part in new:
         supervisor.say(f"scaling up: starting {part.name}")
         supervisor.start(part, wait=False)

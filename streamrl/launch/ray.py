@@ -32,7 +32,7 @@ from streamrl.config.sections import Placement
 from streamrl.launch.supervisor import LocalProcesses, Part, kill_tree
 from streamrl.node import NODE_IP_ENV
 
-KINDS = ("server", "learner", "rollout", "router", "evaluator")  # placed by Ray; Redis stays with the driver
+PLACED = ("server", "learner", "rollout", "router", "evaluator")  # kinds Ray places; Redis stays with the driver
 
 
 @ray.remote(num_cpus=0)
@@ -58,7 +58,8 @@ class PartProcess:
         return self.proc.poll()
 
     def stop(self, timeout_s: float) -> int | None:
-        kill_tree(self.proc.pid, timeout_s)
+        if self.proc.poll() is None:  # a reaped process's pid may be another's by now
+            kill_tree(self.proc.pid, timeout_s)
         return self.proc.poll()
 
 
@@ -73,11 +74,12 @@ def _gloo_interface(ip: str) -> dict[str, str]:
     return {}
 
 
-def rank_env(ips: list[str], port: int) -> list[dict[str, str]]:
-    """torchrun's variables for a gang of ranks on nodes ``ips`` (rank order), meeting at rank 0's node."""
+def rank_env(ips: list[str], port: int, own_gpus: bool = False) -> list[dict[str, str]]:
+    """torchrun's variables for a gang of ranks on nodes ``ips`` (rank order), meeting at rank 0's node. With
+    ``own_gpus`` Ray gives each rank its GPUs alone (its own CUDA_VISIBLE_DEVICES), so each is its device 0."""
     env, seen = [], defaultdict(int)
     for rank, ip in enumerate(ips):
-        env.append({"RANK": str(rank), "WORLD_SIZE": str(len(ips)), "LOCAL_RANK": str(seen[ip]),
+        env.append({"RANK": str(rank), "WORLD_SIZE": str(len(ips)), "LOCAL_RANK": "0" if own_gpus else str(seen[ip]),
                     "LOCAL_WORLD_SIZE": str(ips.count(ip)), "MASTER_ADDR": ips[0], "MASTER_PORT": str(port)})
         seen[ip] += 1
     return env
@@ -89,9 +91,10 @@ class RayPart:
     live and die together, as under torchrun)."""
 
     def __init__(self, part: Part, actors: list[Any], cwd: str, bundles: tuple[PlacementGroup, list[int]], asks: str,
-                 loopback: bool = False):
-        self.part, self.actors, self.cwd, self.bundles, self.asks = part, actors, cwd, bundles, asks
+                 loopback: bool = False, own_gpus: bool = False):
+        self.part, self.actors, self.cwd, self.bundles, self.asks = part, actors, cwd, bundles, asks  # group, indices
         self.loopback = loopback  # a cluster of this machine alone: parts keep to 127.0.0.1
+        self.own_gpus = own_gpus  # Ray gives each process GPUs of its own
         self.look_after = time.monotonic() + 2  # an actor takes a moment to start even where there is room
         self.placed = [actor.node_ip.remote() for actor in actors]
         self.pid: int | None = None
@@ -117,9 +120,9 @@ class RayPart:
         try:
             ips = ["127.0.0.1"] * len(self.placed) if self.loopback else ray.get(self.placed)
             envs = [{**self.part.env, NODE_IP_ENV: ip} for ip in ips]
-            if len(ips) > 1 or self.part.kind == "learner":
+            if self.part.kind == "learner":
                 port = ray.get(self.actors[0].free_port.remote(), timeout=30)
-                envs = [{**env, **ranks} for env, ranks in zip(envs, rank_env(ips, port))]
+                envs = [{**env, **ranks} for env, ranks in zip(envs, rank_env(ips, port, self.own_gpus))]
             log = str(self.part.log_path.resolve())
             pids = ray.get([a.start.remote(self.part.argv, e, log, self.cwd) for a, e in zip(self.actors, envs)],
                            timeout=60)
@@ -263,7 +266,7 @@ class RayActors:
         self.loopback = cfg.ray.address is None
         self.node_ip = "127.0.0.1" if self.loopback else ray.util.get_node_ip_address()
         self.groups: list[PlacementGroup] = []
-        self.bundles: dict[str, tuple[PlacementGroup, int]] = {}  # part name -> its group, first bundle
+        self.slots: dict[str, tuple[PlacementGroup, int]] = {}  # part name -> its group, its first bundle there
         self.local = LocalProcesses()
         requests = {kind: (n, getattr(cfg.ray, kind)) for kind, n in asked(cfg).items()}
         problems = unplaceable(requests, alive_nodes())
@@ -281,27 +284,27 @@ class RayActors:
         """
         by_kind: dict[str, list[Part]] = defaultdict(list)
         for part in parts:
-            if part.kind in KINDS:
+            if part.kind in PLACED:
                 by_kind[part.kind].append(part)
         for kind in sorted(by_kind, key=lambda k: not _choosy(getattr(self.cfg.ray, k))):
             place: Placement = getattr(self.cfg.ray, kind)
             per_part = self.cfg.learner.nproc if kind == "learner" else 1
             count = len(by_kind[kind]) * per_part
-            group = placement_group([place.bundle()] * count, strategy=place.strategy,
-                                    bundle_label_selector=[place.labels] * count if place.labels else None)
+            selectors = {"bundle_label_selector": [place.labels] * count} if place.labels else {}  # Ray >= 2.49
+            group = placement_group([place.bundle()] * count, strategy=place.strategy, **selectors)
             self.groups.append(group)
             for i, part in enumerate(by_kind[kind]):
-                self.bundles[part.name] = (group, i * per_part)
+                self.slots[part.name] = (group, i * per_part)
             ray.wait([group.ready()], timeout=settle_s)  # not placed in time: it waits, and says so when spawned
 
     def spawn(self, part: Part) -> Any:
-        if part.kind not in KINDS:  # Redis: beside this process, bound to its node's address
+        if part.kind not in PLACED:  # Redis: beside this process, bound to its node's address
             proc = self.local.spawn(part)
             proc.host = self.node_ip
             return proc
         if isinstance(part.proc, RayPart):  # a restart: the old actors give their bundles back first
             part.proc.stop(timeout_s=10)
-        group, first = self.bundles[part.name]
+        group, first = self.slots[part.name]
         place: Placement = getattr(self.cfg.ray, part.kind)
         bundle = place.bundle()
         actors = [PartProcess.options(
@@ -311,7 +314,7 @@ class RayActors:
             for i in range(self.cfg.learner.nproc if part.kind == "learner" else 1)]
         labels = f" on a node labelled {place.labels}" if place.labels else ""
         return RayPart(part, actors, self.cwd, (group, [first + i for i in range(len(actors))]),
-                       f"{len(actors)} × {_fmt(bundle)}{labels}", self.loopback)
+                       f"{len(actors)} × {_fmt(bundle)}{labels}", self.loopback, place.gpus > 0)
 
     def stop_all(self, parts: list[Part], timeout_s: float) -> None:
         self.local.stop_all([p for p in parts if not isinstance(p.proc, RayPart)], timeout_s)

@@ -206,9 +206,13 @@ class Supervisor:
             if part.pending and part.alive():
                 if part.placing:
                     self._say_waiting(part)
-                else:
+                    continue
+                try:
                     self._settle(part)
-                continue
+                    continue
+                except PartFailed:  # it died (or hung) while starting: as any death, per the restart policy
+                    if part.alive():
+                        self.launcher.stop_all([part], timeout_s=10)
             if part.finished or part.alive():
                 continue
             code = part.proc.returncode
