@@ -1,4 +1,5 @@
-"""The netns cluster helper (tests/cluster.py): real Ray nodes with their own addresses, node death, teardown."""
+"""The network-namespace Ray cluster (streamrl.netns, the fixture in tests/cluster.py): real Ray nodes with their own
+addresses, node death, teardown."""
 
 import json
 import os
