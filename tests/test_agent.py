@@ -235,6 +235,7 @@ def test_hermes_and_json_parsers_read_calls_and_leave_the_rest_as_content():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # the session's warm start (~90 s) counts here when this test is the first to ask for it
 def test_the_quickstart_played_by_an_agent_learns_with_up(tmp_path, quickstart_prepared):
     """`streamrl up` with the quickstart's task played through the gateway: it trains, evaluates and learns."""
     import os

@@ -156,6 +156,7 @@ def test_up_survives_killing_each_part_in_turn_and_its_ledger_balances(tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM: scripts/test.sh installs its CPU build")
+@pytest.mark.timeout(600)  # its ~200 s, and the session's warm start (~90 s) when it is the first to ask for it
 def test_up_with_the_vllm_engine_learns_and_survives_a_dead_engine_and_a_server_kill(tmp_path, quickstart_prepared):
     """The quickstart served by vLLM's CPU build: it learns; a server whose engine core was killed exits
     and is restarted; a SIGKILLed server comes back from the learner's newest export (a late joiner), is
