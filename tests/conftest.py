@@ -37,6 +37,29 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
+@pytest.fixture(scope="module")
+def one_rank_world():
+    """torch.distributed's world of one rank (gloo), as a learner process has it, for tests that build a Policy
+    in the test process (the launcher's variables are set for the module's tests)."""
+    import os
+
+    import deepspeed
+
+    from streamrl.buffer.redis_server import free_port
+
+    launcher_env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(free_port()))
+    saved = {k: os.environ.get(k) for k in launcher_env}
+    os.environ.update(launcher_env)
+    deepspeed.init_distributed(dist_backend="gloo")  # once per process: a later module's call finds it done
+    yield
+    for key, value in saved.items():  # other tests start launchers of their own: leave no RANK behind
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 @pytest.fixture(scope="session")
 def quickstart_prepared(tmp_path_factory):
     """The quickstart recipe's data and warm-started model (``RUN/prepared``, 90 s to make), made once: a test
@@ -67,9 +90,9 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
-    def server(self) -> tuple[str, subprocess.Popen]:
+    def server(self, *overrides: str) -> tuple[str, subprocess.Popen]:
         port = free_port()
-        proc = self.start("serve", *self.common, "--port", str(port))
+        proc = self.start("serve", *self.common, *overrides, "--port", str(port))
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc)
         return url, proc

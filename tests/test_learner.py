@@ -227,7 +227,7 @@ def test_kl_in_the_reward_is_the_behaviour_minus_reference_logprob_sum(tiny_mode
         return Sample(tokens=tokens, loss_mask=mask, logprobs=lp, versions=[-1, -1, 0, 0, 0], reward=reward)
 
     group = Group("p", "e", [sample(0.0, 1.0), sample(-0.1, 1.0)])
-    ref_model = Reference(tiny_model_dir, "cpu", torch.float32, temperature=1.0)
+    ref_model = Reference.load(tiny_model_dir, "cpu", torch.float32, temperature=1.0)
     [penalties] = ref_model.kl_penalties([group], coef=0.5, estimator="k1", token_budget=16)  # one packed row
     assert penalties == pytest.approx([0.0, 0.5 * 3 * -0.1], abs=1e-5)  # coef * sum over 3 generated tokens
     seqs = batching.sequences([group], version=0, algorithm="rloo", penalties=[penalties])
@@ -265,7 +265,7 @@ def test_the_deepspeed_step_on_an_uneven_two_rank_split_equals_one_rank_on_the_w
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: checks the reference sits on the learner's GPU")
 def test_the_reference_runs_on_the_learners_gpu_in_its_dtype(tiny_model_dir):
-    reference = Reference(tiny_model_dir, "cuda", torch.bfloat16, temperature=1.0)
+    reference = Reference.load(tiny_model_dir, "cuda", torch.bfloat16, temperature=1.0)
     assert {(p.device.type, p.dtype) for p in reference.model.parameters()} == {("cuda", torch.bfloat16)}
     seqs = batching.sequences([synthetic_group(3, 12, prompt_len=4, vocab=200)], version=1, algorithm="grpo")
     batch = packing.collate(seqs, "cuda")

@@ -11,28 +11,12 @@ from streamrl.testing import synthetic_group
 
 
 @pytest.fixture(scope="module")
-def config(tiny_model_dir):
-    import os
-
-    import deepspeed
-
-    from streamrl.buffer.redis_server import free_port
+def config(tiny_model_dir, one_rank_world):
     from streamrl.config import load_config
 
-    launcher_env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=str(free_port()))
-    saved = {k: os.environ.get(k) for k in launcher_env}
-    os.environ.update(launcher_env)
-    deepspeed.init_distributed(dist_backend="gloo")
-    cfg = load_config(None, [f"model.path={tiny_model_dir}", "learner.lr=0.01", "learner.kl_coef=0.1",
-                             "learner.entropy_coef=0.01", "off_policy.correction=decoupled", "learner.ptx_coef=1.0",
-                             "learner.ptx_dataset=sft.jsonl"])  # the tests hand the policy its SFT rows
-    yield cfg
-    for key, value in saved.items():  # later tests start launchers of their own: leave no RANK behind
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    return load_config(None, [f"model.path={tiny_model_dir}", "learner.lr=0.01", "learner.kl_coef=0.1",
+                              "learner.entropy_coef=0.01", "off_policy.correction=decoupled", "learner.ptx_coef=1.0",
+                              "learner.ptx_dataset=sft.jsonl"])  # the tests hand the policy its SFT rows
 
 
 @pytest.fixture(scope="module")
@@ -326,20 +310,35 @@ def test_mixed_precision_computes_in_bf16_and_keeps_updates_bf16_weights_round_a
     assert {p.dtype for p in plain.module.parameters()} == {torch.bfloat16} and moved < 0.05
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_a_step_is_the_textbook_clipped_and_decayed_policy_gradient_step(config, tiny_model_dir, optimizer):
+@pytest.mark.parametrize("optimizer, lora", [("sgd", False), ("adamw", False), ("adamw", True)])
+def test_a_step_is_the_textbook_clipped_and_decayed_policy_gradient_step(config, tiny_model_dir, optimizer, lora):
     """One Policy step (packed rows, shared prompts, DeepSpeed) moves the weights exactly as the plain step
     does: one forward per sequence, the token-mean loss -A * pi/pi_old over every generated token, the
-    gradient clipped to its norm bound, then torch's optimizer with the configured weight decay."""
+    gradient clipped to its norm bound, then torch's optimizer with the configured weight decay. With LoRA the
+    plain step is a plain PEFT model's: only the adapter moves."""
     from transformers import AutoModelForCausalLM
 
     from streamrl.config import load_config
     from streamrl.learner.policy import Policy
 
+    adapter = ["learner.lora.rank=4", "learner.lora.alpha=8", "learner.lora.target_modules=[q_proj,v_proj,down_proj]"]
     cfg = load_config(None, [f"model.path={tiny_model_dir}", f"learner.optimizer={optimizer}", "learner.lr=0.01",
-                             "learner.weight_decay=0.5", "learner.grad_clip=0.05"])
+                             "learner.weight_decay=0.5", "learner.grad_clip=0.05", *(adapter if lora else [])])
     policy = Policy(cfg, tiny_model_dir)
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).to(policy.device)
+    if lora:
+        import peft
+
+        plain = peft.get_peft_model(plain, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj",
+                                                                                             "down_proj"]))
+        torch.manual_seed(0)
+        with torch.no_grad():  # B starts at zero in PEFT, which would leave A's gradient zero: both made random
+            for (name, p), (_, q) in zip(policy.module.named_parameters(), plain.named_parameters(), strict=True):
+                if ".lora_" in name:
+                    p.copy_(torch.randn_like(p) * 0.1)
+                    q.copy_(p)
+        assert {n for n, p in policy.module.named_parameters() if p.requires_grad} == {
+            n for n, p in plain.named_parameters() if p.requires_grad} and policy.pushed()
     groups = [synthetic_group(4, 20 + 4 * g, prompt_len=6, vocab=200, rng=np.random.default_rng(g), prompt_id=f"p{g}")
               for g in range(2)]
     for group in groups:
@@ -358,7 +357,8 @@ def test_a_step_is_the_textbook_clipped_and_decayed_policy_gradient_step(config,
     loss.backward()
     norm = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), cfg.learner.grad_clip))
     assert norm > cfg.learner.grad_clip
-    {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[optimizer](plain.parameters(), lr=cfg.learner.lr,
+    trained = [p for p in plain.parameters() if p.requires_grad]
+    {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[optimizer](trained, lr=cfg.learner.lr,
                                                                       weight_decay=cfg.learner.weight_decay).step()
 
     stats = policy.step([seqs[:5], seqs[5:]], tokens)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, get_origin
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -55,7 +56,7 @@ def _apply_override(tree: dict[str, Any], item: str) -> None:
             if part not in model.model_fields:
                 name = ".".join(parts[: depth + 1])
                 raise ConfigError(f"override {item!r}: {name}: {_unknown(parts[: depth + 1], model.model_fields)}")
-            annotation = model.model_fields[part].annotation
+            annotation = _section_of(model.model_fields[part].annotation)
             model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
             if not last and model is None and get_origin(annotation) is not dict:
                 raise ConfigError(f"override {item!r}: {'.'.join(parts[: depth + 1])} is a value, not a section")
@@ -66,6 +67,14 @@ def _apply_override(tree: dict[str, Any], item: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override {item!r}: {'.'.join(parts[: depth + 1])} is not a mapping in the file")
         node = child
+
+
+def _section_of(annotation: Any) -> Any:
+    """The section class of an optional section (``LoraConfig | None``), else the annotation as it is."""
+    members = [a for a in get_args(annotation) if a is not type(None)]
+    if get_origin(annotation) in (Union, UnionType) and len(members) == 1:
+        return members[0]
+    return annotation
 
 
 def _parse_value(raw: str) -> Any:
@@ -88,7 +97,7 @@ def _fields_at(path: list[str]) -> dict[str, Any]:
         field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
         if field is None:
             return {}
-        model = field.annotation
+        model = _section_of(field.annotation)
     return model.model_fields if isinstance(model, type) and issubclass(model, BaseModel) else {}
 
 

@@ -104,6 +104,11 @@ class ServerConfig(Section):
                                                  "the GPU's memory a server may take (vLLM's own default: 0.9); "
                                                  "lower it where servers share a GPU with the learner")
     token: str | None = Field(None, description="bearer token required by control endpoints")
+    max_lora_rank: int | None = Field(None, ge=1, description="with learner.lora: the largest adapter rank a "
+                                      "server takes (default: learner.lora.rank)")
+    max_loras: int | None = Field(None, ge=1, description="with learner.lora on vllm: adapter versions a server "
+                                  "holds at once (default: off_policy.max_staleness + 2: every version a "
+                                  "request may still run under, and the one arriving)")
     heartbeat_s: float = Field(2.0, gt=0, description="how often a server renews its entry in the registry")
     registry_ttl_s: float = Field(10.0, gt=0, description="a server whose heartbeat is older than this is taken "
                                   "for dead (the router, pushes and workers stop using it)")
@@ -176,6 +181,20 @@ class OffPolicyConfig(Section):
                                            "pi_prox / pi_behav exceeds this (AReaL's behav_imp_weight_cap)")
 
 
+class LoraConfig(Section):
+    """A LoRA adapter trained in place of the whole model (PEFT): only the adapter trains and is pushed; the
+    base with the adapter switched off is the KL reference."""
+
+    rank: int = Field(16, ge=1, description="rank r of each adapter matrix pair")
+    alpha: float = Field(32.0, gt=0, description="scaling numerator: the update is (alpha / rank) * B @ A")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input while training")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="modules that get an adapter: PEFT's names (e.g. [q_proj, v_proj]) or "
+                                  "all-linear (every linear layer but the output head)")
+    name: str = Field("policy", pattern=r"^[A-Za-z0-9_.]+$", description="adapter name on the servers: "
+                      "version N is served as NAME-vN")
+
+
 class LearnerConfig(Section):
     """The DeepSpeed learner (``streamrl launch-learner``): algorithm, loss, optimizer and its cadence."""
 
@@ -246,6 +265,8 @@ class LearnerConfig(Section):
     ptx_dataset: str | None = Field(None, description="SFT rows mixed into each step (prompt/completion or text)")
     ptx_coef: float = Field(0.0, ge=0, description="weight of the SFT loss (mean token cross-entropy)")
     ptx_per_rank: int = Field(2, ge=1, description="SFT rows per rank per step")
+    lora: LoraConfig | None = Field(None, description="train a LoRA adapter instead of every weight (empty: "
+                                    "full fine-tuning)")
 
 
 class WeightSyncConfig(Section):
@@ -367,6 +388,12 @@ class Config(Section):
     def staleness_bound(self) -> int:
         """The oldest policy lag trained data may have: ``off_policy.max_staleness``, or 0 under ``mode: sync``."""
         return 0 if self.mode == "sync" else self.off_policy.max_staleness
+
+    @property
+    def adapter_slots(self) -> int:
+        """Adapter versions a LoRA server holds at once: ``server.max_loras``, or every version a request may
+        still run under (the staleness bound's) and the one arriving."""
+        return self.server.max_loras or self.staleness_bound + 2
 
     def redacted(self) -> dict[str, Any]:
         """The config as plain data without secrets (for trackers and logs)."""

@@ -19,21 +19,22 @@ import torch
 log = logging.getLogger("streamrl.learner")
 
 
-def save(model: Any, root: Path, *, version: int, cursor: str, critic: Any = None) -> None:
-    """Collective: every rank calls it. ``critic``: PPO's value model (a DeepSpeed engine), if any."""
+def save(model: Any, root: Path, *, version: int, cursor: str, critic: Any = None, adapter_only: bool = False) -> None:
+    """Collective: every rank calls it. ``critic``: PPO's value model (a DeepSpeed engine), if any.
+    ``adapter_only``: a LoRA policy's frozen base is left out (it is the model directory's)."""
     tag = f"version-{version}"
     if critic is not None:
         critic.save_checkpoint(str(root / "critic"), tag=tag)
     state = {"version": version, "cursor": cursor, "torch_rng": torch.get_rng_state()}
-    model.save_checkpoint(str(root), tag=tag, client_state=state)
+    model.save_checkpoint(str(root), tag=tag, client_state=state, exclude_frozen_parameters=adapter_only)
 
 
-def load(model: Any, root: Path, critic: Any = None) -> dict[str, Any] | None:
+def load(model: Any, root: Path, critic: Any = None, adapter_only: bool = False) -> dict[str, Any] | None:
     """Restore the newest checkpoint under ``root`` (and the critic saved with it); None when there is
-    none. Collective."""
+    none. Collective. ``adapter_only``: the checkpoint holds a LoRA policy's trained weights alone."""
     if not (root / "latest").is_file():
         return None
-    path, state = model.load_checkpoint(str(root))
+    path, state = model.load_checkpoint(str(root), load_module_strict=not adapter_only)
     if path is None:
         raise RuntimeError(f"checkpoint under {root} could not be loaded")
     torch.set_rng_state(state["torch_rng"])
@@ -52,10 +53,13 @@ def _load_critic(critic: Any, root: Path, tag: str) -> None:
         raise RuntimeError(f"the critic's checkpoint {root / tag} could not be loaded")
 
 
-def export_hf(model: Any, tokenizer_dir: str, root: Path, *, version: int, rank: int, zero_stage: int) -> Path | None:
+def export_hf(model: Any, tokenizer_dir: str, root: Path, *, version: int, rank: int, zero_stage: int,
+              lora: Any = None, base_model: str = "") -> Path | None:
     """Write the policy as a plain HF directory ``root/version-N`` (then point ``root/latest`` at it).
 
-    Loadable by transformers, vLLM and SGLang; late-joining rollout servers start from it.
+    Loadable by transformers, vLLM and SGLang; late-joining rollout servers start from it. With ``lora`` (the
+    learner's LoRA settings) the directory holds the merged model, and the adapter in PEFT's format under
+    ``adapter/`` (from which late joiners serve it over ``base_model``).
     Collective under ZeRO-3 (the shards are gathered); rank 0 writes.
     """
     import os
@@ -72,7 +76,12 @@ def export_hf(model: Any, tokenizer_dir: str, root: Path, *, version: int, rank:
             return None
         tmp = root / f".version-{version}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        model.module.save_pretrained(tmp, safe_serialization=True)
+        if lora is None:
+            model.module.save_pretrained(tmp, safe_serialization=True)
+        else:
+            from streamrl.learner import adapter
+
+            adapter.export(model.module, lora, tmp, base_model)
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)  # a reader sees the whole directory or none of it

@@ -86,8 +86,9 @@ class Learner:
             self.ptx = PtxData(cfg.learner.ptx_dataset, tokenizer, max_len=cfg.learner.micro_batch_tokens)
         self.checkpoints = Path(cfg.run.path) / "checkpoints"
         critic = self.critic.model if self.critic else None
-        resumed = (checkpoint.load(self.policy.model, self.checkpoints, critic) if cfg.learner.resume == "auto"
-                   else None)
+        adapter_only = cfg.learner.lora is not None
+        resumed = (checkpoint.load(self.policy.model, self.checkpoints, critic, adapter_only)
+                   if cfg.learner.resume == "auto" else None)
         self.version = resumed["version"] if resumed else 0
         learner = cfg.learner
         # A sequence with zero advantages adds nothing to a step unless the loss has terms of its own: PPO's
@@ -98,8 +99,10 @@ class Learner:
         if self.rank == 0 and cfg.learner.kl_in_reward and cfg.learner.kl_coef > 0:
             from streamrl.learner.reference import Reference
 
-            self.reference = Reference(cfg.model.path, self.policy.device, self.policy.module.dtype,
-                                       cfg.rollout.sampling.temperature)  # rank 0 alone: whole, never sharded
+            temperature = cfg.rollout.sampling.temperature
+            self.reference = (Reference.base_of(self.policy.model, temperature) if cfg.learner.lora else
+                              Reference.load(cfg.model.path, self.policy.device, self.policy.module.dtype,
+                                             temperature))  # rank 0 alone: whole, never sharded
         if self.rank == 0:
             ns = Namespace.open(redis_url, cfg.run.name, **cfg.redis.retry())
             self.stream = ReplayStream(ns)
@@ -292,8 +295,7 @@ class Learner:
         under ZeRO-3 gathering the weights is a collective the other ranks are not in)."""
         if self.version == 0 or self.cfg.learner.zero_stage == 3:
             return
-        stats = self.pusher.catch_up([(name, p.detach()) for name, p in self.policy.module.named_parameters()],
-                                     self.version)
+        stats = self.pusher.catch_up([(name, p.detach()) for name, p in self.policy.pushed()], self.version)
         if stats:
             log.info("caught up %d server(s) to version %d in %.2fs", stats["push_targets"], self.version,
                      stats["push_s"])
@@ -304,7 +306,7 @@ class Learner:
         Plain DP: rank 0 pushes in the background (figures land in the next step's record).
         ZeRO-3: the shards are gathered, a collective, so the push runs to the end here.
         """
-        params = list(self.policy.module.named_parameters())
+        params = self.policy.pushed()
         if self.cfg.learner.zero_stage != 3:
             if self.rank == 0:  # admission counts this version once the servers serve it (``_publish``)
                 version = self.version
@@ -334,7 +336,8 @@ class Learner:
     def export(self) -> None:
         checkpoint.export_hf(self.policy.model, self.cfg.model.tokenizer or self.cfg.model.path,
                              Path(self.cfg.run.path) / "export", version=self.version, rank=self.rank,
-                             zero_stage=self.cfg.learner.zero_stage)
+                             zero_stage=self.cfg.learner.zero_stage, lora=self.cfg.learner.lora,
+                             base_model=self.cfg.model.path)
 
     def _write(self, record: dict) -> None:
         self.metrics.write(record)
@@ -343,7 +346,7 @@ class Learner:
         """Save on every rank (the cursor is rank 0's); then trim what the checkpoint covers."""
         cursor = self.reader.cursor if self.rank == 0 else ""
         checkpoint.save(self.policy.model, self.checkpoints, version=self.version, cursor=cursor,
-                        critic=self.critic.model if self.critic else None)
+                        critic=self.critic.model if self.critic else None, adapter_only=self.cfg.learner.lora is not None)
         dist.barrier()
         if self.rank == 0:
             self.ledger.settle(self.version)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from streamrl.config import Config
-from streamrl.learner import packing, prefix
+from streamrl.learner import adapter, packing, prefix
 from streamrl.learner.batch import TrainSequence
 from streamrl.learner.losses import PolicyLoss, kl, normaliser
 from streamrl.learner.reference import Reference
@@ -96,10 +96,12 @@ class Policy:
         self.mixed = cfg.learner.mixed_precision
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=weights_dtype(cfg),
                                                      attn_implementation=packing.attention())
-        # torch's optimizers: nothing to compile, the same on CPU and GPU
         learner = cfg.learner
+        if learner.lora is not None:
+            model = adapter.wrap(model, learner.lora)
+        # torch's optimizers: nothing to compile, the same on CPU and GPU; state for the trained weights only
         optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[learner.optimizer](
-            model.parameters(), lr=learner.lr, weight_decay=learner.weight_decay)
+            [p for p in model.parameters() if p.requires_grad], lr=learner.lr, weight_decay=learner.weight_decay)
         warmup = learner.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
@@ -115,12 +117,19 @@ class Policy:
         self.temperature = cfg.rollout.sampling.temperature
         self.random_forward = has_dropout(model)
         self.reference = None
-        if cfg.learner.kl_coef > 0 and not cfg.learner.kl_in_reward:  # a frozen copy of the initial policy
-            self.reference = Reference(model_path, self.device, compute, self.temperature, cfg.learner.zero_stage)
+        if cfg.learner.kl_coef > 0 and not cfg.learner.kl_in_reward:  # the initial policy, frozen
+            self.reference = (Reference.base_of(self.model, self.temperature) if learner.lora else
+                              Reference.load(model_path, self.device, compute, self.temperature, learner.zero_stage))
 
     @property
     def module(self) -> torch.nn.Module:
         return self.model.module
+
+    def pushed(self) -> list[tuple[str, torch.Tensor]]:
+        """What a weight push sends: every parameter, or with ``learner.lora`` the adapter's alone."""
+        if self.cfg.learner.lora is not None:
+            return adapter.tensors(self.module)
+        return list(self.module.named_parameters())
 
     @property
     def device(self) -> torch.device:

@@ -4,6 +4,8 @@ Each server gets its own process group (set up through its ``/init_weights_updat
 the first time it is seen in the registry). A push: optionally pause generation, then per
 bucket POST ``/update_weights_from_distributed`` while broadcasting the bucket, then continue.
 A server that fails or times out is dropped (it rejoins when it reappears); the others go on.
+With ``learner.lora`` a push carries the adapter alone, and each bucket names it (``lora``: name, rank, alpha
+and the adapter's tensor count), so that the server serves it as a new adapter version.
 Every server gets each bucket at the same time (one broadcast per group, run side by side).
 ``start`` runs a push in the background so that it overlaps the learner's wait for data;
 the learner calls ``wait`` before its optimizer touches the weights again.
@@ -31,10 +33,12 @@ GROUP = "streamrl-weights"  # the group's name in SGLang's API, and its store pr
 
 def transport(cfg: Config) -> str:
     """``weight_sync.backend`` resolved: ``auto`` is NCCL when the learner has CUDA and the servers run vLLM (the
-    ``hf`` engine keeps its weights on the CPU), else gloo."""
+    ``hf`` engine keeps its weights on the CPU) on their GPUs, else gloo (a LoRA adapter goes to the server's
+    own process, which hands it to vLLM's LoRA API)."""
     if cfg.weight_sync.backend != "auto":
         return cfg.weight_sync.backend
-    return "nccl" if torch.cuda.is_available() and cfg.server.engine == "vllm" else "gloo"
+    full_into_vllm = cfg.server.engine == "vllm" and cfg.learner.lora is None
+    return "nccl" if torch.cuda.is_available() and full_into_vllm else "gloo"
 
 
 class WeightPusher:
@@ -129,6 +133,9 @@ class WeightPusher:
     def _send(self, named_tensors: list[tuple[str, torch.Tensor]], version: int, targets: list[str]) -> None:
         """Every bucket to every target; a target that fails is dropped from ``targets``."""
         tensors, layout = dict(named_tensors), buckets(metas(named_tensors), int(self.sync.bucket_mb * 2**20))
+        lora = self.cfg.learner.lora
+        adapter = {} if lora is None else {"lora": {"name": lora.name, "rank": lora.rank, "alpha": lora.alpha,
+                                                    "tensors": len(named_tensors)}}
         if self.staging is None:
             self.staging = Staging(str(named_tensors[0][1].device))
 
@@ -143,7 +150,7 @@ class WeightPusher:
                 next_buffer = self.pool.submit(packed, i + 1)
             body = {"names": [m.name for m in bucket], "dtypes": [m.dtype for m in bucket],
                     "shapes": [list(m.shape) for m in bucket], "weight_version": version,
-                    "group_name": GROUP, "flush_cache": True}  # SGLang drops its prefix cache
+                    "group_name": GROUP, "flush_cache": True, **adapter}  # SGLang drops its prefix cache
             sends = {url: self.pool.submit(self.http.post, f"{url}/update_weights_from_distributed", json=body)
                      for url in targets}
             casts = {url: self.pool.submit(broadcast, self.groups[url], buffer) for url in targets}
@@ -153,7 +160,8 @@ class WeightPusher:
                     casts[url].result(0)
                     sends[url].result(0).raise_for_status()
                 except Exception as e:  # a dead or failing server must not stop the others
-                    log.warning("dropping %s from the weight push: %s", url, e or type(e).__name__)
+                    reason = e.response.text if isinstance(e, httpx.HTTPStatusError) else e or type(e).__name__
+                    log.warning("dropping %s from the weight push: %s", url, reason)
                     targets.remove(url)
                     self.groups.pop(url, None)
                     self.has.pop(url, None)

@@ -1,5 +1,8 @@
 """The frozen reference policy (the initial weights) that KL penalties are measured against.
 
+Under a LoRA policy the reference is the policy itself with its adapter switched off: the base weights,
+which never train, and no second copy of them.
+
 It lives on the learner's device, in the policy's dtype, and runs packed forwards like the policy. Under
 ZeRO-3 it is sharded the way the policy is (DeepSpeed's parameter partitioning, no optimizer): each rank
 holds a slice and every forward gathers it, so every rank runs as many reference forwards (``stand_in``
@@ -7,6 +10,9 @@ for a rank with nothing to score).
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -18,8 +24,17 @@ from streamrl.protocol import Group
 
 
 class Reference:
-    def __init__(self, model_path: str, device: torch.device | str, dtype: torch.dtype, temperature: float,
-                 zero_stage: int = 0):
+    """``model``'s logprobs; with ``adapter_off`` the model is the LoRA policy's engine, run with its adapter
+    switched off (the base weights, which never train)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device | str, temperature: float,
+                 adapter_off: bool = False):
+        self.model, self.device, self.temperature, self.adapter_off = model, device, temperature, adapter_off
+
+    @classmethod
+    def load(cls, model_path: str, device: torch.device | str, dtype: torch.dtype, temperature: float,
+             zero_stage: int = 0) -> Reference:
+        """A frozen copy of the model at ``model_path``."""
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=packing.attention())
@@ -31,13 +46,35 @@ class Reference:
                       "bf16": {"enabled": dtype == torch.bfloat16}}
             model = deepspeed.initialize(model=model, config=config)[0]
             model.eval()  # DeepSpeed's engine returns None here, not itself
-        self.model = model if zero_stage == 3 else model.to(device)
-        self.device, self.temperature = device, temperature
+        return cls(model if zero_stage == 3 else model.to(device), device, temperature)
+
+    @classmethod
+    def base_of(cls, policy: torch.nn.Module, temperature: float) -> Reference:
+        """The base under a LoRA policy (DeepSpeed's engine around a PEFT model): no second copy."""
+        return cls(policy, policy.device, temperature, adapter_off=True)
 
     @torch.no_grad()
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The reference's logprobs ``[1, N]`` of a packed micro-batch's tokens."""
-        return packing.token_logprobs(packing.forward(self.model, batch), batch, self.temperature)[0]
+        return packing.token_logprobs(self._forward(batch), batch, self.temperature)[0]
+
+    def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with self._weights():
+            return packing.forward(self.model, batch)
+
+    @contextlib.contextmanager
+    def _weights(self) -> Iterator[None]:
+        """The reference's weights in force: the base's, where the model is a LoRA policy."""
+        if not self.adapter_off:
+            yield
+            return
+        training = self.model.training
+        self.model.eval()  # the adapter's dropout off too
+        try:
+            with self.model.module.disable_adapter():
+                yield
+        finally:
+            self.model.train(training)
 
     @torch.no_grad()
     def stand_in(self) -> None:

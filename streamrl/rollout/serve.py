@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import uvicorn
 
+from streamrl.adapters import LoraServing
 from streamrl.buffer import Namespace, ServerInfo, ServerRegistry
 from streamrl.config import Config
 from streamrl.models import load_tokenizer
@@ -29,12 +32,19 @@ def serve(cfg: Config, *, host: str | None = None, port: int | None = None) -> N
     host, port = host or node_address(cfg.server.host), port or cfg.server.base_port
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
     model_path, version = newest_weights(cfg)
-    engine = load_engine(cfg.server.engine, model_path, dtype=cfg.model.dtype,
+    lora = LoraServing.of(cfg)
+    served = cfg.model.path if lora else model_path  # a LoRA server's base is the model; the adapter comes after
+    engine = load_engine(cfg.server.engine, served, dtype=cfg.model.dtype,
                          max_batch_size=cfg.server.max_batch_size, tokenizer=tokenizer,
-                         kv_cache_gb=cfg.server.kv_cache_gb, gpu_memory_utilization=cfg.server.gpu_memory_utilization)
-    engine.version = version
+                         kv_cache_gb=cfg.server.kv_cache_gb, gpu_memory_utilization=cfg.server.gpu_memory_utilization,
+                         lora=lora)
+    if lora and version:
+        asyncio.run(engine.weight_receiver().load_from_disk(str(Path(model_path) / "adapter"), version))
+    else:
+        engine.version = version
     if version:
         log.info("late joiner: serving the learner's export %s (weight version %d)", model_path, version)
+    model_path = served
     app = create_app(engine, model_path=model_path, tokenizer=tokenizer, token=cfg.server.token,
                      engine_name=cfg.server.engine)
     url = f"http://{host}:{port}"

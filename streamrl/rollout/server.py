@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field
 
 from streamrl import __version__
+from streamrl.adapters import AdapterSpec
 from streamrl.rollout.engines.base import Completion, Engine, PromptScores, SamplingParams
 
 log = logging.getLogger("streamrl.server")
@@ -70,6 +71,8 @@ class GenerateIn(BaseModel):
     rid: str | list[str] | None = None
     stream: bool = False
     priority: int = Field(0, description="larger joins the batch sooner while requests wait (SGLang's order)")
+    lora_path: str | None = Field(None, description="a LoRA server: the adapter version to generate with, by its "
+                                  "served name NAME-vN (default: the newest)")
 
 
 class AbortIn(BaseModel):
@@ -95,6 +98,19 @@ class InitWeightsGroupIn(BaseModel):
     timeout_s: float = Field(60.0, gt=0)
 
 
+class AdapterIn(BaseModel):
+    """The adapter a push carries (a LoRA learner's): the bucket's tensors are its, not the model's."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.]+$")
+    rank: int = Field(ge=1)
+    alpha: float = Field(gt=0)
+    tensors: int = Field(ge=2, description="the whole adapter's tensor count")
+
+    def spec(self) -> AdapterSpec:
+        return AdapterSpec(self.rank, self.alpha, self.tensors, self.name)
+
+
 class WeightsFromDistributedIn(BaseModel):
     model_config = ConfigDict(extra="ignore")
     names: list[str]
@@ -102,6 +118,7 @@ class WeightsFromDistributedIn(BaseModel):
     shapes: list[list[int]]
     group_name: str = "weight_update_group"
     weight_version: int | None = None
+    lora: AdapterIn | None = None
 
 
 class _Metrics:
@@ -252,7 +269,8 @@ def create_app(engine: Engine, *, model_path: str, tokenizer: Any = None, token:
             raise HTTPException(400, "names, dtypes and shapes must have the same length")
         version = req.weight_version if req.weight_version is not None else engine.version + 1
         try:
-            count = await receiver.receive(req.names, req.dtypes, req.shapes, version)
+            count = await receiver.receive(req.names, req.dtypes, req.shapes, version,
+                                           req.lora.spec() if req.lora else None)
         except (KeyError, RuntimeError, ValueError) as e:
             raise HTTPException(400, f"weight update failed: {e}") from None
         return {"success": True, "message": f"updated {count} tensors", "weight_version": version}
@@ -321,13 +339,16 @@ async def _serve(engine: Engine, req: GenerateIn, rid: str, ids: list[int],
     n = req.sampling_params.n
     rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
     wants_input = req.return_logprob and req.logprob_start_len >= 0
+    adapter = req.lora_path
     if params is None:
-        scores = await engine.score_prompt(f"{rid}-prompt", ids, req.top_logprobs_num if req.return_logprob else 0)
+        scores = await engine.score_prompt(f"{rid}-prompt", ids, req.top_logprobs_num if req.return_logprob else 0,
+                                           adapter)
         return ids, scores, [(r, Completion(finish_reason={"type": "length", "length": 0})) for r in rids]
-    samples = asyncio.gather(*(engine.generate(r, ids, _nth(params, i), req.priority) for i, r in enumerate(rids)))
+    samples = asyncio.gather(*(engine.generate(r, ids, _nth(params, i), req.priority, adapter)
+                               for i, r in enumerate(rids)))
     if not wants_input:
         return ids, None, list(zip(rids, await samples))
-    outs, scores = await asyncio.gather(samples, engine.score_prompt(f"{rid}-prompt", ids))
+    outs, scores = await asyncio.gather(samples, engine.score_prompt(f"{rid}-prompt", ids, 0, adapter))
     return ids, scores, list(zip(rids, outs))
 
 

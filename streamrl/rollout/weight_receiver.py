@@ -1,7 +1,7 @@
 """The ``hf`` engine's end of the weight push: the server process joins the learner's group, receives
 each bucket, and hands the engine a version's tensors once all of them have come, to swap in at once
 between two decode steps (no decode step runs on a mix of two versions, and a push waits for the engine
-once, not once per bucket)."""
+once, not once per bucket). A LoRA server's end (``AdapterReceiver``) takes adapters instead of weights."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from streamrl import adapters
+from streamrl.adapters import AdapterSpec
 from streamrl.rollout.engines.base import Engine
 from streamrl.weightsync import Staging, TensorMeta, broadcast, make_group, unpack
 
@@ -45,17 +47,13 @@ class HostReceiver:
         self.group = await asyncio.to_thread(make_group, master_address, master_port, rank, world_size,
                                              backend=backend, group_name=group_name, timeout_s=timeout_s)
 
-    async def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int) -> int:
-        if self.group is None:
-            raise RuntimeError("no weight update group: call /init_weights_update_group first")
-        bucket = [TensorMeta(n, d.removeprefix("torch."), tuple(s)) for n, d, s in zip(names, dtypes, shapes)]
-        key = tuple(names)
-        buffer = self.staging.take(key, sum(m.nbytes for m in bucket))
-        await asyncio.to_thread(broadcast, self.group, buffer)  # taken even when refused: the learner is sending
-        if self.pending is not None and self.pending.version != version:
-            log.warning("push of version %d stopped half way; dropped", self.pending.version)
-            self._drop()
+    async def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int,
+                      lora: AdapterSpec | None = None) -> int:
+        bucket, key, buffer = await self._take(names, dtypes, shapes, version)
         try:
+            if lora is not None:
+                raise ValueError("this server was started without LoRA support (learner.lora is not set in its "
+                                 "config): it takes whole weights; restart it with the learner's config")
             self._check(bucket)
         except (KeyError, ValueError):
             self.staging.untake(key)
@@ -68,6 +66,21 @@ class HostReceiver:
             self.pending = None
             await self.engine.update_weights(push.tensors, version)
         return len(bucket)
+
+    async def _take(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                    version: int) -> tuple[list[TensorMeta], tuple[str, ...], torch.Tensor]:
+        """Receive the bucket the learner is broadcasting (even one about to be refused: the learner is sending),
+        dropping a push of another version left half way."""
+        if self.group is None:
+            raise RuntimeError("no weight update group: call /init_weights_update_group first")
+        bucket = [TensorMeta(n, d.removeprefix("torch."), tuple(s)) for n, d, s in zip(names, dtypes, shapes)]
+        key = tuple(names)
+        buffer = self.staging.take(key, sum(m.nbytes for m in bucket))
+        await asyncio.to_thread(broadcast, self.group, buffer)
+        if self.pending is not None and self.pending.version != version:
+            log.warning("push of version %d stopped half way; dropped", self.pending.version)
+            self._drop()
+        return bucket, key, buffer
 
     def _drop(self) -> None:
         for key in self.pending.keys:
@@ -82,6 +95,9 @@ class HostReceiver:
                 raise ValueError(f"{m.name!r} has shape {list(self.shapes[m.name])} here, not {list(m.shape)}")
 
     async def load_from_disk(self, path: str, version: int) -> int:
+        if adapters.is_adapter(path):
+            raise ValueError(f"{path} is a LoRA adapter, and this server was started without LoRA support "
+                             "(learner.lora is not set in its config)")
         files = sorted(Path(path).glob("*.safetensors"))
         if not files:
             raise ValueError(f"no *.safetensors files in {path!r}")
@@ -91,3 +107,47 @@ class HostReceiver:
 
     def destroy(self) -> None:
         self.group = None
+
+
+class AdapterReceiver(HostReceiver):
+    """The push into a LoRA server: each version is a whole adapter. Every bucket is checked against the served
+    model before it is kept, and the engine gets the adapter once all of its tensors came (nothing half-loaded)."""
+
+    def __init__(self, engine: Engine, linears: dict[str, tuple[int, int]], max_rank: int):
+        self.engine, self.linears, self.max_rank = engine, linears, max_rank
+        self.group = None
+        self.staging = Staging()
+        self.pending: _Pending | None = None
+
+    async def init(self, master_address: str, master_port: int, rank: int, world_size: int, backend: str,
+                   group_name: str, timeout_s: float) -> None:
+        if backend != "gloo":
+            raise ValueError("a LoRA server takes adapters over gloo (weight_sync.backend auto or gloo)")
+        await super().init(master_address, master_port, rank, world_size, backend, group_name, timeout_s)
+
+    async def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int,
+                      lora: AdapterSpec | None = None) -> int:
+        bucket, _, buffer = await self._take(names, dtypes, shapes, version)
+        if lora is None:
+            raise ValueError("this server serves LoRA adapters (learner.lora is set in its config) and takes adapter "
+                             "pushes only; restart it without learner.lora to take whole weights")
+        try:
+            adapters.check(names, shapes, lora, self.linears, self.max_rank)
+        except ValueError:
+            self.pending = None
+            raise
+        push = self.pending = self.pending or _Pending(version)
+        push.tensors += [(name, t.clone()) for name, t in unpack(buffer, bucket)]  # the buffer is reused
+        if len(push.tensors) >= lora.tensors:
+            self.pending = None
+            await self.engine.load_adapter(push.tensors, lora, version)
+        return len(names)
+
+    def _drop(self) -> None:
+        self.pending = None
+
+    async def load_from_disk(self, path: str, version: int) -> int:
+        tensors, spec = adapters.load(path, self.engine.adapter_name)
+        adapters.check([n for n, _ in tensors], [list(t.shape) for _, t in tensors], spec, self.linears, self.max_rank)
+        await self.engine.load_adapter(tensors, spec, version)
+        return len(tensors)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from streamrl.adapters import AdapterSpec
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -68,12 +70,18 @@ class Engine(Protocol):
 
     version: int
 
+    adapter_name: str | None
+    """A LoRA server's adapter name (version N is served as NAME-vN); None: the server serves no adapters."""
+
     async def generate(self, rid: str, input_ids: list[int], params: SamplingParams,
-                       priority: int = 0) -> Completion:
-        """Larger ``priority`` is served sooner when requests wait for room in the batch (SGLang's order)."""
+                       priority: int = 0, adapter: str | None = None) -> Completion:
+        """Larger ``priority`` is served sooner when requests wait for room in the batch (SGLang's order).
+        ``adapter``: a LoRA server's adapter version by its served name (default: the newest); a name the
+        server does not hold is a ``ValueError``."""
         ...
 
-    async def score_prompt(self, rid: str, input_ids: list[int], top_logprobs_num: int = 0) -> PromptScores:
+    async def score_prompt(self, rid: str, input_ids: list[int], top_logprobs_num: int = 0,
+                           adapter: str | None = None) -> PromptScores:
         """Teacher-forced logprobs of every prompt token after the first, and the ``top_logprobs_num``
         likeliest tokens at each position; generates nothing (SGLang's ``max_new_tokens: 0``)."""
         ...
@@ -83,6 +91,9 @@ class Engine(Protocol):
     def pause(self) -> None: ...
 
     def resume(self) -> None: ...
+
+    async def load_adapter(self, tensors: list, spec: AdapterSpec, version: int) -> None:
+        """A LoRA server: serve the adapter ``(name, tensor)`` pairs (checked already) as version ``version``."""
 
     async def update_weights(self, named_tensors: list, version: int) -> None:
         """Swap in ``(name, tensor)`` pairs; later tokens carry ``version``. The tensors are the

@@ -5,6 +5,9 @@ One engine thread owns the model. Between decode steps it admits waiting request
 updates, honours pause, and retires finished sequences; every running sequence
 advances one token per step. The batch keeps one KV cache, left-padded, with an
 attention mask and explicit positions, so sequences of any length share a forward.
+
+LoRA: the engine merges each adapter version into the served weights as it arrives (``load_adapter``), the
+route that keeps its in-flight swaps and exact per-token versions; the push still carries the adapter alone.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from streamrl import adapters
+from streamrl.adapters import AdapterSpec, LoraServing
 from streamrl.rollout.engines.base import Completion, PromptScores, SamplingParams
 from streamrl.rollout.sampling import sample_batch
-from streamrl.rollout.weight_receiver import HostReceiver
+from streamrl.rollout.weight_receiver import AdapterReceiver, HostReceiver
 
 
 @dataclass
@@ -41,8 +46,11 @@ class _Sequence:
 
 class HFEngine:
     def __init__(self, model: PreTrainedModel, *, max_batch_size: int = 64, eos_token_ids: tuple[int, ...] = (),
-                 tokenizer=None):
+                 tokenizer=None, lora: LoraServing | None = None):
         self.model = model.eval()
+        self.lora = lora
+        self.adapter_name = lora.name if lora else None
+        self._base: dict[str, torch.Tensor] = {}  # a LoRA server's base weights of every layer an adapter touched
         self.tokenizer = tokenizer  # only needed for stop strings
         self.max_batch_size = max_batch_size
         self.max_length = getattr(model.config, "max_position_embeddings", None) or 2**31
@@ -85,8 +93,20 @@ class HFEngine:
         return seq.future
 
     async def generate(self, rid: str, input_ids: list[int], params: SamplingParams,
-                       priority: int = 0) -> Completion:
+                       priority: int = 0, adapter: str | None = None) -> Completion:
+        self._check_adapter(adapter)
         return await asyncio.wrap_future(self.submit(rid, input_ids, params, priority))
+
+    def _check_adapter(self, adapter: str | None) -> None:
+        """An adapter named in a request must be the one served: the engine merges each version into its
+        weights as it arrives, so it holds the newest alone."""
+        if adapter is None:
+            return
+        if self.lora is None:
+            raise ValueError(f"lora_path {adapter!r}: this server serves no adapters (started without learner.lora)")
+        if adapter != f"{self.lora.name}-v{self.version}":
+            raise ValueError(f"lora_path {adapter!r}: this server holds {self.lora.name}-v{self.version} alone (the "
+                             "hf engine merges each adapter version into its weights as it arrives)")
 
     def _check_prompt(self, input_ids: list[int], max_new_tokens: int) -> None:
         if not input_ids:
@@ -98,8 +118,10 @@ class HFEngine:
             raise ValueError(f"{len(input_ids)} prompt tokens + max_new_tokens {max_new_tokens} exceed the "
                              f"model's context of {self.max_length} tokens")
 
-    async def score_prompt(self, rid: str, input_ids: list[int], top_logprobs_num: int = 0) -> PromptScores:
+    async def score_prompt(self, rid: str, input_ids: list[int], top_logprobs_num: int = 0,
+                           adapter: str | None = None) -> PromptScores:
         """Teacher-forced logprobs of the prompt; one forward between decode steps, outside the batch."""
+        self._check_adapter(adapter)
         self._check_prompt(input_ids, 0)
         vocab = self.model.config.vocab_size
         if not 0 <= top_logprobs_num <= vocab:
@@ -139,6 +161,19 @@ class HFEngine:
 
         return self._run_between_steps(apply)
 
+    async def load_adapter(self, tensors: list[tuple[str, torch.Tensor]], spec: AdapterSpec, version: int) -> None:
+        """Serve an adapter version by merging it into the weights, ``W = W_base + (alpha / r) * B @ A``, swapped
+        in between two decode steps like a whole push: running requests go on, each token keeps its version."""
+        deltas = adapters.deltas(tensors, spec.scale)
+        layers = dict(self.model.named_modules())
+        merged = []
+        for module in deltas.keys() | self._base.keys():  # a layer the new version leaves out goes back to base
+            weight = layers[module].weight
+            base = self._base.setdefault(module, weight.detach().clone())
+            delta = deltas.get(module)
+            merged.append((f"{module}.weight", base.clone() if delta is None else (base.float() + delta).to(base.dtype)))
+        await self.update_weights(merged, version)
+
     def load(self) -> dict:
         running = list(self._rows)  # a snapshot: the engine thread changes the list between steps
         return {"num_reqs": len(running), "num_waiting_reqs": self._waiting.qsize(),
@@ -148,6 +183,8 @@ class HFEngine:
         return self._thread.is_alive()
 
     def weight_receiver(self) -> HostReceiver:
+        if self.lora is not None:
+            return AdapterReceiver(self, adapters.linear_shapes(self.model), self.lora.max_rank)
         return HostReceiver(self, self.model)
 
     def shutdown(self) -> None:
