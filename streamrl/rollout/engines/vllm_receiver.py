@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from streamrl.adapters import AdapterSpec
     from streamrl.rollout.engines.vllm import VLLMEngine
 
 log = logging.getLogger(__name__)
@@ -17,13 +18,18 @@ def model_tensors(model_path: str) -> tuple[dict[str, tuple[str, tuple[int, ...]
     """What a push may bring (``name -> (dtype, shape)``: the model's state dict and its checkpoint's
     tensors) and what it must bring before it is applied (the parameters, a tied head once: what the
     learner sends)."""
+    model = meta_model(model_path)
+    known = {name: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in model.state_dict().items()}
+    return {**checkpoint_metas(model_path), **known}, {name for name, _ in model.named_parameters()}
+
+
+def meta_model(model_path: str) -> Any:
+    """The model's modules without their weights (on the meta device): names and shapes."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
-    known = {name: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in model.state_dict().items()}
-    return {**checkpoint_metas(model_path), **known}, {name for name, _ in model.named_parameters()}
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
 
 
 def checkpoint_metas(model_path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -80,18 +86,23 @@ class VLLMReceiver:
         await self.engine._on_loop(llm.init_weight_transfer_engine(self.engine._v.InitRequest(init_info=info)))
         self.joined = True
 
-    async def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int) -> int:
+    async def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int,
+                      lora: AdapterSpec | None = None) -> int:
         if not self.joined:
             raise RuntimeError("no weight update group: call /init_weights_update_group first")
-        return await self.engine._on_loop(self._receive(names, dtypes, shapes, version))
+        return await self.engine._on_loop(self._receive(names, dtypes, shapes, version, lora))
 
-    async def _receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int) -> int:
+    async def _receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int,
+                       lora: AdapterSpec | None) -> int:
         engine, llm = self.engine, self.engine._llm
         async with engine._swap_lock:
             if engine._push is not None and engine._push.version != version:
                 log.warning("push of version %d stopped half way; dropped", engine._push.version)
                 await self._drop(None)
             try:
+                if lora is not None:
+                    raise ValueError("this server was started without LoRA support (learner.lora is not set in "
+                                     "its config): it takes whole weights; restart it with the learner's config")
                 check_tensors(engine._expected, names, dtypes, shapes)
             except ValueError:
                 await self._drop((names, dtypes, shapes))  # take the bucket the learner is sending, then refuse
@@ -125,6 +136,11 @@ class VLLMReceiver:
 
     async def load_from_disk(self, path: str, version: int) -> int:
         """The weights of a checkpoint directory, through the same lifecycle as a push."""
+        from streamrl import adapters
+
+        if adapters.is_adapter(path):
+            raise ValueError(f"{path} is a LoRA adapter, and this server was started without LoRA support "
+                             "(learner.lora is not set in its config)")
         engine = self.engine
         found = checkpoint_metas(path)
         check_tensors(engine._expected, list(found), [d for d, _ in found.values()], [list(s) for _, s in found.values()])
