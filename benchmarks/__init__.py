@@ -9,7 +9,8 @@ from pathlib import Path
 MODULES = {"queue": "benchmarks.replay_stream", "generate": "benchmarks.generate", "partition": "benchmarks.partition",
            "learner": "benchmarks.learner", "weight-push": "benchmarks.weight_push", "e2e": "benchmarks.e2e",
            "simulate": "benchmarks.simulate", "trl": "benchmarks.against_trl", "soak": "benchmarks.soak",
-           "ablation": "benchmarks.ablation", "agent": "benchmarks.agent", "nodes": "benchmarks.nodes"}
+           "ablation": "benchmarks.ablation", "agent": "benchmarks.agent", "nodes": "benchmarks.nodes",
+           "lora": "benchmarks.lora"}
 
 
 def run_suite(name: str, *, quick: bool, out: Path, **options) -> dict:

@@ -210,11 +210,11 @@ def trl_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: int, ge
 
 
 def streamrl_run(cfg: Config, prepared: Path, runs: Path, *, steps: int, seed: int, precision: str,
-                 overrides: tuple[str, ...] = ()) -> dict:
-    name = f"streamrl-{seed}"
+                 overrides: tuple[str, ...] = (), config: str = CONFIG, name: str | None = None) -> dict:
+    name = name or f"streamrl-{seed}"
     shutil.rmtree(runs / name, ignore_errors=True)
     shutil.copytree(prepared, runs / name / "prepared")
-    argv = [sys.executable, "-m", "streamrl", "up", CONFIG, f"run.dir={runs}", f"run.name={name}",
+    argv = [sys.executable, "-m", "streamrl", "up", config, f"run.dir={runs}", f"run.name={name}",
             f"run.seed={seed}", f"learner.max_steps={steps}", f"eval.every={steps}",
             f"learner.export_every={steps}", f"router.port={free_port()}", f"router.prometheus_port={free_port()}",
             f"server.base_port={free_port()}", "supervise.display=plain",

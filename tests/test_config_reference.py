@@ -7,7 +7,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from streamrl.config import Config
-from streamrl.config.reference import _default, markdown
+from streamrl.config.reference import _default, _section_of, markdown
 from streamrl.config.rules import RULES
 
 REFERENCE = Path(__file__).parent.parent / "docs" / "reference"
@@ -15,9 +15,12 @@ COMMITTED = REFERENCE / "config.md"
 
 
 def sections(defaults: BaseModel, path: str = ""):
-    """(dotted name, the section as the default config holds it) for every section below ``defaults``."""
-    for key in type(defaults).model_fields:
+    """(dotted name, the section as the default config holds it) for every section below ``defaults``; an
+    optional section unset by default (``learner.lora``) as its class makes it."""
+    for key, field in type(defaults).model_fields.items():
         value = getattr(defaults, key)
+        if value is None and (section := _section_of(field.annotation)) is not None:
+            value = section()
         if isinstance(value, BaseModel):
             yield f"{path}{key}", value
             yield from sections(value, f"{path}{key}.")
@@ -57,8 +60,8 @@ def test_every_setting_appears_with_its_default():
     page = markdown()
     for name, defaults in [("", Config()), *sections(Config())]:
         table = page.split(f"## `{name}`\n" if name else "## Top level\n")[1].split("\n## ")[0]
-        for key in type(defaults).model_fields:
-            if not isinstance(value := getattr(defaults, key), BaseModel):
+        for key, field in type(defaults).model_fields.items():
+            if _section_of(field.annotation) is None and not isinstance(value := getattr(defaults, key), BaseModel):
                 row = next(line for line in table.splitlines() if line.startswith(f"| `{key}` |"))
                 assert f"| {_default(value)} |" in row, row
     assert '| `max_staleness` | integer, ≥ 0 | `2` |' in page  # type, bound and default as pydantic has them

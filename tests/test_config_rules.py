@@ -58,6 +58,8 @@ REFUSED = [
     (["prepare.args={a: 1}"], "prepare.args are the arguments of prepare.fn", "launcher_settings_need_their_launcher"),
     (["launcher=ray", "ray.router.cpus=0"], "ray.router reserves nothing", "launcher_settings_need_their_launcher"),
     (["router.sync_every_s=10"], "the router's announcement would expire", "ports_and_heartbeats_fit"),
+    (["learner.lora.rank=32", "server.max_lora_rank=16"], "the servers would refuse every adapter",
+     "adapters_fit_the_servers"),
 ]
 
 

@@ -38,8 +38,10 @@ def _sections(name: str, model: type[BaseModel], defaults: BaseModel | None = No
     defaults = defaults or model()
     out = [_section(name, model, defaults)]
     for key, field in model.model_fields.items():
-        if _is_section(field.annotation):
-            out += _sections(f"{name}.{key}".lstrip("."), field.annotation, getattr(defaults, key))
+        section = _section_of(field.annotation)
+        if section is not None:
+            given = getattr(defaults, key)
+            out += _sections(f"{name}.{key}".lstrip("."), section, given if given is not None else None)
     return out
 
 
@@ -48,7 +50,7 @@ def _section(name: str, model: type[BaseModel], defaults: BaseModel) -> str:
     doc = _doc(model) if name else ""
     rows = [f"| `{key}` | {_type(f.annotation)}{_bounds(f)} | {_default(getattr(defaults, key))} | "
             f"{_cell(f.description or '')} |"
-            for key, f in model.model_fields.items() if not _is_section(f.annotation)]
+            for key, f in model.model_fields.items() if _section_of(f.annotation) is None]
     table = ["| field | type | default | meaning |", "|---|---|---|---|", *rows]
     return "\n".join([f"## {title}", "", *([doc, ""] if doc else []), *table, ""])
 
@@ -60,6 +62,16 @@ def _rules() -> str:
 
 def _is_section(annotation: Any) -> bool:
     return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _section_of(annotation: Any) -> type[BaseModel] | None:
+    """The section a field holds: its class, or the class of an optional section (``LoraConfig | None``)."""
+    if _is_section(annotation):
+        return annotation
+    members = [a for a in get_args(annotation) if a is not type(None)]
+    if get_origin(annotation) in (Union, types.UnionType) and len(members) == 1 and _is_section(members[0]):
+        return members[0]
+    return None
 
 
 def _doc(obj: Any) -> str:

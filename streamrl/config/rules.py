@@ -250,8 +250,8 @@ def launcher_settings_need_their_launcher(cfg: Config) -> Iterator[str]:
 def adapters_fit_the_servers(cfg: Config) -> Iterator[str]:
     """`server.max_lora_rank` or `server.max_loras` without `learner.lora`; an adapter rank above
     `server.max_lora_rank`; fewer adapter slots than `off_policy.max_staleness + 1`; LoRA with stock SGLang
-    servers, with `weight_sync.backend: nccl` (adapters travel over gloo), or with `kl_in_reward` under ZeRO-3."""
-    lora, server, learner = cfg.learner.lora, cfg.server, cfg.learner
+    servers, or with `weight_sync.backend: nccl` (adapters travel over gloo)."""
+    lora, server = cfg.learner.lora, cfg.server
     if lora is None:
         for name in _changed(server, "max_lora_rank", "max_loras"):
             yield f"server.{name} sizes a server's LoRA adapters, and learner.lora is not set: leave it unset"
@@ -268,7 +268,3 @@ def adapters_fit_the_servers(cfg: Config) -> Iterator[str]:
     if cfg.weight_sync.backend == "nccl":
         yield ("weight_sync.backend: nccl with learner.lora: an adapter is small and travels over gloo to the "
                "server's process; use backend auto or gloo")
-    if learner.kl_coef > 0 and learner.kl_in_reward and learner.zero_stage == 3:
-        yield ("learner.kl_in_reward with learner.lora under zero_stage 3: the reference is the policy's base, "
-               "which ZeRO-3 shards over the ranks, and rank 0 scores rewards alone; put the KL in the loss "
-               "(kl_in_reward false) or use zero_stage 2 or lower")

@@ -183,7 +183,8 @@ class OffPolicyConfig(Section):
 
 class LoraConfig(Section):
     """A LoRA adapter trained in place of the whole model (PEFT): only the adapter trains and is pushed; the
-    base with the adapter switched off is the KL reference."""
+    base with the adapter switched off is the KL reference. Unset by default (full fine-tuning); setting any of
+    its fields (`learner.lora.rank=16`) turns it on."""
 
     rank: int = Field(16, ge=1, description="rank r of each adapter matrix pair")
     alpha: float = Field(32.0, gt=0, description="scaling numerator: the update is (alpha / rank) * B @ A")

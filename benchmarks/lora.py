@@ -1,0 +1,246 @@
+"""LoRA against full fine-tuning on SmolLM2-135M, side by side in one run.
+
+- **push**: the learner's push (``WeightPusher``, 64 MB buckets, gloo) of every weight into a ``streamrl serve``
+  server, against the push of a rank-16 adapter on every linear layer (``configs/smollm2-lora.yaml``'s) into a
+  LoRA server of the same engine: the hf engine merges each adapter into its weights; a vllm server (when vLLM is
+  installed) loads it through vLLM's LoRA API. Seconds per push (medians, arms alternating) and bytes.
+- **learner**: ``Policy.step`` on the same packed batches (64 sequences of the recipe's lengths), each arm in a
+  process of its own: trained tokens/s (median of the timed steps), the process's peak resident memory, and the
+  parameters that train.
+- **accuracy**: ``streamrl up configs/smollm2.yaml`` against ``configs/smollm2-lora.yaml``, the same seeds
+  (paired): held-out greedy accuracy of the final export (256 questions), samples/s.
+
+    python -m benchmarks.lora [--quick] [--repeats N]      (or: streamrl bench lora)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.against_trl import prepare_shared, score_final, streamrl_run
+from benchmarks.common import (
+    cli,
+    console,
+    median,
+    new_figure,
+    paired_difference,
+    points,
+    print_table,
+    save_figure,
+    serve_processes,
+    write_json,
+)
+from streamrl.buffer import EmbeddedRedis, Namespace, ServerRegistry
+from streamrl.config import load_config
+from streamrl.learner.push import WeightPusher
+
+FULL, LORA = "configs/smollm2.yaml", "configs/smollm2-lora.yaml"
+ARMS = {"full": FULL, "lora": LORA}
+
+
+def lora_settings() -> list[str]:
+    """The LoRA recipe's adapter, as overrides."""
+    lora = load_config(LORA).learner.lora
+    return [f"learner.lora.rank={lora.rank}", f"learner.lora.alpha={lora.alpha}"]
+
+
+def pushed(model_dir: str, arm: str) -> list[tuple[str, torch.Tensor]]:
+    """What the learner's push sends in each arm: every parameter, or the adapter's (B random, as after training)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if arm == "full":
+        return [(n, p.detach()) for n, p in model.named_parameters()]
+    from streamrl.learner import adapter
+
+    wrapped = adapter.wrap(model, load_config(LORA).learner.lora)
+    torch.manual_seed(0)
+    return [(n, torch.randn_like(p) * 0.01) for n, p in adapter.tensors(wrapped)]
+
+
+def push_times(model_dir: str, redis_url: str, run_dir: Path, engine: str, repeats: int) -> dict:
+    """Seconds per push of each arm into a server of ``engine`` (arms alternating), and the bytes each sends."""
+    arms = {}
+    for arm in ARMS:
+        run = f"lora-push-{arm}-{engine}-{time.monotonic_ns()}"
+        common = [f"model.path={model_dir}", f"redis.url={redis_url}", f"run.name={run}", f"run.dir={run_dir}",
+                  "server.heartbeat_s=0.3", f"server.engine={engine}", *(lora_settings() if arm == "lora" else [])]
+        arms[arm] = {"common": common, "cfg": load_config(None, [*common, "weight_sync.timeout_s=300"]),
+                     "registry": ServerRegistry(Namespace.open(redis_url, run), ttl_s=10),
+                     "tensors": pushed(model_dir, arm)}
+    seconds: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    with ExitStack() as stack:
+        for a in arms.values():
+            stack.enter_context(serve_processes(a["common"], 1, {"OMP_NUM_THREADS": "1"}, timeout_s=600))
+            while not a["registry"].alive():
+                time.sleep(0.1)
+            a["pusher"] = WeightPusher(a["cfg"], a["registry"])
+            for version in (1, 2):  # the group set up, every staging buffer touched
+                a["pusher"].push(a["tensors"], version)
+        for r in range(repeats):
+            for arm, a in arms.items():
+                stats = a["pusher"].push(a["tensors"], 3 + r)
+                if stats["push_targets"] != 1:
+                    raise RuntimeError(f"the {arm} push into the {engine} server failed (its log says why)")
+                seconds[arm].append(stats["push_s"])
+    out = {arm: {"seconds": s, "median_s": median(s),
+                 "bytes": sum(t.numel() * t.element_size() for _, t in arms[arm]["tensors"])}
+           for arm, s in seconds.items()}
+    out["time_ratio"] = out["lora"]["median_s"] / out["full"]["median_s"]
+    out["byte_ratio"] = out["lora"]["bytes"] / out["full"]["bytes"]
+    return out
+
+
+def learner_arm(model_dir: str, arm: str, steps: int) -> dict:
+    """One arm's learner, in this process (a world of one): tokens/s over ``steps`` timed steps after one."""
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    from streamrl.learner import batch as batching
+    from streamrl.learner.policy import Policy, init_distributed
+    from streamrl.testing import synthetic_group
+
+    rendezvous = Path(tempfile.mkdtemp(prefix="lora-bench-")) / "init"
+    init_distributed(init_method=f"file://{rendezvous}", rank=0, world_size=1, auto_mpi_discovery=False)
+    cfg = load_config(ARMS[arm], [f"model.path={model_dir}"])
+    policy = Policy(cfg, model_dir)
+    rng = np.random.default_rng(0)
+    vocab = policy.module.config.vocab_size
+    times, tokens = [], 0
+    for step in range(steps + 1):
+        groups = [synthetic_group(8, int(rng.integers(60, 90)), prompt_len=45, vocab=vocab, rng=rng,
+                                  prompt_id=f"p{step}-{g}") for g in range(8)]  # the recipe's step: 8 groups of 8
+        for group in groups:
+            for i, s in enumerate(group.samples):
+                s.reward = float(i % 2)
+        seqs = batching.sequences(groups, version=0, algorithm="rloo")
+        n = int(sum(s.mask.sum() for s in seqs))
+        t0 = time.perf_counter()
+        policy.step([seqs], n)
+        if step:  # the first step warms up (allocations, DeepSpeed's first pass)
+            times.append(time.perf_counter() - t0)
+            tokens = sum(len(s) for s in seqs)
+    trained = sum(p.numel() for p in policy.module.parameters() if p.requires_grad)
+    return {"tokens_per_s": median([tokens / t for t in times]), "step_s": median(times),
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "trained_params": trained}
+
+
+def learner_figures(model_dir: str, repeats: int, steps: int) -> dict:
+    """Each arm in a fresh process per repeat (a peak memory of its own), arms alternating."""
+    runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    for _ in range(repeats):
+        for arm in ARMS:
+            done = subprocess.run([sys.executable, "-m", "benchmarks.lora", "--learner-arm", arm, model_dir,
+                                   str(steps)], capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(f"the {arm} learner failed:\n{done.stderr[-3000:]}")
+            runs[arm].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return {arm: {"runs": r, **{k: median([x[k] for x in r]) for k in r[0]}} for arm, r in runs.items()}
+
+
+def accuracy(cfg, prepared: Path, runs: Path, seeds: int, steps: int) -> dict:
+    """``streamrl up`` of each recipe with the same seeds, arms alternating; held-out accuracy paired by seed."""
+    out: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    for seed in range(seeds):
+        for arm, config in ARMS.items():
+            console.log(f"streamrl up {config}, seed {seed}")
+            out[arm].append(streamrl_run(cfg, prepared, runs, steps=steps, seed=seed, precision="fp32",
+                                         config=config, name=f"{arm}-{seed}"))
+    return {"runs": out,
+            "median": {arm: {k: median([r[k] for r in rs]) for k in ("samples_per_s", "held_out_final", "wall_s")}
+                       for arm, rs in out.items()},
+            "held_out_lora_vs_full": paired_difference([r["held_out_final"] for r in out["lora"]],
+                                                       [r["held_out_final"] for r in out["full"]])}
+
+
+def run(quick: bool, repeats: int | None, steps: int | None) -> dict:
+    repeats = repeats or (1 if quick else 3)
+    steps = steps or (4 if quick else load_config(FULL).learner.max_steps)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        cfg, prepared = prepare_shared(tmp)
+        model_dir = cfg.model.path
+        data = {"study": "lora", "model": "SmolLM2-135M-Instruct", "repeats": repeats, "steps": steps,
+                "lora": lora_settings(), "lr": {arm: load_config(c).learner.lr for arm, c in ARMS.items()}}
+        with EmbeddedRedis(tmp / "redis") as redis:
+            engines = ["hf"] + (["vllm"] if importlib.util.find_spec("vllm") else [])
+            data["push"] = {e: push_times(model_dir, redis.url, tmp / "runs", e, 3 if quick else 7) for e in engines}
+        console.log(f"push: {data['push']}")
+        data["learner"] = learner_figures(model_dir, repeats, 2 if quick else 4)
+        console.log(f"learner: {data['learner']}")
+        data["accuracy"] = accuracy(cfg, prepared, tmp / "runs", repeats, steps)
+        data["held_out_before"] = score_final(cfg, Path(model_dir), _rows(prepared / "eval.jsonl"))
+    return data
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def report(data: dict, out: Path) -> None:
+    push, learner, acc = data["push"], data["learner"], data["accuracy"]
+    rows = []
+    for engine, p in push.items():
+        rows.append([f"push into {engine}: seconds", p["full"]["median_s"], p["lora"]["median_s"],
+                     f"{p['time_ratio']:.3f} (1/{1 / p['time_ratio']:.0f})"])
+    first = next(iter(push.values()))
+    rows.append(["push: MB", first["full"]["bytes"] / 2**20, first["lora"]["bytes"] / 2**20,
+                 f"{first['byte_ratio']:.3f}"])
+    rows.append(["learner: trained tokens/s", learner["full"]["tokens_per_s"], learner["lora"]["tokens_per_s"],
+                 f"{learner['lora']['tokens_per_s'] / learner['full']['tokens_per_s']:.2f}"])
+    rows.append(["learner: peak memory GB", learner["full"]["peak_rss_gb"], learner["lora"]["peak_rss_gb"],
+                 f"{learner['lora']['peak_rss_gb'] / learner['full']['peak_rss_gb']:.2f}"])
+    rows.append(["learner: trained parameters (M)", learner["full"]["trained_params"] / 1e6,
+                 learner["lora"]["trained_params"] / 1e6, ""])
+    m = acc["median"]
+    rows.append(["run: samples/s", m["full"]["samples_per_s"], m["lora"]["samples_per_s"],
+                 f"{m['lora']['samples_per_s'] / m['full']['samples_per_s']:.2f}"])
+    rows.append([f"run: held-out accuracy after {data['steps']} steps (base {data['held_out_before']:.3f})",
+                 m["full"]["held_out_final"], m["lora"]["held_out_final"], points(acc["held_out_lora_vs_full"])])
+    print_table(f"LoRA (rank 16, all linear layers) vs full fine-tuning, SmolLM2-135M, medians of {data['repeats']}",
+                ["figure", "full", "LoRA", "LoRA / full"], rows)
+    json_path = write_json(out, "lora", data)
+    fig, axes = new_figure(3, "LoRA vs full fine-tuning, SmolLM2-135M")
+    engines = list(push)
+    x = np.arange(len(engines))
+    for i, arm in enumerate(ARMS):
+        axes[0].bar(x + (i - 0.5) * 0.4, [push[e][arm]["median_s"] for e in engines], 0.4, label=arm)
+    axes[0].set_xticks(x, [f"into {e}" for e in engines])
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("seconds per push")
+    axes[0].legend()
+    axes[1].bar(list(ARMS), [learner[a]["tokens_per_s"] for a in ARMS])
+    axes[1].set_ylabel("learner: trained tokens/s")
+    for s, arm in enumerate(ARMS):
+        values = [r["held_out_final"] for r in acc["runs"][arm]]
+        axes[2].scatter([s] * len(values), values, color="black", zorder=3, s=12)
+        axes[2].bar(s, m[arm]["held_out_final"])
+    axes[2].set_xticks(range(len(ARMS)), list(ARMS))
+    axes[2].axhline(data["held_out_before"], color="grey", linestyle="--", label="base model")
+    axes[2].set_ylabel("held-out greedy accuracy")
+    axes[2].legend(fontsize=8)
+    save_figure(fig, out, "lora", json_path)
+
+
+def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None,
+         steps: int | None = None) -> dict:
+    data = run(quick, repeats, steps)
+    report(data, out)
+    return data
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--learner-arm"]:
+        print(json.dumps(learner_arm(sys.argv[3], sys.argv[2], int(sys.argv[4]))))
+    else:
+        cli(main, __doc__)
