@@ -87,18 +87,23 @@ def check(names: list[str], shapes: list[list[int]], spec: AdapterSpec, linears:
                              f"{list(want)}")
 
 
-def deltas(tensors: list[tuple[str, torch.Tensor]], scale: float) -> dict[str, torch.Tensor]:
-    """``module -> scale * B @ A`` in fp32, for every adapted layer (each needs both of its tensors)."""
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
+def pairs(tensors: list[tuple[str, torch.Tensor]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``module -> (A, B)`` for every adapted layer (each needs both of its tensors)."""
+    halves: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:
         module, side = target_of(name)
-        pairs.setdefault(module, {})[side] = tensor
-    out = {}
-    for module, pair in pairs.items():
-        if len(pair) != 2:
-            raise ValueError(f"layer {module!r} got lora_{next(iter(pair))} without its other half")
-        out[module] = scale * (pair["B"].float() @ pair["A"].float())
-    return out
+        halves.setdefault(module, {})[side] = tensor
+    for module, half in halves.items():
+        if len(half) != 2:
+            raise ValueError(f"layer {module!r} got lora_{next(iter(half))} without its other half")
+    return {module: (half["A"], half["B"]) for module, half in halves.items()}
+
+
+def merged(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``base + scale * B @ A`` in one pass, computed in fp32 (a new tensor; ``base`` is left as it is)."""
+    if base.dtype == torch.float32:
+        return torch.addmm(base, b.float(), a.float(), alpha=scale)
+    return torch.addmm(base.float(), b.float(), a.float(), alpha=scale).to(base.dtype)
 
 
 def save(path: Path, tensors: list[tuple[str, torch.Tensor]], spec: AdapterSpec, base_model: str) -> None:

@@ -137,10 +137,13 @@ def test_an_adapter_that_does_not_fit_the_served_model_is_refused_with_what_is_w
     with pytest.raises(ValueError, match="no LoRA tensor name"):
         adapters.check(["model.layers.0.self_attn.q_proj.weight"], [[32, 16]], spec, linears, 8)
     with pytest.raises(ValueError, match="without its other half"):
-        adapters.deltas([(a, torch.zeros(4, 16))], 2.0)
-    delta = adapters.deltas([(a, torch.ones(4, 16)), (b, torch.full((32, 4), 0.5))], 2.0)
-    assert delta["model.layers.0.self_attn.q_proj"].shape == (32, 16)
-    assert float(delta["model.layers.0.self_attn.q_proj"][0, 0]) == 2.0 * 4 * 0.5  # scale * sum_r B[0,r] A[r,0]
+        adapters.pairs([(a, torch.zeros(4, 16))])
+    pair = adapters.pairs([(a, torch.ones(4, 16)), (b, torch.full((32, 4), 0.5))])["model.layers.0.self_attn.q_proj"]
+    base = torch.full((32, 16), 1.0)
+    weight = adapters.merged(base, *pair, scale=2.0)
+    assert weight.shape == (32, 16) and float(weight[0, 0]) == 1.0 + 2.0 * 4 * 0.5  # W + scale * sum_r B[0,r] A[r,0]
+    assert float(base[0, 0]) == 1.0  # the base is kept as it was
+    assert adapters.merged(base.bfloat16(), *pair, scale=2.0).dtype == torch.bfloat16
 
 
 def test_lora_settings_the_servers_cannot_honour_are_refused():

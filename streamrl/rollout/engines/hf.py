@@ -164,15 +164,18 @@ class HFEngine:
     async def load_adapter(self, tensors: list[tuple[str, torch.Tensor]], spec: AdapterSpec, version: int) -> None:
         """Serve an adapter version by merging it into the weights, ``W = W_base + (alpha / r) * B @ A``, swapped
         in between two decode steps like a whole push: running requests go on, each token keeps its version."""
-        deltas = adapters.deltas(tensors, spec.scale)
+        weights = await asyncio.to_thread(self._merged, adapters.pairs(tensors), spec.scale)  # the loop stays free
+        await self.update_weights(weights, version)
+
+    def _merged(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> list:
+        """The new weight of every layer the adapter touches, and the base again where an earlier one did."""
         layers = dict(self.model.named_modules())
-        merged = []
-        for module in deltas.keys() | self._base.keys():  # a layer the new version leaves out goes back to base
-            weight = layers[module].weight
-            base = self._base.setdefault(module, weight.detach().clone())
-            delta = deltas.get(module)
-            merged.append((f"{module}.weight", base.clone() if delta is None else (base.float() + delta).to(base.dtype)))
-        await self.update_weights(merged, version)
+        out = []
+        for module in pairs.keys() | self._base.keys():
+            base = self._base.setdefault(module, layers[module].weight.detach().clone())
+            weight = adapters.merged(base, *pairs[module], scale) if module in pairs else base.clone()
+            out.append((f"{module}.weight", weight))
+        return out
 
     def load(self) -> dict:
         running = list(self._rows)  # a snapshot: the engine thread changes the list between steps
