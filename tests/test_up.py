@@ -200,6 +200,43 @@ def test_up_with_the_vllm_engine_learns_and_survives_a_dead_engine_and_a_server_
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # the session's warm start (~90 s) when it is the first to ask for it
+def test_up_trains_a_lora_adapter_and_resumes_it_and_a_late_server_serves_it(tmp_path, quickstart_prepared):
+    """The quickstart with a LoRA adapter on the hf engine: it learns; a killed learner resumes from its
+    adapter-only checkpoint; a killed server comes back from the newest exported adapter; the ledger balances."""
+    run_path = tmp_path / "lora"
+    shutil.copytree(quickstart_prepared, run_path / "prepared")
+    argv = [sys.executable, "-m", "streamrl", "up", "configs/quickstart.yaml", "learner.lora.rank=16",
+            "learner.lr=2e-3", "learner.checkpoint_every=10", f"run.dir={tmp_path}", "run.name=lora",
+            f"router.port={free_port()}", f"router.prometheus_port={free_port()}", f"server.base_port={free_port()}",
+            "server.heartbeat_s=0.3", "server.registry_ttl_s=2", "router.sync_every_s=0.3", "supervise.display=plain"]
+    up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env={**os.environ, "COLUMNS": "200"})
+    try:
+        _wait_for_step(up, run_path, 12)  # past the checkpoint and export at step 10
+        _kill_and_wait_for_restart(up, run_path, "learner")
+        _kill_and_wait_for_restart(up, run_path, "server-0")
+        output, _ = up.communicate(timeout=400)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert up.returncode == 0, output[-4000:]
+    assert "resumed from" in (run_path / "logs" / "learner.log").read_text()
+    assert "late joiner: serving the learner's export" in (run_path / "logs" / "server-0.log").read_text()
+    checkpoint = max((run_path / "checkpoints").glob("version-*"), key=lambda p: int(p.name.split("-")[1]))
+    held = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file())
+    model = sum(f.stat().st_size for f in (run_path / "prepared").rglob("*.safetensors"))
+    assert held < model  # the adapter and its optimizer state, not the base
+    export = run_path / "export" / (run_path / "export" / "latest").read_text()
+    assert (export / "adapter" / "adapter_config.json").is_file() and (export / "model.safetensors").is_file()
+    evals = read_records(run_path / "metrics" / "eval.jsonl")
+    assert evals[0]["eval/accuracy"] < 0.5 and evals[-1]["eval/accuracy"] >= 0.9
+    doctor = subprocess.run([sys.executable, "-m", "streamrl", "doctor", str(run_path)], capture_output=True,
+                            text=True, env={**os.environ, "COLUMNS": "200"})
+    assert doctor.returncode == 0 and "balanced" in doctor.stdout, doctor.stdout + doctor.stderr
+
+
+@pytest.mark.slow
 def test_up_places_the_parts_on_a_local_ray_cluster(tmp_path):
     run_path = tmp_path / "onray"
     argv = [sys.executable, "-m", "streamrl", "up", "configs/quickstart.yaml", "--ray", "local",
