@@ -1,6 +1,7 @@
 """Run under torchrun: a Policy step skipped for a non-finite loss on one rank, then one step on a fixed
 batch split unevenly over the ranks (with KL to the reference in the loss when kl > 0: under ZeRO-3 the
-reference is sharded too, and rank 0's empty micro-batch runs its stand-in forward); rank 0 saves the weights."""
+reference is sharded too, and rank 0's empty micro-batch runs its stand-in forward; with lora 1 the policy is a
+LoRA adapter and the reference its base); rank 0 saves the weights."""
 
 import sys
 from dataclasses import replace
@@ -15,13 +16,16 @@ from streamrl.learner import batch as batching
 from streamrl.learner.policy import Policy
 from streamrl.protocol import Group, Sample
 
-model_dir, out, agg, zero, kl = sys.argv[1:6]
+model_dir, out, agg, zero, kl, lora = sys.argv[1:7]
 deepspeed.init_distributed(dist_backend="gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 cfg = load_config(None, [f"model.path={model_dir}", "learner.optimizer=sgd", "learner.lr=1.0", "learner.grad_clip=1e9",
                          "off_policy.correction=none", f"learner.loss_agg={agg}", f"learner.zero_stage={zero}",
                          f"learner.kl_coef={kl}",
-                         *(["learner.kl_estimator=k1"] if float(kl) > 0 else [])])  # k1: a gradient at the reference too
+                         *(["learner.kl_estimator=k1"] if float(kl) > 0 else []),  # k1: a gradient at the reference too
+                         *(["learner.lora.rank=4", "learner.lora.target_modules=[q_proj,v_proj,up_proj]"]
+                           if lora == "1" else [])])  # the reference: the base under the adapter
+torch.manual_seed(0)  # PEFT draws A at random: the same on every rank and in every run (B starts at zero)
 engine = Policy(cfg, model_dir)
 rng = np.random.default_rng(0)
 lengths = [40, 6, 9, 7, 5, 8, 12]  # one long sequence, six short ones

@@ -235,9 +235,10 @@ def test_kl_in_the_reward_is_the_behaviour_minus_reference_logprob_sum(tiny_mode
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("agg, zero, kl", [("token", 0, 0), ("sequence", 0, 0), ("token", 3, 0), ("token", 3, 0.5)])
+@pytest.mark.parametrize("agg, zero, kl, lora", [("token", 0, 0, 0), ("sequence", 0, 0, 0), ("token", 3, 0, 0),
+                                                  ("token", 3, 0.5, 0), ("token", 3, 0.5, 1)])
 def test_the_deepspeed_step_on_an_uneven_two_rank_split_equals_one_rank_on_the_whole_batch(tiny_model_dir, tmp_path,
-                                                                                          agg, zero, kl):
+                                                                                          agg, zero, kl, lora):
     # Rank 1 gets five short sequences that share a prompt worth forwarding once, then one more; rank 0 one
     # long one, then nothing; one rank alone the seven (not worth sharing beside the long reply): shared
     # against plain forwards. Under ZeRO-3 the ranks must still run as many forwards (rank 1 sharing alone,
@@ -250,14 +251,19 @@ def test_the_deepspeed_step_on_an_uneven_two_rank_split_equals_one_rank_on_the_w
     for ranks in (1, 2):
         out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                               "--master_port", str(free_port()), script, tiny_model_dir, str(tmp_path / f"{ranks}.pt"),
-                              agg, str(zero), str(kl)],
+                              agg, str(zero), str(kl), str(lora)],
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
     one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
     from transformers import AutoModelForCausalLM
 
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
-    assert max((one[k] - initial[k]).abs().max().item() for k in one) > 1e-4
+    if lora:  # the base stays as it was; the adapter moved (its B starts at zero)
+        base = {k: v for k, v in one.items() if ".lora_" not in k}
+        assert all(torch.equal(v, initial[k.replace("base_model.model.", "").replace(".base_layer", "")])
+                   for k, v in base.items())
+        initial = {k: torch.zeros_like(v) for k, v in one.items() if ".lora_B" in k}
+    assert max((one[k] - initial[k]).abs().max().item() for k in initial) > 1e-4
     for k in one:
         assert torch.allclose(one[k], two[k], atol=1e-6), k
 

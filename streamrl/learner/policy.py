@@ -56,6 +56,14 @@ def deepspeed_config(cfg: Config) -> dict[str, Any]:
     }
 
 
+def adapter_off_reference(cfg: Config) -> bool:
+    """Whether the KL reference is the LoRA policy with its adapter off (no second copy of the base). Not under
+    ZeRO-3: there its forwards, beside the policy's, put the ranks' parameter gathers out of step when one rank
+    has an empty micro-batch (a gloo size mismatch, seen with two ranks), so the reference is a sharded frozen
+    copy there, as without LoRA."""
+    return cfg.learner.lora is not None and cfg.learner.zero_stage != 3
+
+
 def init_distributed(**kwargs) -> str:
     """DeepSpeed's process group (NCCL on GPU, gloo on CPU); returns the backend. ``kwargs`` go to
     ``deepspeed.init_distributed`` (rendezvous)."""
@@ -118,7 +126,7 @@ class Policy:
         self.random_forward = has_dropout(model)
         self.reference = None
         if cfg.learner.kl_coef > 0 and not cfg.learner.kl_in_reward:  # the initial policy, frozen
-            self.reference = (Reference.base_of(self.model, self.temperature) if learner.lora else
+            self.reference = (Reference.base_of(self.model, self.temperature) if adapter_off_reference(cfg) else
                               Reference.load(model_path, self.device, compute, self.temperature, learner.zero_stage))
 
     @property

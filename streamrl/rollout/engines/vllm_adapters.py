@@ -68,16 +68,16 @@ class AdapterVersions:
         """Load ``version`` into vLLM; unload what it makes too old. A failure leaves the held versions as they
         were."""
         name = spec.served_name(version)
-        path = self.dir / name
+        # a directory of its own each time: vLLM reloads an evicted adapter from its path, mid-request too
+        path = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.dir))
         adapters.save(path, tensors, spec, self.base_model)
         request = lora_request_type(lora_name=name, lora_int_id=version + 1, lora_path=str(path))
+        if version in self.held:  # the same version again (a catch-up): the new tensors replace it
+            await self._unload(llm, self.held.pop(version))
         try:
-            if version in self.held:  # the same version again (a catch-up): replace it
-                await llm.remove_lora(version + 1)
             await llm.add_lora(request)
-        except Exception as e:
-            shutil.rmtree(path, ignore_errors=True)
-            self.held.pop(version, None)
+        except Exception as e:  # vLLM may keep a half-loaded adapter registered: take it out
+            await self._unload(llm, request)
             raise ValueError(f"vLLM refused adapter {name}: {e}") from e
         self.held[version] = request
         await self.retire(llm)
@@ -93,13 +93,16 @@ class AdapterVersions:
         for version in sorted(self.held):
             if not self.retired(version):
                 continue
-            request = self.held.pop(version)
             self.running.pop(version, None)
-            try:
-                await llm.remove_lora(request.lora_int_id)
-            except Exception as e:  # it stays loaded in vLLM's cache, and is never asked for again
-                log.warning("could not unload adapter %s: %s", request.lora_name, e)
-            shutil.rmtree(request.lora_path, ignore_errors=True)
+            await self._unload(llm, self.held.pop(version))
+
+    @staticmethod
+    async def _unload(llm: Any, request: Any) -> None:
+        try:
+            await llm.remove_lora(request.lora_int_id)
+        except Exception as e:  # it stays in vLLM's cache, and is never asked for again
+            log.warning("could not unload adapter %s: %s", request.lora_name, e)
+        shutil.rmtree(request.lora_path, ignore_errors=True)
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
