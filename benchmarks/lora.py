@@ -10,7 +10,7 @@
 - **accuracy**: ``streamrl up configs/smollm2.yaml`` against ``configs/smollm2-lora.yaml``, the same seeds
   (paired): held-out greedy accuracy of the final export (256 questions), samples/s.
 
-    python -m benchmarks.lora [--quick] [--repeats N]      (or: streamrl bench lora)
+    python -m benchmarks.lora [--quick] [--repeats N] [--study push|learner|accuracy]   (or: streamrl bench lora)
 """
 
 from __future__ import annotations
@@ -163,7 +163,10 @@ def accuracy(cfg, prepared: Path, runs: Path, seeds: int, steps: int) -> dict:
                                                        [r["held_out_final"] for r in out["full"]])}
 
 
-def run(quick: bool, repeats: int | None, steps: int | None) -> dict:
+STUDIES = ("push", "learner", "accuracy")
+
+
+def run(quick: bool, repeats: int | None, steps: int | None, studies: tuple[str, ...]) -> dict:
     repeats = repeats or (1 if quick else 3)
     steps = steps or (4 if quick else load_config(FULL).learner.max_steps)
     with tempfile.TemporaryDirectory() as tmp:
@@ -172,14 +175,18 @@ def run(quick: bool, repeats: int | None, steps: int | None) -> dict:
         model_dir = cfg.model.path
         data = {"study": "lora", "model": "SmolLM2-135M-Instruct", "repeats": repeats, "steps": steps,
                 "lora": lora_settings(), "lr": {arm: load_config(c).learner.lr for arm, c in ARMS.items()}}
-        with EmbeddedRedis(tmp / "redis") as redis:
-            engines = ["hf"] + (["vllm"] if importlib.util.find_spec("vllm") else [])
-            data["push"] = {e: push_times(model_dir, redis.url, tmp / "runs", e, 3 if quick else 7) for e in engines}
-        console.log(f"push: {data['push']}")
-        data["learner"] = learner_figures(model_dir, repeats, 2 if quick else 4)
-        console.log(f"learner: {data['learner']}")
-        data["accuracy"] = accuracy(cfg, prepared, tmp / "runs", repeats, steps)
-        data["held_out_before"] = score_final(cfg, Path(model_dir), _rows(prepared / "eval.jsonl"))
+        if "push" in studies:
+            with EmbeddedRedis(tmp / "redis") as redis:
+                engines = ["hf"] + (["vllm"] if importlib.util.find_spec("vllm") else [])
+                data["push"] = {e: push_times(model_dir, redis.url, tmp / "runs", e, 3 if quick else 7)
+                                for e in engines}
+            console.log(f"push: {data['push']}")
+        if "learner" in studies:
+            data["learner"] = learner_figures(model_dir, repeats, 2 if quick else 4)
+            console.log(f"learner: {data['learner']}")
+        if "accuracy" in studies:
+            data["accuracy"] = accuracy(cfg, prepared, tmp / "runs", repeats, steps)
+            data["held_out_before"] = score_final(cfg, Path(model_dir), _rows(prepared / "eval.jsonl"))
     return data
 
 
@@ -188,53 +195,67 @@ def _rows(path: Path) -> list[dict]:
 
 
 def report(data: dict, out: Path) -> None:
-    push, learner, acc = data["push"], data["learner"], data["accuracy"]
+    """The studies' figures side by side, merged into what an earlier run of the other studies wrote."""
+    earlier = out / "lora.json"
+    if earlier.is_file():
+        data = {**json.loads(earlier.read_text()), **data}
+    push, learner, acc = data.get("push", {}), data.get("learner"), data.get("accuracy")
     rows = []
     for engine, p in push.items():
         rows.append([f"push into {engine}: seconds", p["full"]["median_s"], p["lora"]["median_s"],
                      f"{p['time_ratio']:.3f} (1/{1 / p['time_ratio']:.0f})"])
-    first = next(iter(push.values()))
-    rows.append(["push: MB", first["full"]["bytes"] / 2**20, first["lora"]["bytes"] / 2**20,
-                 f"{first['byte_ratio']:.3f}"])
-    rows.append(["learner: trained tokens/s", learner["full"]["tokens_per_s"], learner["lora"]["tokens_per_s"],
-                 f"{learner['lora']['tokens_per_s'] / learner['full']['tokens_per_s']:.2f}"])
-    rows.append(["learner: peak memory GB", learner["full"]["peak_rss_gb"], learner["lora"]["peak_rss_gb"],
-                 f"{learner['lora']['peak_rss_gb'] / learner['full']['peak_rss_gb']:.2f}"])
-    rows.append(["learner: trained parameters (M)", learner["full"]["trained_params"] / 1e6,
-                 learner["lora"]["trained_params"] / 1e6, ""])
-    m = acc["median"]
-    rows.append(["run: samples/s", m["full"]["samples_per_s"], m["lora"]["samples_per_s"],
-                 f"{m['lora']['samples_per_s'] / m['full']['samples_per_s']:.2f}"])
-    rows.append([f"run: held-out accuracy after {data['steps']} steps (base {data['held_out_before']:.3f})",
-                 m["full"]["held_out_final"], m["lora"]["held_out_final"], points(acc["held_out_lora_vs_full"])])
-    print_table(f"LoRA (rank 16, all linear layers) vs full fine-tuning, SmolLM2-135M, medians of {data['repeats']}",
+    if push:
+        first = next(iter(push.values()))
+        rows.append(["push: MB", first["full"]["bytes"] / 2**20, first["lora"]["bytes"] / 2**20,
+                     f"{first['byte_ratio']:.3f}"])
+    if learner:
+        rows.append(["learner: trained tokens/s", learner["full"]["tokens_per_s"], learner["lora"]["tokens_per_s"],
+                     f"{learner['lora']['tokens_per_s'] / learner['full']['tokens_per_s']:.2f}"])
+        rows.append(["learner: peak memory GB", learner["full"]["peak_rss_gb"], learner["lora"]["peak_rss_gb"],
+                     f"{learner['lora']['peak_rss_gb'] / learner['full']['peak_rss_gb']:.2f}"])
+        rows.append(["learner: trained parameters (M)", learner["full"]["trained_params"] / 1e6,
+                     learner["lora"]["trained_params"] / 1e6, ""])
+    if acc:
+        m = acc["median"]
+        rows.append(["run: samples/s", m["full"]["samples_per_s"], m["lora"]["samples_per_s"],
+                     f"{m['lora']['samples_per_s'] / m['full']['samples_per_s']:.2f}"])
+        rows.append([f"run: held-out accuracy after {data['steps']} steps (base {data['held_out_before']:.3f}), "
+                     f"{len(acc['runs']['lora'])} seeds", m["full"]["held_out_final"], m["lora"]["held_out_final"],
+                     points(acc["held_out_lora_vs_full"])])
+    print_table("LoRA (rank 16, all linear layers) vs full fine-tuning, SmolLM2-135M, medians",
                 ["figure", "full", "LoRA", "LoRA / full"], rows)
     json_path = write_json(out, "lora", data)
     fig, axes = new_figure(3, "LoRA vs full fine-tuning, SmolLM2-135M")
-    engines = list(push)
-    x = np.arange(len(engines))
-    for i, arm in enumerate(ARMS):
-        axes[0].bar(x + (i - 0.5) * 0.4, [push[e][arm]["median_s"] for e in engines], 0.4, label=arm)
-    axes[0].set_xticks(x, [f"into {e}" for e in engines])
-    axes[0].set_yscale("log")
-    axes[0].set_ylabel("seconds per push")
-    axes[0].legend()
-    axes[1].bar(list(ARMS), [learner[a]["tokens_per_s"] for a in ARMS])
-    axes[1].set_ylabel("learner: trained tokens/s")
-    for s, arm in enumerate(ARMS):
-        values = [r["held_out_final"] for r in acc["runs"][arm]]
-        axes[2].scatter([s] * len(values), values, color="black", zorder=3, s=12)
-        axes[2].bar(s, m[arm]["held_out_final"])
-    axes[2].set_xticks(range(len(ARMS)), list(ARMS))
-    axes[2].axhline(data["held_out_before"], color="grey", linestyle="--", label="base model")
-    axes[2].set_ylabel("held-out greedy accuracy")
-    axes[2].legend(fontsize=8)
+    if push:
+        engines = list(push)
+        x = np.arange(len(engines))
+        for i, arm in enumerate(ARMS):
+            axes[0].bar(x + (i - 0.5) * 0.4, [push[e][arm]["median_s"] for e in engines], 0.4, label=arm)
+        axes[0].set_xticks(x, [f"into {e}" for e in engines])
+        axes[0].set_yscale("log")
+        axes[0].set_ylabel("seconds per push")
+        axes[0].legend()
+    if learner:
+        axes[1].bar(list(ARMS), [learner[a]["tokens_per_s"] for a in ARMS])
+        axes[1].set_ylabel("learner: trained tokens/s")
+    if acc:
+        for i, arm in enumerate(ARMS):
+            values = [r["held_out_final"] for r in acc["runs"][arm]]
+            axes[2].scatter([i] * len(values), values, color="black", zorder=3, s=12)
+            axes[2].bar(i, acc["median"][arm]["held_out_final"])
+        axes[2].set_xticks(range(len(ARMS)), list(ARMS))
+        axes[2].axhline(data["held_out_before"], color="grey", linestyle="--", label="base model")
+        axes[2].set_ylabel("held-out greedy accuracy")
+        axes[2].legend(fontsize=8)
     save_figure(fig, out, "lora", json_path)
 
 
 def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None,
-         steps: int | None = None) -> dict:
-    data = run(quick, repeats, steps)
+         steps: int | None = None, study: str | None = None) -> dict:
+    """``study``: push, learner or accuracy alone (its figures join an earlier run's in lora.json)."""
+    if study is not None and study not in STUDIES:
+        raise SystemExit(f"--study: {study!r} is not one of {', '.join(STUDIES)}")
+    data = run(quick, repeats, steps, (study,) if study else STUDIES)
     report(data, out)
     return data
 

@@ -330,7 +330,7 @@ def bench(
                                                        "autocast) for both sides.")] = None,
     trl_precision: Annotated[str | None, typer.Option(help="trl: TRL's precision when it differs from "
                                                            "--precision.")] = None,
-    study: Annotated[str | None, typer.Option(help="ablation: one of its studies: credit, late-groups, is-weights, minibatches, minibatches-sync, longer (default: all).")] = None,
+    study: Annotated[str | None, typer.Option(help="ablation: one of its studies: credit, late-groups, is-weights, minibatches, minibatches-sync, longer; lora: push, learner or accuracy (default: all).")] = None,
     streamrl_set: Annotated[list[str] | None, typer.Option("--streamrl-set", help="trl: a config override for "
                                                            "streamrl's side (repeatable), e.g. mode=sync.")] = None,
 ) -> None:
@@ -359,8 +359,8 @@ def bench(
                 raise typer.Exit(2)
             options[name] = value
     if study:
-        if suite != "ablation":
-            err.print(f"--study applies to ablation, not {suite}")
+        if suite not in ("ablation", "lora"):
+            err.print(f"--study applies to ablation and lora, not {suite}")
             raise typer.Exit(2)
         options["study"] = study
     run_suite(suite, quick=quick, out=out, **options)
