@@ -19,10 +19,10 @@ TITLES = {"queue": "Replay stream", "partition": "Micro-batch partitioning", "ge
           "learner": "Learner", "weight_push": "Weight push", "e2e": "End to end: async vs sync",
           "ablation": "Ablations on the agentic workload", "trl": "Against TRL", "simulate": "Simulated fleets",
           "soak": "Soak: memory over a long run", "agent": "Agents through the gateway",
-          "nodes": "One node or two on Ray"}
+          "nodes": "One node or two on Ray", "lora": "LoRA against full fine-tuning"}
 MODULES = {"queue": "replay_stream", "trl": "against_trl"}  # a study's module, where not its own name
 HEADLINES = {"e2e": "- **async (", "ablation": "- **ablation `", "trl": "- **streamrl / TRL", "soak": "- **soak**",
-             "agent": "- **agent gateway"}
+             "agent": "- **agent gateway", "lora": "- **LoRA / full"}
 
 
 def about(name: str) -> str:
@@ -97,6 +97,18 @@ def headlines(results: Path) -> list[str]:
             lines.append(f"- **agent gateway / Env, {name}** (the calculator task, one worker): "
                          f"{m['agent_over_env']:.2f}× samples/s ({s['agent']['samples_per_s']:.3g} vs "
                          f"{s['env']['samples_per_s']:.3g}; medians of {agent['repeats']})")
+    if lora := load("lora"):
+        push = ", ".join(f"{p['lora']['median_s']:.2f} vs {p['full']['median_s']:.2f} s into {engine}"
+                         for engine, p in lora.get("push", {}).items())
+        line = f"- **LoRA / full fine-tuning, SmolLM2-135M** (rank 16, every linear layer): push {push}"
+        if learner := lora.get("learner"):
+            line += (f"; learner {learner['lora']['tokens_per_s'] / learner['full']['tokens_per_s']:.2f}× tokens/s, "
+                     f"peak memory {learner['lora']['peak_rss_gb']:.1f} vs {learner['full']['peak_rss_gb']:.1f} GB")
+        if acc := lora.get("accuracy"):
+            m = acc["median"]
+            line += (f"; held-out accuracy {m['lora']['held_out_final']:.3f} vs {m['full']['held_out_final']:.3f} "
+                     f"(paired difference {points(acc['held_out_lora_vs_full'])})")
+        lines.append(line)
     if soak := load("soak"):
         worst = max(soak["growth"].items(), key=lambda kv: kv[1]["growth"], default=None)
         if worst:

@@ -99,11 +99,14 @@ def pairs(tensors: list[tuple[str, torch.Tensor]]) -> dict[str, tuple[torch.Tens
     return {module: (half["A"], half["B"]) for module, half in halves.items()}
 
 
-def merged(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """``base + scale * B @ A`` in one pass, computed in fp32 (a new tensor; ``base`` is left as it is)."""
+def merged(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """``base + scale * B @ A`` in one pass, computed in fp32, into ``out`` (else a new tensor); ``base`` is left
+    as it is."""
     if base.dtype == torch.float32:
-        return torch.addmm(base, b.float(), a.float(), alpha=scale)
-    return torch.addmm(base.float(), b.float(), a.float(), alpha=scale).to(base.dtype)
+        return torch.addmm(base, b.float(), a.float(), alpha=scale, out=out)
+    weight = torch.addmm(base.float(), b.float(), a.float(), alpha=scale).to(base.dtype)
+    return weight if out is None else out.copy_(weight)
 
 
 def save(path: Path, tensors: list[tuple[str, torch.Tensor]], spec: AdapterSpec, base_model: str) -> None:

@@ -51,6 +51,7 @@ class HFEngine:
         self.lora = lora
         self.adapter_name = lora.name if lora else None
         self._base: dict[str, torch.Tensor] = {}  # a LoRA server's base weights of every layer an adapter touched
+        self._merge_buffers: dict[str, list[torch.Tensor]] = {}
         self.tokenizer = tokenizer  # only needed for stop strings
         self.max_batch_size = max_batch_size
         self.max_length = getattr(model.config, "max_position_embeddings", None) or 2**31
@@ -168,12 +169,16 @@ class HFEngine:
         await self.update_weights(weights, version)
 
     def _merged(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> list:
-        """The new weight of every layer the adapter touches, and the base again where an earlier one did."""
+        """The new weight of every layer the adapter touches, and the base again where an earlier one did; each
+        written into the layer's buffer not being served (two a layer, in turn: no allocation per push)."""
         layers = dict(self.model.named_modules())
         out = []
         for module in pairs.keys() | self._base.keys():
-            base = self._base.setdefault(module, layers[module].weight.detach().clone())
-            weight = adapters.merged(base, *pairs[module], scale) if module in pairs else base.clone()
+            served = layers[module].weight.detach()
+            base = self._base.setdefault(module, served.clone())
+            ring = self._merge_buffers.setdefault(module, [torch.empty_like(served), torch.empty_like(served)])
+            spare = ring[0] if ring[0].data_ptr() != served.data_ptr() else ring[1]
+            weight = adapters.merged(base, *pairs[module], scale, out=spare) if module in pairs else spare.copy_(base)
             out.append((f"{module}.weight", weight))
         return out
 
