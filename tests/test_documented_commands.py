@@ -33,6 +33,8 @@ BENCH = "a benchmark study (tests/test_benchmarks.py runs the studies' --quick f
 # a run too long for CI: its config and overrides are checked here as `streamrl up` checks them first, and a test
 # runs the same config shortened
 SMOLLM2 = "a 20-minute run; tests/test_real_model.py::test_smollm2_trains_a_few_steps_through_every_part runs it shortened"
+SMOLLM2_LORA = ("a 20-minute run; tests/test_lora.py and tests/test_vllm_lora.py push its adapter's kind into both "
+                "engines, and tests/test_up.py runs the quickstart with an adapter")
 QUICKSTART = ("the quickstart with other overrides; tests/test_up.py::"
               "test_up_survives_killing_each_part_in_turn_and_its_ledger_balances runs it shortened")
 
@@ -53,6 +55,12 @@ COMMANDS = {
     ".venv/bin/mkdocs serve": "serves what `make test` builds with mkdocs build --strict",
     "make quickstart CONFIG=configs/smollm2.yaml": SMOLLM2,
     "streamrl up configs/smollm2.yaml --fresh": SMOLLM2,
+    ".venv/bin/streamrl up configs/smollm2-lora.yaml --fresh": SMOLLM2_LORA,
+    "streamrl up configs/smollm2-lora.yaml --fresh": SMOLLM2_LORA,
+    "streamrl up configs/smollm2-lora.yaml --fresh server.engine=vllm": SMOLLM2_LORA,
+    "streamrl up configs/quickstart.yaml learner.lora.rank=16 learner.lr=2e-3": (
+        "tests/test_up.py::test_up_trains_a_lora_adapter_and_resumes_it_and_a_late_server_serves_it runs it with "
+        "kills"),
     ".venv/bin/streamrl up configs/smollm2.yaml --fresh server.engine=vllm": GPU,
     "streamrl up configs/agent.yaml --fresh": ("a 20-step SmolLM2 run; tests/test_agent.py::"
                                                "test_the_quickstart_played_by_an_agent_learns_with_up runs the agent "

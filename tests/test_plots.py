@@ -1,6 +1,7 @@
 """A run's curves: drawn from its metrics files, by `streamrl plot` and at the end of `streamrl up`."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -24,7 +25,7 @@ def test_a_run_with_steps_evaluations_and_a_worker_gets_one_png(tmp_path):
     path = plot_run(tmp_path, bound=2)
     assert path == tmp_path / "plots.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = subprocess.run([sys.executable, "-m", "streamrl", "plot", str(tmp_path)], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=120, env={**os.environ, "COLUMNS": "400"})  # a long path stays on one line
     assert out.returncode == 0 and "plots.png" in out.stderr
 
 
@@ -32,5 +33,5 @@ def test_a_run_with_nothing_to_draw_says_so(tmp_path):
     with pytest.raises(FileNotFoundError, match="no learner steps or evaluations"):
         plot_run(tmp_path)
     out = subprocess.run([sys.executable, "-m", "streamrl", "plot", str(tmp_path)], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=120, env={**os.environ, "COLUMNS": "400"})  # a long path stays on one line
     assert out.returncode == 2 and "no learner steps or evaluations" in out.stderr
