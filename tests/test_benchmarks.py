@@ -168,3 +168,21 @@ def test_chat_prompt_ids_are_the_rendered_prompts_tokens(tmp_path):
     text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     want = tokenizer(text, add_special_tokens=False).input_ids
     assert len(want) > 10 and chat_prompt_ids(tokenizer, [chat, chat]) == [want, want]
+
+
+def test_lora_study_merges_its_studies_figures_into_one_table(tmp_path, capsys):
+    from benchmarks import lora
+
+    with pytest.raises(SystemExit, match="not one of push, learner, accuracy"):
+        lora.main(study="nope", out=tmp_path)
+    push = {"full": {"median_s": 0.8, "bytes": 500 * 2**20}, "lora": {"median_s": 0.1, "bytes": 20 * 2**20},
+            "time_ratio": 0.125, "byte_ratio": 0.04}
+    lora.report({"steps": 60, "push": {"vllm": push}}, tmp_path)
+    learner = {arm: {"tokens_per_s": t, "peak_rss_gb": 9.0, "trained_params": p}
+               for arm, t, p in (("full", 200.0, 135e6), ("lora", 260.0, 4.9e6))}
+    lora.report({"learner": learner}, tmp_path)  # a later run of another study: both in the table
+    printed = capsys.readouterr().out
+    assert "push into vllm: seconds" in printed and "0.125 (1/8)" in printed and "1.30" in printed
+    data = json.loads((tmp_path / "lora.json").read_text())
+    assert data["push"]["vllm"]["time_ratio"] == 0.125 and data["learner"]["lora"]["tokens_per_s"] == 260.0
+    assert (tmp_path / "lora.png").is_file()
