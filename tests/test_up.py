@@ -83,6 +83,12 @@ def _check_locked_down(run_path) -> None:
                                                                       cfg["router"]["port"]))
 
 
+def _check_doctor_balances(run_path) -> None:
+    doctor = subprocess.run([sys.executable, "-m", "streamrl", "doctor", str(run_path)], capture_output=True,
+                            text=True, env={**os.environ, "COLUMNS": "200"})
+    assert doctor.returncode == 0 and "balanced" in doctor.stdout, doctor.stdout + doctor.stderr
+
+
 def _wait_for_step(up, run_path, step: int) -> None:
     deadline = time.monotonic() + 400
     while _version(run_path) < step:
@@ -191,9 +197,7 @@ def test_up_with_the_vllm_engine_learns_and_survives_a_dead_engine_and_a_server_
     evals = read_records(run_path / "metrics" / "eval.jsonl")
     assert evals[0]["eval/accuracy"] < 0.5 and evals[-1]["eval/accuracy"] >= 0.9
     assert evals[-1]["eval/version_min"] == 40  # the restarted server answered with the learner's last weights
-    doctor = subprocess.run([sys.executable, "-m", "streamrl", "doctor", str(run_path)], capture_output=True,
-                            text=True, env={**os.environ, "COLUMNS": "200"})
-    assert doctor.returncode == 0 and "balanced" in doctor.stdout, doctor.stdout + doctor.stderr
+    _check_doctor_balances(run_path)
     time.sleep(1)
     assert engine_processes and not [p.pid for p in engine_processes if p.is_running()
                                      and p.status() != psutil.STATUS_ZOMBIE], "vLLM outlived its server"
@@ -231,9 +235,7 @@ def test_up_trains_a_lora_adapter_and_resumes_it_and_a_late_server_serves_it(tmp
     assert (export / "adapter" / "adapter_config.json").is_file() and (export / "model.safetensors").is_file()
     evals = read_records(run_path / "metrics" / "eval.jsonl")
     assert evals[0]["eval/accuracy"] < 0.5 and evals[-1]["eval/accuracy"] >= 0.9
-    doctor = subprocess.run([sys.executable, "-m", "streamrl", "doctor", str(run_path)], capture_output=True,
-                            text=True, env={**os.environ, "COLUMNS": "200"})
-    assert doctor.returncode == 0 and "balanced" in doctor.stdout, doctor.stdout + doctor.stderr
+    _check_doctor_balances(run_path)
 
 
 @pytest.mark.slow

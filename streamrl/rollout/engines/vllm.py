@@ -79,8 +79,8 @@ class VLLMEngine:
 
         self._v = _import_vllm()
         self._version = 0
-        self._model_path = model_path
         self._expected, self._required = model_tensors(model_path)
+        self._linears = adapters.linear_shapes(meta_model(model_path)) if lora else {}  # what an adapter may fit
         self._tokens: dict[str, int] = {}  # rid -> prompt + generated tokens, for load() and abort
         self._aborting: set[str] = set()
         self._user_paused = False
@@ -204,7 +204,7 @@ class VLLMEngine:
 
     def weight_receiver(self) -> VLLMReceiver | AdapterReceiver:
         if self.lora is not None:  # the server's process takes the adapter; vLLM loads it through its LoRA API
-            return AdapterReceiver(self, adapters.linear_shapes(meta_model(self._model_path)), self.lora.max_rank)
+            return AdapterReceiver(self, self._linears, self.lora.max_rank)
         return VLLMReceiver(self)
 
     async def load_adapter(self, tensors: list, spec: AdapterSpec, version: int) -> None:
