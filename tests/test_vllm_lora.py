@@ -68,27 +68,29 @@ def sampled(engine, rid, prompt, n=16, adapter=None):
 
 
 def test_each_pushed_adapter_version_serves_the_peft_models_logprobs(engine, receiver, model_dir):
-    for version in (1, 2, 3):
+    base = engine.version  # the module's engine is shared, and tests run in any order
+    for version in (base + 1, base + 2, base + 3):
         model, named = adapted(model_dir, seed=version)
         push_adapter(receiver, named, version)
         assert engine.version == version
         out = sampled(engine, f"v{version}", PROMPTS[0])
         assert set(out.versions) == {version}
         assert _max_gap(_tempered_logprobs(model, PROMPTS[0], out.output_ids, 1.0), out.logprobs) <= TOL
-    # versions past the bound are unloaded from vLLM: the newest SLOTS - 1 stay
-    assert sorted(engine._adapters.held) == [2, 3]
-    assert set(engine._call(engine._llm.list_loras(), timeout=60)) == {3, 4}
+    # versions past the bound are unloaded from vLLM: the newest SLOTS - 1 stay (vLLM's id is the version + 1)
+    assert sorted(engine._adapters.held) == [base + 2, base + 3]
+    assert set(engine._call(engine._llm.list_loras(), timeout=60)) == {base + 3, base + 4}
     with pytest.raises(ValueError, match="does not hold that adapter version"):
-        sampled(engine, "gone", PROMPTS[0], adapter="policy-v1")
-    out = sampled(engine, "pinned", PROMPTS[1], adapter="policy-v2")  # a held older version, by name
-    assert set(out.versions) == {2}
-    model, _ = adapted(model_dir, seed=2)
+        sampled(engine, "gone", PROMPTS[0], adapter=f"policy-v{base + 1}")
+    out = sampled(engine, "pinned", PROMPTS[1], adapter=f"policy-v{base + 2}")  # a held older version, by name
+    assert set(out.versions) == {base + 2}
+    model, _ = adapted(model_dir, seed=base + 2)
     assert _max_gap(_tempered_logprobs(model, PROMPTS[1], out.output_ids, 1.0), out.logprobs) <= TOL
 
 
 def test_a_request_keeps_its_version_while_the_next_arrives(engine, receiver, model_dir):
-    start = engine.version
-    old, _ = adapted(model_dir, seed=start)
+    start = engine.version + 1
+    old, named = adapted(model_dir, seed=200)
+    push_adapter(receiver, named, start)
     new, named = adapted(model_dir, seed=100)
     prompt = PROMPTS[2]
 
