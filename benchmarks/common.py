@@ -182,6 +182,8 @@ def cli(main, doc: str) -> None:
                             help="TRL's generation backend")
     if "study" in main.__code__.co_varnames:
         parser.add_argument("--study", help="one of the module's studies (default: all)")
+    if "first_seed" in main.__code__.co_varnames:
+        parser.add_argument("--first-seed", type=int, default=0, help="the first seed (to add seeds to a run's)")
     args = vars(parser.parse_args())
     settings["quick"] = args["quick"]
     main(**args)

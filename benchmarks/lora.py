@@ -10,7 +10,8 @@
 - **accuracy**: ``streamrl up configs/smollm2.yaml`` against ``configs/smollm2-lora.yaml``, the same seeds
   (paired): held-out greedy accuracy of the final export (256 questions).
 
-    python -m benchmarks.lora [--quick] [--repeats N] [--study push|learner|accuracy]   (or: streamrl bench lora)
+    python -m benchmarks.lora [--quick] [--repeats N] [--study push|learner|accuracy] [--first-seed S]
+    (or: streamrl bench lora ...; ``--study accuracy --first-seed 1 --repeats 2`` adds seeds 1 and 2 to seed 0's)
 """
 
 from __future__ import annotations
@@ -148,25 +149,41 @@ def learner_figures(model_dir: str, repeats: int, steps: int) -> dict:
     return {arm: {"runs": r, **{k: median([x[k] for x in r]) for k in r[0]}} for arm, r in runs.items()}
 
 
-def accuracy(cfg, prepared: Path, runs: Path, seeds: int, steps: int) -> dict:
-    """``streamrl up`` of each recipe with the same seeds, arms alternating; held-out accuracy paired by seed."""
+def accuracy(cfg, prepared: Path, runs: Path, seeds: range, steps: int) -> dict:
+    """``streamrl up`` of each recipe with the same seeds, arms alternating."""
     out: dict[str, list[dict]] = {arm: [] for arm in ARMS}
-    for seed in range(seeds):
+    for seed in seeds:
         for arm, config in ARMS.items():
             console.log(f"streamrl up {config}, seed {seed}")
-            out[arm].append(streamrl_run(cfg, prepared, runs, steps=steps, seed=seed, precision="fp32",
-                                         config=config, name=f"{arm}-{seed}"))
-    return {"runs": out,
+            out[arm].append({"seed": seed, **streamrl_run(cfg, prepared, runs, steps=steps, seed=seed,
+                                                           precision="fp32", config=config, name=f"{arm}-{seed}")})
+    return summary(out)
+
+
+def summary(runs: dict[str, list[dict]]) -> dict:
+    """Medians of each arm and held-out accuracy paired by seed."""
+    for arm in ARMS:
+        runs[arm].sort(key=lambda r: r["seed"])
+    return {"runs": runs,
             "median": {arm: {k: median([r[k] for r in rs]) for k in ("samples_per_s", "held_out_final", "wall_s")}
-                       for arm, rs in out.items()},
-            "held_out_lora_vs_full": paired_difference([r["held_out_final"] for r in out["lora"]],
-                                                       [r["held_out_final"] for r in out["full"]])}
+                       for arm, rs in runs.items()},
+            "held_out_lora_vs_full": paired_difference([r["held_out_final"] for r in runs["lora"]],
+                                                       [r["held_out_final"] for r in runs["full"]])}
+
+
+def more_seeds(earlier: dict, new: dict) -> dict:
+    """An accuracy study's runs joined to an earlier one's of other seeds (same steps), so seeds can be added."""
+    if earlier.get("steps") != new["steps"]:
+        return new["accuracy"]
+    fresh = {r["seed"] for r in new["accuracy"]["runs"]["lora"]}
+    return summary({arm: [*(r for r in earlier["accuracy"]["runs"][arm] if r["seed"] not in fresh), *rs]
+                    for arm, rs in new["accuracy"]["runs"].items()})
 
 
 STUDIES = ("push", "learner", "accuracy")
 
 
-def run(quick: bool, repeats: int | None, steps: int | None, studies: tuple[str, ...]) -> dict:
+def run(quick: bool, repeats: int | None, steps: int | None, studies: tuple[str, ...], first_seed: int = 0) -> dict:
     repeats = repeats or (1 if quick else 3)
     steps = steps or (4 if quick else load_config(FULL).learner.max_steps)
     with tempfile.TemporaryDirectory() as tmp:
@@ -185,7 +202,7 @@ def run(quick: bool, repeats: int | None, steps: int | None, studies: tuple[str,
             data["learner"] = learner_figures(model_dir, repeats, 2 if quick else 4)
             console.log(f"learner: {data['learner']}")
         if "accuracy" in studies:
-            data["accuracy"] = accuracy(cfg, prepared, tmp / "runs", repeats, steps)
+            data["accuracy"] = accuracy(cfg, prepared, tmp / "runs", range(first_seed, first_seed + repeats), steps)
             data["held_out_before"] = score_final(cfg, Path(model_dir), _rows(prepared / "eval.jsonl"))
     return data
 
@@ -198,7 +215,10 @@ def report(data: dict, out: Path) -> None:
     """The studies' figures side by side, merged into what an earlier run of the other studies wrote."""
     earlier = out / "lora.json"
     if earlier.is_file():
-        data = {**json.loads(earlier.read_text()), **data}
+        before = json.loads(earlier.read_text())
+        if "accuracy" in data and "accuracy" in before:
+            data["accuracy"] = more_seeds(before, data)
+        data = {**before, **data}
     push, learner, acc = data.get("push", {}), data.get("learner"), data.get("accuracy")
     rows = []
     for engine, p in push.items():
@@ -249,11 +269,12 @@ def report(data: dict, out: Path) -> None:
 
 
 def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None,
-         steps: int | None = None, study: str | None = None) -> dict:
-    """``study``: push, learner or accuracy alone (its figures join an earlier run's in lora.json)."""
+         steps: int | None = None, study: str | None = None, first_seed: int = 0) -> dict:
+    """``study``: push, learner or accuracy alone (its figures join an earlier run's in lora.json); ``first_seed``:
+    the accuracy study's first (its runs join an earlier run's of other seeds)."""
     if study is not None and study not in STUDIES:
         raise SystemExit(f"--study: {study!r} is not one of {', '.join(STUDIES)}")
-    data = run(quick, repeats, steps, (study,) if study else STUDIES)
+    data = run(quick, repeats, steps, (study,) if study else STUDIES, first_seed)
     report(data, out)
     return data
 

@@ -316,14 +316,15 @@ def show_config(
 @app.command()
 def bench(
     suite: Annotated[str, typer.Argument(help="Study to run: queue, partition, generate, learner, weight-push, e2e, "
-                                                "ablation, trl, simulate, agent, nodes; "
+                                                "ablation, trl, simulate, agent, nodes, lora, soak; "
                                                 "or 'report' to gather results into docs/benchmarks.md.")],
     quick: Annotated[bool, typer.Option("--quick", help="A short run that still measures both sides.")] = False,
     out: Annotated[Path, typer.Option(help="Where JSON and PNG results go.")] = Path("benchmarks/results"),
     model: Annotated[Path | None, typer.Option(help="HF model directory, for studies that run a model.")] = None,
-    repeats: Annotated[int | None, typer.Option(help="Runs of each arm, for e2e, ablation, trl and nodes (default: the "
-                                                   "study's own).", min=1)] = None,
-    steps: Annotated[int | None, typer.Option(help="trl: learner steps of each run (default: 20).", min=1)] = None,
+    repeats: Annotated[int | None, typer.Option(help="Runs of each arm, for e2e, ablation, trl, nodes and lora "
+                                                   "(default: the study's own).", min=1)] = None,
+    steps: Annotated[int | None, typer.Option(help="trl and lora: learner steps of each run (default: the study's "
+                                                   "own).", min=1)] = None,
     trl_generation: Annotated[str | None, typer.Option(help="trl: TRL's generation backend: hf (model.generate), "
                                                             "paged (continuous batching) or vllm (colocated).")] = None,
     precision: Annotated[str | None, typer.Option(help="trl: fp32, or bf16 mixed precision (fp32 weights, bf16 "
@@ -331,10 +332,15 @@ def bench(
     trl_precision: Annotated[str | None, typer.Option(help="trl: TRL's precision when it differs from "
                                                            "--precision.")] = None,
     study: Annotated[str | None, typer.Option(help="ablation: one of its studies: credit, late-groups, is-weights, minibatches, minibatches-sync, longer; lora: push, learner or accuracy (default: all).")] = None,
+    first_seed: Annotated[int | None, typer.Option(help="lora: the accuracy study's first seed, to add seeds to an "
+                                                        "earlier run's results (default: 0).", min=0)] = None,
     streamrl_set: Annotated[list[str] | None, typer.Option("--streamrl-set", help="trl: a config override for "
                                                            "streamrl's side (repeatable), e.g. mode=sync.")] = None,
 ) -> None:
     """Throughput studies; each prints a table and writes JSON and a PNG plot."""
+    import importlib
+    import inspect
+
     from benchmarks import MODULES, run_suite
 
     if suite == "report":
@@ -345,24 +351,15 @@ def bench(
     if suite not in MODULES:
         err.print(f"unknown benchmark {suite!r}; available: {', '.join(MODULES)}")
         raise typer.Exit(2)
-    options = {"model": str(model)} if model else {}
-    if repeats:
-        if suite not in ("e2e", "ablation", "trl", "nodes"):
-            err.print(f"--repeats applies to e2e, ablation, trl and nodes, not {suite}")
-            raise typer.Exit(2)
-        options["repeats"] = repeats
-    for name, value in (("steps", steps), ("trl_generation", trl_generation), ("precision", precision),
-                        ("trl_precision", trl_precision), ("streamrl_set", tuple(streamrl_set or ()) or None)):
-        if value is not None:
-            if suite != "trl":
-                err.print(f"--{name.replace('_', '-')} applies to trl, not {suite}")
-                raise typer.Exit(2)
-            options[name] = value
-    if study:
-        if suite not in ("ablation", "lora"):
-            err.print(f"--study applies to ablation and lora, not {suite}")
-            raise typer.Exit(2)
-        options["study"] = study
+    options = {name: value for name, value in (
+        ("model", str(model) if model else None), ("repeats", repeats), ("steps", steps),
+        ("trl_generation", trl_generation), ("precision", precision), ("trl_precision", trl_precision),
+        ("study", study), ("first_seed", first_seed), ("streamrl_set", tuple(streamrl_set or ()) or None))
+        if value is not None}
+    takes = inspect.signature(importlib.import_module(MODULES[suite]).main).parameters  # the study's own options
+    for name in options.keys() - takes.keys():
+        err.print(f"--{name.replace('_', '-')} does not apply to {suite}")
+        raise typer.Exit(2)
     run_suite(suite, quick=quick, out=out, **options)
 
 

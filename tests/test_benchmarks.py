@@ -186,3 +186,26 @@ def test_lora_study_merges_its_studies_figures_into_one_table(tmp_path, capsys):
     data = json.loads((tmp_path / "lora.json").read_text())
     assert data["push"]["vllm"]["time_ratio"] == 0.125 and data["learner"]["lora"]["tokens_per_s"] == 260.0
     assert (tmp_path / "lora.png").is_file()
+
+
+def test_lora_accuracy_seeds_added_later_join_the_earlier_seeds_pairs(tmp_path, capsys):
+    from benchmarks import lora
+
+    def study(seeds, full, adapter, steps=60):
+        runs = {arm: [{"seed": s, "held_out_final": acc, "samples_per_s": 3.0, "wall_s": 900.0}
+                      for s, acc in zip(seeds, accs)] for arm, accs in (("full", full), ("lora", adapter))}
+        return {"steps": steps, "held_out_before": 0.1, "accuracy": lora.summary(runs)}
+
+    lora.report(study([0], [0.60], [0.65]), tmp_path)
+    lora.report(study([1, 2], [0.70, 0.50], [0.70, 0.56]), tmp_path)  # --first-seed 1 --repeats 2
+    acc = json.loads((tmp_path / "lora.json").read_text())["accuracy"]
+    assert [r["seed"] for r in acc["runs"]["lora"]] == [0, 1, 2]
+    diff = acc["held_out_lora_vs_full"]
+    assert diff["pairs"] == 3 and diff["mean"] == pytest.approx((0.05 + 0.0 + 0.06) / 3)
+    assert acc["median"]["full"]["held_out_final"] == 0.60 and acc["median"]["lora"]["held_out_final"] == 0.65
+    lora.report(study([1], [0.40], [0.40]), tmp_path)  # a seed run again replaces its earlier runs
+    acc = json.loads((tmp_path / "lora.json").read_text())["accuracy"]
+    assert [r["held_out_final"] for r in acc["runs"]["full"]] == [0.60, 0.40, 0.50]
+    lora.report(study([0], [0.3], [0.3], steps=4), tmp_path)  # other steps: nothing to pair with
+    assert json.loads((tmp_path / "lora.json").read_text())["accuracy"]["held_out_lora_vs_full"]["pairs"] == 1
+    assert "3 seeds" in capsys.readouterr().out

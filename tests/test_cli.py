@@ -53,6 +53,13 @@ def test_unknown_benchmark_is_refused():
     assert out.returncode == 2 and "available: queue, generate, partition, learner" in out.stderr
 
 
+def test_a_benchmark_option_the_study_does_not_take_is_refused():
+    out = _run("bench", "queue", "--repeats", "3")
+    assert out.returncode == 2 and "--repeats does not apply to queue" in out.stderr
+    out = _run("bench", "e2e", "--first-seed", "1")
+    assert out.returncode == 2 and "--first-seed does not apply to e2e" in out.stderr
+
+
 def test_redis_subcommand_serves_until_terminated(tmp_path):
     proc = subprocess.Popen([*STREAMRL, "redis", f"run.dir={tmp_path}", "redis.password=pw"],
                             stderr=subprocess.PIPE, text=True)
