@@ -7,7 +7,7 @@ test:  ## install and run every test (what CI runs)
 	bash scripts/test.sh
 
 test-fast:  ## the fast set, about a minute
-	bash scripts/test.sh -m "not slow"
+	bash scripts/test.sh -m "not slow" -n 2
 
 docs:  ## regenerate the command-line and configuration references, then build the site into site/
 	.venv/bin/streamrl config --markdown > docs/reference/config.md

@@ -2,7 +2,7 @@
 # Installs streamrl with its test tools (GEM, to test its adapter; vLLM, its CUDA build on a GPU machine and
 # its CPU build elsewhere) into .venv and runs the tests.
 #   scripts/test.sh                 everything (what CI runs)
-#   scripts/test.sh -m "not slow"   the fast set, about a minute
+#   scripts/test.sh -m "not slow" -n 2   the fast set, about a minute
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
@@ -21,8 +21,17 @@ lint=$?
 # the docs site: a broken link, a page missing from the nav or a stale generated reference fails
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
 docs=$?
-.venv/bin/python -m pytest "$@"
-rc=$?
+if [[ $# -eq 0 ]]; then
+    # the fast set on both cores; then the slow set one test at a time (each starts processes that use both)
+    .venv/bin/python -m pytest -m "not slow" -n 2
+    fast=$?
+    .venv/bin/python -m pytest -m slow
+    rc=$?
+    [[ $rc -eq 0 ]] && rc=$fast
+else
+    .venv/bin/python -m pytest "$@"
+    rc=$?
+fi
 set -e
 if [[ $rc -eq 5 ]]; then
     echo "pytest collected no tests: that is a failure here" >&2

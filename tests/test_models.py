@@ -2,14 +2,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from streamrl.models import convert_smollm2
 from streamrl.rollout.engines.base import SamplingParams
 from streamrl.rollout.engines.hf import HFEngine
 
 
 @pytest.mark.slow
-def test_smollm2_converts_to_a_plain_directory_our_engine_serves(tmp_path):
-    path = convert_smollm2(tmp_path / "smollm2")
+def test_smollm2_converts_to_a_plain_directory_our_engine_serves(smollm2_dir):
+    path = smollm2_dir  # convert_smollm2's output, made once for the session
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     assert 130e6 < sum(p.numel() for p in model.parameters()) < 140e6

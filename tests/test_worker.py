@@ -34,8 +34,7 @@ def _worker(cluster, *args, name="w0"):
 
 @pytest.fixture
 def fleet(cluster):
-    cluster.server()
-    cluster.server()
+    cluster.servers(2)
     cluster.router()
     return cluster
 
