@@ -8,10 +8,10 @@
   process of its own: trained tokens/s (median of the timed steps), the process's peak resident memory, and the
   parameters that train.
 - **accuracy**: ``streamrl up configs/smollm2.yaml`` against ``configs/smollm2-lora.yaml``, the same seeds
-  (paired): held-out greedy accuracy of the final export (256 questions).
+  (paired): held-out greedy accuracy of the final export (256 questions). ``--study accuracy --first-seed 1
+  --repeats 2`` adds seeds 1 and 2 to an earlier run's seed 0.
 
     python -m benchmarks.lora [--quick] [--repeats N] [--study push|learner|accuracy] [--first-seed S]
-    (or: streamrl bench lora ...; ``--study accuracy --first-seed 1 --repeats 2`` adds seeds 1 and 2 to seed 0's)
 """
 
 from __future__ import annotations
