@@ -260,13 +260,17 @@ def fraction_of_bound(row: dict, b: dict) -> float:
 
 
 def run(quick: bool, repeats: int | None, steps: int | None, generation: str, precision: dict[str, str],
-        overrides: tuple[str, ...] = ()) -> dict:
+        overrides: tuple[str, ...] = (), trainer: str = "sync", config: str = CONFIG) -> dict:
     repeats = repeats or (1 if quick else 3)
     steps = steps or (3 if quick else 20)
     results = {"streamrl": [], "trl": []}
+    if trainer == "async":  # both sides generate with vLLM's CPU build
+        overrides = ("server.engine=vllm", *overrides)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         cfg, prepared = prepare_shared(tmp)
+        if config != CONFIG:  # another recipe on the same task (the LoRA one): its settings, the prepared model
+            cfg = load_config(config, [f"model.path={cfg.model.path}"])
         held_out = rows(prepared / "eval.jsonl")
         limit = bound(cfg, prepared)
         console.log(f"matmul rate fp32 {limit['matmul_flops'] / 1e9:.0f} GFLOP/s, bf16 "
@@ -276,22 +280,27 @@ def run(quick: bool, repeats: int | None, steps: int | None, generation: str, pr
         before = score_final(cfg, Path(cfg.model.path), held_out)
         for r in range(repeats):
             for side in (("streamrl", "trl") if r % 2 == 0 else ("trl", "streamrl")):  # who goes first rotates
-                if side == "trl":
+                if side == "trl" and trainer == "async":
+                    from benchmarks.trl_async import trl_async_run
+
+                    row = trl_async_run(cfg, prepared, tmp / f"trl-{r}", steps=steps, seed=r)
+                elif side == "trl":
                     row = trl_run(cfg, prepared, tmp / f"trl-{r}", steps=steps, seed=r, generation=generation,
                                   precision=precision["trl"])
                 else:
                     row = streamrl_run(cfg, prepared, tmp / "runs", steps=steps, seed=r,
-                                       precision=precision["streamrl"], overrides=overrides)
+                                       precision=precision["streamrl"], overrides=overrides, config=config)
                 row["fraction_of_bound"] = fraction_of_bound(row, limit)
                 results[side].append(row)
                 console.log(f"{side} seed {r}: {row['samples_per_s']:.2f} samples/s over {row['wall_s']:.0f} s, "
                             f"held-out {before:.3f} → {row['held_out_final']:.3f}")
-    ran = load_config(CONFIG, list(overrides))  # streamrl's side as it ran
+    ran = load_config(config, list(overrides))  # streamrl's side as it ran
     med = {side: {k: median([x[k] for x in rs]) for k in ("samples_per_s", "wall_s", "held_out_final",
                                                            "train_reward_last5", "completion_tokens",
                                                            "fraction_of_bound")}
            for side, rs in results.items()}
-    return {"study": "trl", "config": CONFIG, "repeats": repeats, "max_steps": steps, "trl_generation": generation,
+    return {"study": "trl", "config": config, "trl_trainer": trainer, "lora": ran.learner.lora is not None,
+            "repeats": repeats, "max_steps": steps, "trl_generation": generation,
             "precision": precision,
             "samples": results["trl"][0]["samples"], "held_out": len(held_out), "held_out_before": before,
             "bound": limit,
@@ -309,8 +318,7 @@ def report(data: dict, out: Path) -> None:
     bf16_share = data["bound"]["matmul_flops"] / data["bound"]["matmul_flops_bf16"]  # the bound at the bf16 rate
     ran = data.get("streamrl_settings", {})
     how = f", {ran['mode']}, max staleness {ran['max_staleness']}" if ran else ""
-    print_table(f"streamrl ({precision['streamrl']}{how}) vs TRL GRPOTrainer ({data['trl_generation']} generation, "
-                f"{precision['trl']}), SmolLM2-135M two-digit addition, "
+    print_table(f"streamrl ({precision['streamrl']}{how}) vs {trl_name(data)}, SmolLM2-135M two-digit addition, "
                 f"{data['max_steps']} steps ({data['samples']} samples), medians of {data['repeats']}",
                 ["system", "samples/s", "train wall s", "completion tokens", "of the fp32 bound", "of the bf16 bound",
                  "train reward (last 5 steps)",
@@ -320,10 +328,11 @@ def report(data: dict, out: Path) -> None:
                   m[side]["train_reward_last5"], m[side]["held_out_final"]]
                  for side in ("streamrl", "trl")]
                 + [["streamrl / TRL", data["ratio"], "", "", "", "", "", points(data["held_out_vs_trl"])]])
-    json_path = write_json(out, "trl", data)
-    fig, (ax1, ax2) = new_figure(2, "streamrl vs TRL GRPOTrainer: SmolLM2-135M, same samples and machine")
+    name = result_name(data)
+    json_path = write_json(out, name, data)
+    fig, (ax1, ax2) = new_figure(2, f"streamrl vs {trl_name(data)}: SmolLM2-135M, same samples and machine")
     sides = {"streamrl": f"streamrl ({precision['streamrl']})",
-             "trl": f"TRL ({data['trl_generation']}, {precision['trl']})"}
+             "trl": f"TRL ({data['trl_generation']}, {precision['trl']})" if name == "trl" else "TRL (vLLM)"}
     for ax, key, label in ((ax1, "samples_per_s", "samples/s"), (ax2, "held_out_final", "held-out greedy accuracy")):
         ax.bar(list(sides.values()), [m[s][key] for s in sides])
         for r in range(data["repeats"]):  # every seed, over the median's bar
@@ -331,25 +340,54 @@ def report(data: dict, out: Path) -> None:
         ax.set_ylabel(label)
     ax2.axhline(data["held_out_before"], color="grey", linestyle="--", label="base model")
     ax2.legend(loc="upper right", fontsize=8)
-    save_figure(fig, out, "trl", json_path)
+    save_figure(fig, out, name, json_path)
+
+
+def result_name(data: dict) -> str:
+    """trl (the synchronous GRPOTrainer), trl_async, or trl_async_lora: each keeps a results file of its own."""
+    if data.get("trl_trainer", "sync") == "sync":
+        return "trl"
+    return "trl_async_lora" if data.get("lora") else "trl_async"
+
+
+def trl_name(data: dict) -> str:
+    precision = data.get("precision", {}).get("trl", "fp32")
+    if data.get("trl_trainer", "sync") == "sync":
+        return f"TRL GRPOTrainer ({data['trl_generation']} generation, {precision})"
+    return f"TRL AsyncGRPOTrainer (vLLM{', LoRA' if data.get('lora') else ''}, {precision})"
 
 
 def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None,
          steps: int | None = None, trl_generation: str = "hf", precision: str = "fp32",
-         trl_precision: str | None = None, streamrl_set: tuple[str, ...] = ()) -> dict:
+         trl_precision: str | None = None, streamrl_set: tuple[str, ...] = (), trl_trainer: str = "sync",
+         lora: bool = False) -> dict:
+    """``trl_trainer``: sync (GRPOTrainer) or async (AsyncGRPOTrainer, benchmarks/trl_async.py); ``lora``: both
+    sides train the LoRA recipe's adapter (async only)."""
     require_trl()
     if trl_generation not in ("hf", "paged", "vllm"):
         raise SystemExit(f"--trl-generation: {trl_generation!r} is not one of hf, paged, vllm")
+    if trl_trainer not in ("sync", "async"):
+        raise SystemExit(f"--trl-trainer: {trl_trainer!r} is not one of sync, async")
+    if trl_trainer == "async":
+        from benchmarks.trl_async import require_trl_version
+
+        require_trl_version()
+        if precision != "fp32" or trl_precision not in (None, "fp32"):
+            raise SystemExit("--trl-trainer async runs in fp32 (TRL's bf16 path needs a GPU's kernels)")
+    elif lora:
+        raise SystemExit("--lora runs with --trl-trainer async")
+    config = "configs/smollm2-lora.yaml" if lora else CONFIG
     sides = {"streamrl": precision, "trl": trl_precision or precision}
     for flag, value in (("--precision", precision), ("--trl-precision", sides["trl"])):
         if value not in ("fp32", "bf16"):
             raise SystemExit(f"{flag}: {value!r} is not one of fp32, bf16")
     try:
-        load_config(CONFIG, list(streamrl_set))  # a bad override fails here, before any run
+        load_config(config, list(streamrl_set))  # a bad override fails here, before any run
     except ConfigError as e:
         raise SystemExit(f"--streamrl-set: {e}") from None
-    settings.update(trl_generation=trl_generation, precision=sides, streamrl_set=list(streamrl_set))
-    data = run(quick, repeats, steps, trl_generation, sides, tuple(streamrl_set))
+    settings.update(trl_generation=trl_generation, precision=sides, streamrl_set=list(streamrl_set),
+                    trl_trainer=trl_trainer, lora=lora)
+    data = run(quick, repeats, steps, trl_generation, sides, tuple(streamrl_set), trl_trainer, config)
     report(data, out)
     return data
 

@@ -180,6 +180,10 @@ def cli(main, doc: str) -> None:
     if "trl_generation" in main.__code__.co_varnames:
         parser.add_argument("--trl-generation", choices=["hf", "paged", "vllm"], default="hf",
                             help="TRL's generation backend")
+    if "trl_trainer" in main.__code__.co_varnames:
+        parser.add_argument("--trl-trainer", choices=["sync", "async"], default="sync",
+                            help="TRL's GRPOTrainer, or its AsyncGRPOTrainer on a vLLM server")
+        parser.add_argument("--lora", action="store_true", help="both sides train the LoRA recipe's adapter")
     if "study" in main.__code__.co_varnames:
         parser.add_argument("--study", help="one of the module's studies (default: all)")
     if "first_seed" in main.__code__.co_varnames:

@@ -332,6 +332,11 @@ def bench(
     trl_precision: Annotated[str | None, typer.Option(help="trl: TRL's precision when it differs from "
                                                            "--precision.")] = None,
     study: Annotated[str | None, typer.Option(help="ablation: one of its studies: credit, late-groups, is-weights, minibatches, minibatches-sync, longer; lora: push, learner or accuracy (default: all).")] = None,
+    trl_trainer: Annotated[str | None, typer.Option(help="trl: sync (GRPOTrainer) or async (AsyncGRPOTrainer, "
+                                                         "generating on a vLLM server; streamrl's side then serves "
+                                                         "with vLLM too).")] = None,
+    lora: Annotated[bool | None, typer.Option("--lora", help="trl --trl-trainer async: both sides train the LoRA "
+                                                             "recipe's adapter (configs/smollm2-lora.yaml).")] = None,
     first_seed: Annotated[int | None, typer.Option(help="lora: the accuracy study's first seed, to add seeds to an "
                                                         "earlier run's results (default: 0).", min=0)] = None,
     streamrl_set: Annotated[list[str] | None, typer.Option("--streamrl-set", help="trl: a config override for "
@@ -354,7 +359,7 @@ def bench(
     options = {name: value for name, value in (
         ("model", str(model) if model else None), ("repeats", repeats), ("steps", steps),
         ("trl_generation", trl_generation), ("precision", precision), ("trl_precision", trl_precision),
-        ("study", study), ("first_seed", first_seed), ("streamrl_set", tuple(streamrl_set or ()) or None))
+        ("study", study), ("trl_trainer", trl_trainer), ("lora", lora), ("first_seed", first_seed), ("streamrl_set", tuple(streamrl_set or ()) or None))
         if value is not None}
     takes = inspect.signature(importlib.import_module(MODULES[suite]).main).parameters  # the study's own options
     for name in options.keys() - takes.keys():

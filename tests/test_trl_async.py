@@ -1,0 +1,41 @@
+"""The stand-in for flash-attn's variable-length kernel that TRL's AsyncGRPOTrainer runs on here
+(benchmarks/trl_async.py, patch 1): each segment's attention equals a plain causal attention over its own keys."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from benchmarks.trl_async import varlen_attention
+
+
+def _plain(q, k, v):
+    """One segment, queries at the end of the keys' positions: scores masked past each query's own position."""
+    lq, lk = q.shape[0], k.shape[0]
+    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5
+    seen = torch.arange(lk)[None, :] <= torch.arange(lk - lq, lk)[:, None]
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~seen, float("-inf")).softmax(-1), v)
+
+
+@pytest.mark.parametrize("lengths", [[(5, 5), (3, 3)], [(2, 6), (4, 4), (1, 9)]])  # (queries, keys): a prefix's tail
+def test_varlen_attention_equals_each_segments_own_causal_attention(lengths):
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 4, 2, 8
+    q = torch.randn(sum(a for a, _ in lengths), heads, dim)
+    k, v = (torch.randn(sum(b for _, b in lengths), kv_heads, dim) for _ in range(2))
+    cu_q = torch.tensor([0, *torch.tensor([a for a, _ in lengths]).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor([b for _, b in lengths]).cumsum(0).tolist()], dtype=torch.int32)
+    out = varlen_attention(q, k, v, cu_q, cu_k, causal=True)
+    want = torch.cat([_plain(q[cu_q[i]:cu_q[i + 1]], k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]])
+                      for i in range(len(lengths))])
+    assert out.shape == q.shape and torch.allclose(out, want, atol=1e-5)
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        varlen_attention(q, k, v, cu_q, cu_k, window_size=(4, 0))
+
+
+def test_a_full_causal_segment_is_sdpas_causal_attention():
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(6, 2, 8) for _ in range(3))
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    want = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+    assert torch.allclose(varlen_attention(q, k, v, cu, cu), want.transpose(0, 1), atol=1e-6)
