@@ -28,6 +28,9 @@ TRL is built for GPUs. What it needs to run here, each applied by this module an
    is started as ``python -m vllm.entrypoints.openai.api_server``, with ``VLLM_SERVER_DEV_MODE=1`` (the pause and
    weight routes), ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` and ``--enable-lora`` for adapters,
    ``--logprobs-mode processed_logprobs`` (TRL's trainer scores tempered logprobs) and a 2 GiB KV cache.
+6. **Unsplit prefills.** TRL seeds every request, and vLLM's CPU build fails a seeded request whose prefill is
+   split across engine steps (``CPU Generator does not use offset``, in ``gpu_model_runner._bookkeeping_sync``):
+   the server's step budget (``--max-num-batched-tokens``) holds every running request's whole context.
 
 Settings given to TRL: the recipe's (samples per step = groups × n in one micro-batch with ``token_budget=0``,
 group size, max new tokens, temperature 1 with no top-p/top-k, learning rate, constant schedule, max staleness),
@@ -192,7 +195,8 @@ def vllm_server(model_dir: str, *, seed: int, max_model_len: int, max_seqs: int,
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port),
             "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", str(max_model_len),
             "--max-num-seqs", str(max_seqs), "--logprobs-mode", "processed_logprobs", "--seed", str(seed),
-            "--weight-transfer-config", '{"backend": "streamrl"}']
+            "--weight-transfer-config", '{"backend": "streamrl"}',
+            "--max-num-batched-tokens", str(max_seqs * max_model_len)]  # patch 6
     if lora_rank is not None:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
         argv += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", str(lora_slots),
@@ -263,6 +267,7 @@ def trl_async_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: i
         def on_train_end(self, *a, **kw):
             clock["end"] = time.perf_counter()
 
+    out.mkdir(parents=True, exist_ok=True)
     slots = cfg.off_policy.max_staleness + 2  # TRL holds that many adapter versions, and checks the server has them
     with vllm_server(model_dir, seed=seed, max_model_len=cfg.rollout.max_context, max_seqs=cfg.server.max_batch_size,
                      lora_rank=lora.rank if lora else None, lora_slots=slots, log=out / "vllm.log") as url:
