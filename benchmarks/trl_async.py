@@ -269,7 +269,8 @@ def trl_async_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: i
 
     out.mkdir(parents=True, exist_ok=True)
     slots = cfg.off_policy.max_staleness + 2  # TRL holds that many adapter versions, and checks the server has them
-    with vllm_server(model_dir, seed=seed, max_model_len=cfg.rollout.max_context, max_seqs=cfg.server.max_batch_size,
+    context = 512  # the recipe's prompts (~46 tokens) and replies (32): the step budget of patch 6 stays small
+    with vllm_server(model_dir, seed=seed, max_model_len=context, max_seqs=cfg.server.max_batch_size,
                      lora_rank=lora.rank if lora else None, lora_slots=slots, log=out / "vllm.log") as url:
         args = AsyncGRPOConfig(
             output_dir=str(out), per_device_train_batch_size=per_step, gradient_accumulation_steps=1,
