@@ -227,8 +227,12 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def served_gap(url: str, served_name: str, model, tokenizer, prompt_ids: list[int]) -> float:
-    """Largest |logprob| difference on a prompt between the server (its prompt logprobs) and the trainer's model."""
+def served_gap(url: str, served_name: str, model_dir: Path, prompt_ids: list[int]) -> float:
+    """Largest |logprob| difference on a prompt between the server (its prompt logprobs) and the trained model as
+    saved (loaded with torch's attention: the trainer's own forward runs TRL's packed path)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     reply = httpx.post(f"{url}/v1/completions", timeout=120, json={
         "model": served_name, "prompt": prompt_ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0})
     reply.raise_for_status()
@@ -287,13 +291,12 @@ def trl_async_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: i
         trainer.remove_callback(PrinterCallback)
         trainer.add_callback(Clock())
         trainer.train()
-        model = trainer.model.eval()
+        final = trainer.model.merge_and_unload() if lora else trainer.model
+        final.save_pretrained(out / "final")
+        tokenizer.save_pretrained(out / "final")
         served = f"trl-policy-v{trainer.model_version}" if lora else model_dir
-        gap = served_gap(url, served, model, tokenizer, tokenizer.apply_chat_template(
+        gap = served_gap(url, served, out / "final", tokenizer.apply_chat_template(
             play(cfg, train[:1])[0], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
-    final = model.merge_and_unload() if lora else model
-    final.save_pretrained(out / "final")
-    tokenizer.save_pretrained(out / "final")
     history = trainer.state.log_history
     wall = clock["end"] - clock["start"]
 
