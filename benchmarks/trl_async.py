@@ -46,7 +46,6 @@ codes, so a push that failed would otherwise go unseen).
 
 from __future__ import annotations
 
-import asyncio
 import importlib.metadata
 import json
 import os
@@ -67,8 +66,6 @@ import torch.nn.functional as F
 
 from streamrl.buffer.redis_server import free_port
 from streamrl.config import Config
-from streamrl.envs.base import Action
-from streamrl.envs.registry import env_factory
 from streamrl.weightsync import broadcast, buckets, make_group, metas, pack
 
 TRL_VERSION = "1.16.0"  # the patches below name its internals
@@ -169,20 +166,12 @@ class EnvReward:
     spawned process."""
 
     def __init__(self, cfg: Config):
-        self.env, self.env_args = cfg.rollout.env, cfg.rollout.env_args
+        self.cfg = cfg
 
     def __call__(self, completions, row, **_) -> list[float]:
-        make = env_factory(self.env, self.env_args)
+        from benchmarks.against_trl import play
 
-        async def one(item, reply):
-            env = make()
-            await env.reset(json.loads(item))
-            return (await env.step(Action(text=reply, token_ids=[]))).reward
-
-        async def every():
-            return await asyncio.gather(*(one(r, c[0]["content"]) for r, c in zip(row, completions)))
-
-        return asyncio.run(every())
+        return [v.reward for v in play(self.cfg, [json.loads(x) for x in row], [c[0]["content"] for c in completions])]
 
 
 @contextmanager

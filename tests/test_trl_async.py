@@ -39,3 +39,16 @@ def test_a_full_causal_segment_is_sdpas_causal_attention():
     cu = torch.tensor([0, 6], dtype=torch.int32)
     want = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
     assert torch.allclose(varlen_attention(q, k, v, cu, cu), want.transpose(0, 1), atol=1e-6)
+
+
+def test_the_reward_crosses_into_a_spawned_process_and_scores_as_the_env_does():
+    import json
+    import pickle
+
+    from benchmarks.trl_async import EnvReward
+    from streamrl.config import load_config
+
+    reward = pickle.loads(pickle.dumps(EnvReward(load_config("configs/smollm2.yaml"))))  # as TRL's spawn sends it
+    row = json.dumps({"question": "What is 12 + 30?", "answer": 42})  # a row of the recipe's train.jsonl
+    # right: 1 and the answer-format bonus 0.1; wrong but well formed: the bonus alone
+    assert reward([[{"content": "42"}], [{"content": "41"}]], [row, row]) == pytest.approx([1.1, 0.1])
