@@ -34,7 +34,8 @@ Clocks: TRL's from the start of its training loop to its end; streamrl's from it
 report (every part started, the version-0 eval done) to the learner's last step. The final weights of both
 are then scored by one greedy evaluation, off the clock: the first ``max_new_tokens`` greedy tokens of
 SmolLM2 (``model.generate``) on the recipe's held-out questions, scored by the env. Repeat r runs both
-sides at seed r; the accuracy difference is paired by seed.
+sides at seed r (``--first-seed S``: from seed S on, joining the runs of other seeds already in the results
+file, so seeds can be added later); the accuracy difference is paired by seed.
 
 The bound: a sample costs at least 2N FLOPs a token to generate (prompt and completion) and 6N a token to
 train on, at this machine's fp32 and bf16 matmul rates (measured first, on every core); each system's
@@ -260,7 +261,7 @@ def fraction_of_bound(row: dict, b: dict) -> float:
 
 
 def run(quick: bool, repeats: int | None, steps: int | None, generation: str, precision: dict[str, str],
-        overrides: tuple[str, ...] = (), trainer: str = "sync", config: str = CONFIG) -> dict:
+        overrides: tuple[str, ...] = (), trainer: str = "sync", config: str = CONFIG, first_seed: int = 0) -> dict:
     repeats = repeats or (1 if quick else 3)
     steps = steps or (3 if quick else 20)
     results = {"streamrl": [], "trl": []}
@@ -278,7 +279,7 @@ def run(quick: bool, repeats: int | None, steps: int | None, generation: str, pr
                     f"{limit['prompt_tokens']:.1f} prompt tokens a sample")
         console.log(f"base model: greedy accuracy on {len(held_out)} held-out questions")
         before = score_final(cfg, Path(cfg.model.path), held_out)
-        for r in range(repeats):
+        for r in range(first_seed, first_seed + repeats):
             for side in (("streamrl", "trl") if r % 2 == 0 else ("trl", "streamrl")):  # who goes first rotates
                 if side == "trl" and trainer == "async":
                     from benchmarks.trl_async import trl_async_run
@@ -291,28 +292,56 @@ def run(quick: bool, repeats: int | None, steps: int | None, generation: str, pr
                     row = streamrl_run(cfg, prepared, tmp / "runs", steps=steps, seed=r,
                                        precision=precision["streamrl"], overrides=overrides, config=config)
                 row["fraction_of_bound"] = fraction_of_bound(row, limit)
+                row["seed"] = r
                 results[side].append(row)
                 console.log(f"{side} seed {r}: {row['samples_per_s']:.2f} samples/s over {row['wall_s']:.0f} s, "
                             f"held-out {before:.3f} → {row['held_out_final']:.3f}")
     ran = load_config(config, list(overrides))  # streamrl's side as it ran
-    med = {side: {k: median([x[k] for x in rs]) for k in ("samples_per_s", "wall_s", "held_out_final",
-                                                           "train_reward_last5", "completion_tokens",
-                                                           "fraction_of_bound")}
-           for side, rs in results.items()}
     return {"study": "trl", "config": config, "trl_trainer": trainer, "lora": ran.learner.lora is not None,
-            "repeats": repeats, "max_steps": steps, "trl_generation": generation,
-            "precision": precision,
+            "max_steps": steps, "trl_generation": generation, "precision": precision,
             "samples": results["trl"][0]["samples"], "held_out": len(held_out), "held_out_before": before,
             "bound": limit,
             "streamrl_settings": {"mode": ran.mode, "max_staleness": ran.off_policy.max_staleness,
                                   "engine": ran.server.engine, "algorithm": ran.learner.algorithm,
                                   "overrides": list(overrides)},
-            "runs": results, "median": med, "ratio": med["streamrl"]["samples_per_s"] / med["trl"]["samples_per_s"],
+            **summary(results)}
+
+
+def summary(results: dict[str, list[dict]]) -> dict:
+    """Each side's medians, streamrl's samples/s over TRL's, and held-out accuracy paired by seed."""
+    for rows in results.values():
+        rows.sort(key=lambda x: x["seed"])
+    med = {side: {k: median([x[k] for x in rs]) for k in ("samples_per_s", "wall_s", "held_out_final",
+                                                           "train_reward_last5", "completion_tokens",
+                                                           "fraction_of_bound")}
+           for side, rs in results.items()}
+    return {"runs": results, "repeats": len(results["trl"]), "median": med,
+            "ratio": med["streamrl"]["samples_per_s"] / med["trl"]["samples_per_s"],
             "held_out_vs_trl": paired_difference([x["held_out_final"] for x in results["streamrl"]],
                                                  [x["held_out_final"] for x in results["trl"]])}
 
 
+SAME_STUDY = ("config", "trl_trainer", "lora", "max_steps", "trl_generation", "precision", "streamrl_settings")
+
+
+def more_seeds(earlier: dict, new: dict) -> dict:
+    """A run's seeds joined to an earlier run's of the same settings (a seed run again replaces its earlier runs),
+    so seeds can be added one session at a time; an earlier run of other settings is replaced."""
+    if any(earlier.get(k) != new.get(k) for k in SAME_STUDY):
+        return new
+    for rows in earlier["runs"].values():  # runs written before seeds were recorded: repeat r was seed r
+        for r, x in enumerate(rows):
+            x.setdefault("seed", r)
+    fresh = {x["seed"] for x in new["runs"]["trl"]}
+    runs = {side: [*(x for x in earlier["runs"][side] if x["seed"] not in fresh), *rows]
+            for side, rows in new["runs"].items()}
+    return {**new, **summary(runs)}
+
+
 def report(data: dict, out: Path) -> None:
+    earlier = out / f"{result_name(data)}.json"
+    if earlier.is_file():
+        data = more_seeds(json.loads(earlier.read_text()), data)
     m = data["median"]
     precision = data.get("precision", {"streamrl": "fp32", "trl": "fp32"})
     bf16_share = data["bound"]["matmul_flops"] / data["bound"]["matmul_flops_bf16"]  # the bound at the bf16 rate
@@ -360,9 +389,10 @@ def trl_name(data: dict) -> str:
 def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None,
          steps: int | None = None, trl_generation: str = "hf", precision: str = "fp32",
          trl_precision: str | None = None, streamrl_set: tuple[str, ...] = (), trl_trainer: str = "sync",
-         lora: bool = False) -> dict:
+         lora: bool = False, first_seed: int = 0) -> dict:
     """``trl_trainer``: sync (GRPOTrainer) or async (AsyncGRPOTrainer, benchmarks/trl_async.py); ``lora``: both
-    sides train the LoRA recipe's adapter (async only)."""
+    sides train the LoRA recipe's adapter (async only); ``first_seed``: the first run's seed (runs of other seeds
+    with the same settings, in the results file already, join these)."""
     require_trl()
     if trl_generation not in ("hf", "paged", "vllm"):
         raise SystemExit(f"--trl-generation: {trl_generation!r} is not one of hf, paged, vllm")
@@ -387,7 +417,7 @@ def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: i
         raise SystemExit(f"--streamrl-set: {e}") from None
     settings.update(trl_generation=trl_generation, precision=sides, streamrl_set=list(streamrl_set),
                     trl_trainer=trl_trainer, lora=lora)
-    data = run(quick, repeats, steps, trl_generation, sides, tuple(streamrl_set), trl_trainer, config)
+    data = run(quick, repeats, steps, trl_generation, sides, tuple(streamrl_set), trl_trainer, config, first_seed)
     report(data, out)
     return data
 

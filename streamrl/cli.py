@@ -337,8 +337,8 @@ def bench(
                                                          "with vLLM too).")] = None,
     lora: Annotated[bool | None, typer.Option("--lora", help="trl --trl-trainer async: both sides train the LoRA "
                                                              "recipe's adapter (configs/smollm2-lora.yaml).")] = None,
-    first_seed: Annotated[int | None, typer.Option(help="lora: the accuracy study's first seed, to add seeds to an "
-                                                        "earlier run's results (default: 0).", min=0)] = None,
+    first_seed: Annotated[int | None, typer.Option(help="lora (its accuracy study) and trl: the first seed, to add "
+                                                        "seeds to an earlier run's results (default: 0).", min=0)] = None,
     streamrl_set: Annotated[list[str] | None, typer.Option("--streamrl-set", help="trl: a config override for "
                                                            "streamrl's side (repeatable), e.g. mode=sync.")] = None,
 ) -> None:

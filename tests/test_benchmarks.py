@@ -239,3 +239,26 @@ def test_lora_accuracy_seeds_added_later_join_the_earlier_seeds_pairs(tmp_path, 
     lora.report(study([0], [0.3], [0.3], steps=4), tmp_path)  # other steps: nothing to pair with
     assert json.loads((tmp_path / "lora.json").read_text())["accuracy"]["held_out_lora_vs_full"]["pairs"] == 1
     assert "3 seeds" in capsys.readouterr().out
+
+
+def test_trl_seeds_added_later_join_the_earlier_seeds_pairs():
+    from benchmarks.against_trl import more_seeds, summary
+
+    def study(seeds, streamrl, trl, steps=20, seeded=True):
+        runs = {side: [{**({"seed": s} if seeded else {}), "held_out_final": acc, "samples_per_s": rate,
+                        "wall_s": 1.0, "train_reward_last5": 0.5, "completion_tokens": 9.0, "fraction_of_bound": 0.1}
+                       for s, (acc, rate) in zip(seeds, rows)] for side, rows in (("streamrl", streamrl), ("trl", trl))}
+        if seeded:
+            return {"config": "c", "trl_trainer": "async", "max_steps": steps, **summary(runs)}
+        return {"config": "c", "trl_trainer": "async", "max_steps": steps, "runs": runs}
+
+    earlier = study([0], [(0.60, 2.0)], [(0.50, 1.0)], seeded=False)  # written before seeds were recorded
+    joined = more_seeds(earlier, study([1, 2], [(0.70, 3.0), (0.40, 2.5)], [(0.70, 1.5), (0.45, 1.0)]))
+    assert [x["seed"] for x in joined["runs"]["trl"]] == [0, 1, 2] and joined["repeats"] == 3
+    assert joined["median"]["streamrl"]["samples_per_s"] == 2.5 and joined["ratio"] == pytest.approx(2.5 / 1.0)
+    assert joined["held_out_vs_trl"]["pairs"] == 3
+    assert joined["held_out_vs_trl"]["mean"] == pytest.approx((0.10 + 0.0 - 0.05) / 3)
+    again = more_seeds(joined, study([1], [(0.20, 3.0)], [(0.20, 3.0)]))  # a seed run again replaces its runs
+    assert [x["held_out_final"] for x in again["runs"]["streamrl"]] == [0.60, 0.20, 0.40]
+    other = more_seeds(joined, study([0], [(0.3, 1.0)], [(0.3, 1.0)], steps=3))  # other settings: nothing joins
+    assert other["repeats"] == 1
