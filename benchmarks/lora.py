@@ -77,7 +77,7 @@ def pushed(model_dir: str, arm: str) -> list[tuple[str, torch.Tensor]]:
 
 
 def push_times(model_dir: str, redis_url: str, run_dir: Path, engine: str, repeats: int,
-               alternate: bool = True) -> dict:
+               alternate: bool = True, settings: tuple[str, ...] = ()) -> dict:
     """Seconds per push of each arm into a server of ``engine`` (arms alternating, or with ``alternate=False`` one
     arm's server after the other's: a large model's two servers may not fit in memory together), and the bytes
     each sends."""
@@ -85,7 +85,8 @@ def push_times(model_dir: str, redis_url: str, run_dir: Path, engine: str, repea
     for arm in reversed(ARMS):  # the adapter first: it loads a whole model for a moment
         run = f"lora-push-{arm}-{engine}-{time.monotonic_ns()}"
         common = [f"model.path={model_dir}", f"redis.url={redis_url}", f"run.name={run}", f"run.dir={run_dir}",
-                  "server.heartbeat_s=0.3", f"server.engine={engine}", *(lora_settings() if arm == "lora" else [])]
+                  "server.heartbeat_s=0.3", f"server.engine={engine}", *settings,
+                  *(lora_settings() if arm == "lora" else [])]
         arms[arm] = {"common": common, "cfg": load_config(None, [*common, "weight_sync.timeout_s=300"]),
                      "registry": ServerRegistry(Namespace.open(redis_url, run), ttl_s=10),
                      "tensors": pushed(model_dir, arm)}
@@ -227,8 +228,10 @@ def run(quick: bool, repeats: int | None, steps: int | None, studies: tuple[str,
             # servers one at a time (two would not fit in this machine's memory beside the learner's copy)
             big = smollm2_shaped(tmp / "smollm2-1.7b", LARGE)
             with EmbeddedRedis(tmp / "redis-large") as redis:
+                # its KV cache must hold one context of 8192 tokens (3.1 GiB in fp32)
                 data["push_large"] = {"size": LARGE, "vllm": push_times(big, redis.url, tmp / "runs", "vllm",
-                                                                          3 if quick else 5, alternate=False)}
+                                                                          3 if quick else 5, alternate=False,
+                                                                          settings=("server.kv_cache_gb=4",))}
             console.log(f"push at {LARGE}: {data['push_large']}")
         if "learner" in studies:  # a GPU's figures are kept beside the CPU's
             key = "learner_gpu" if torch.cuda.is_available() else "learner"
