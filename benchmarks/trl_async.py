@@ -241,7 +241,7 @@ def trl_async_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: i
     from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-    from benchmarks.against_trl import play, rows
+    from benchmarks.against_trl import play, rows, score_final
 
     patch_for_cpu()
     os.environ.update(HF_HUB_DISABLE_TELEMETRY="1", TRL_EXPERIMENTAL_SILENCE="1")
@@ -301,6 +301,7 @@ def trl_async_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: i
             "train_reward_last5": _mean(rewards[-5:]), "train_rewards": rewards,
             "dropped_stale": dropped[-1] if dropped else 0, "staleness_mean": _mean(logged("sample/staleness_mean")),
             "weight_sync_s": _mean(logged("perf/weight_sync_s")), "served_gap": gap,
+            "held_out_final": score_final(cfg, out / "final", rows(prepared / "eval.jsonl")),
             "settings": {"trl": TRL_VERSION, "max_inflight_tasks": args.max_inflight_tasks, "lora": bool(lora),
                          "max_staleness": args.max_staleness, "per_step": per_step, "threads": 1}}
 
