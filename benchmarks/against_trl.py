@@ -62,6 +62,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import cpu_share
 from benchmarks.common import (
     chat_prompt_ids,
     cli,
@@ -77,6 +78,7 @@ from benchmarks.common import (
     settings,
     write_json,
 )
+from benchmarks.cpu_share import CpuShare
 from streamrl.buffer.redis_server import free_port
 from streamrl.config import Config, ConfigError, load_config
 from streamrl.envs.base import Action
@@ -184,10 +186,10 @@ def trl_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: int, ge
 
     class Clock(TrainerCallback):
         def on_train_begin(self, *a, **kw):
-            clock["start"] = time.perf_counter()
+            clock["start"] = time.time()
 
         def on_train_end(self, *a, **kw):
-            clock["end"] = time.perf_counter()
+            clock["end"] = time.time()
 
     args = trl_args(cfg, out, steps, seed, generation, precision)
     trainer = GRPOTrainer(model=model, reward_funcs=env_reward, args=args, train_dataset=data,
@@ -204,8 +206,8 @@ def trl_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: int, ge
                                            "beta", "scale_rewards", "loss_type", "num_iterations", "use_vllm",
                                            "use_transformers_continuous_batching", "bf16")}
     given["versions"] = {name: importlib.metadata.version(name) for name in ("trl", "transformers", "torch")}
-    return {"wall_s": wall, "samples": samples, "samples_per_s": samples / wall,
-            "completion_tokens": sum(lengths) / len(lengths),
+    return {"wall_s": wall, "window": [clock["start"], clock["end"]], "samples": samples,
+            "samples_per_s": samples / wall, "completion_tokens": sum(lengths) / len(lengths),
             "train_reward_last5": sum(rewards[-5:]) / max(1, len(rewards[-5:])), "train_rewards": rewards,
             "held_out_final": score_final(cfg, out / "final", rows(prepared / "eval.jsonl")), "settings": given}
 
@@ -228,7 +230,8 @@ def streamrl_run(cfg: Config, prepared: Path, runs: Path, *, steps: int, seed: i
     start = read_records(path / "metrics" / "rollout-worker-0.jsonl")[0]["time"]  # the worker begins generating
     samples = sum(r["groups"] for r in trained) * cfg.rollout.sampling.n
     wall = trained[-1]["time"] - start
-    return {"wall_s": wall, "samples": samples, "samples_per_s": samples / wall,
+    return {"wall_s": wall, "window": [start, trained[-1]["time"]], "samples": samples,
+            "samples_per_s": samples / wall,
             "completion_tokens": sum(r["tokens_global"] for r in trained) / samples,
             "train_reward_last5": sum(r["reward_mean"] for r in trained[-5:]) / len(trained[-5:]),
             "train_rewards": [r["reward_mean"] for r in trained],
@@ -281,16 +284,18 @@ def run(quick: bool, repeats: int | None, steps: int | None, generation: str, pr
         before = score_final(cfg, Path(cfg.model.path), held_out)
         for r in range(first_seed, first_seed + repeats):
             for side in (("streamrl", "trl") if r % 2 == 0 else ("trl", "streamrl")):  # who goes first rotates
-                if side == "trl" and trainer == "async":
-                    from benchmarks.trl_async import trl_async_run
+                with CpuShare(cpu_share.STREAMRL if side == "streamrl" else cpu_share.trl(os.getpid())) as cores:
+                    if side == "trl" and trainer == "async":
+                        from benchmarks.trl_async import trl_async_run
 
-                    row = trl_async_run(cfg, prepared, tmp / f"trl-{r}", steps=steps, seed=r)
-                elif side == "trl":
-                    row = trl_run(cfg, prepared, tmp / f"trl-{r}", steps=steps, seed=r, generation=generation,
-                                  precision=precision["trl"])
-                else:
-                    row = streamrl_run(cfg, prepared, tmp / "runs", steps=steps, seed=r,
-                                       precision=precision["streamrl"], overrides=overrides, config=config)
+                        row = trl_async_run(cfg, prepared, tmp / f"trl-{r}", steps=steps, seed=r)
+                    elif side == "trl":
+                        row = trl_run(cfg, prepared, tmp / f"trl-{r}", steps=steps, seed=r, generation=generation,
+                                      precision=precision["trl"])
+                    else:
+                        row = streamrl_run(cfg, prepared, tmp / "runs", steps=steps, seed=r,
+                                           precision=precision["streamrl"], overrides=overrides, config=config)
+                row["cpu_share"] = cores.shares(*row["window"])  # where the cores went while the clock ran
                 row["fraction_of_bound"] = fraction_of_bound(row, limit)
                 row["seed"] = r
                 results[side].append(row)
@@ -315,6 +320,9 @@ def summary(results: dict[str, list[dict]]) -> dict:
                                                            "train_reward_last5", "completion_tokens",
                                                            "fraction_of_bound")}
            for side, rs in results.items()}
+    for side, rs in results.items():
+        if all("cpu_share" in x for x in rs):  # runs from before it was measured have none
+            med[side]["cpu_share"] = {role: median([x["cpu_share"][role] for x in rs]) for role in rs[0]["cpu_share"]}
     return {"runs": results, "repeats": len(results["trl"]), "median": med,
             "ratio": med["streamrl"]["samples_per_s"] / med["trl"]["samples_per_s"],
             "held_out_vs_trl": paired_difference([x["held_out_final"] for x in results["streamrl"]],
@@ -357,6 +365,12 @@ def report(data: dict, out: Path) -> None:
                   m[side]["train_reward_last5"], m[side]["held_out_final"]]
                  for side in ("streamrl", "trl")]
                 + [["streamrl / TRL", data["ratio"], "", "", "", "", "", points(data["held_out_vs_trl"])]])
+    if all("cpu_share" in m[side] for side in m):
+        roles = ["generating", "training", "other", "idle"]
+        print_table("Where the cores went while each side's clock ran (share of all cores, medians): generating "
+                    "(the servers, vLLM's processes), training (the learner; TRL's trainer process), other (rollout "
+                    "workers, router, Redis; TRL's rollout worker), idle",
+                    ["system", *roles], [[side, *(percent(m[side]["cpu_share"][r]) for r in roles)] for side in m])
     name = result_name(data)
     json_path = write_json(out, name, data)
     fig, (ax1, ax2) = new_figure(2, f"streamrl vs {trl_name(data)}: SmolLM2-135M, same samples and machine")

@@ -257,10 +257,10 @@ def trl_async_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: i
 
     class Clock(TrainerCallback):
         def on_step_begin(self, *a, **kw):
-            clock.setdefault("start", time.perf_counter())
+            clock.setdefault("start", time.time())
 
         def on_train_end(self, *a, **kw):
-            clock["end"] = time.perf_counter()
+            clock["end"] = time.time()
 
     out.mkdir(parents=True, exist_ok=True)
     slots = cfg.off_policy.max_staleness + 2  # TRL holds that many adapter versions, and checks the server has them
@@ -296,7 +296,8 @@ def trl_async_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: i
 
     rewards = logged("reward")
     dropped = logged("sample/dropped_stale_total")
-    return {"wall_s": wall, "samples": steps * per_step, "samples_per_s": steps * per_step / wall,
+    return {"wall_s": wall, "window": [clock["start"], clock["end"]], "samples": steps * per_step,
+            "samples_per_s": steps * per_step / wall,
             "completion_tokens": _mean(logged("sample/trained_tokens_mean")),
             "train_reward_last5": _mean(rewards[-5:]), "train_rewards": rewards,
             "dropped_stale": dropped[-1] if dropped else 0, "staleness_mean": _mean(logged("sample/staleness_mean")),

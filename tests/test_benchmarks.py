@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 
@@ -261,4 +262,32 @@ def test_trl_seeds_added_later_join_the_earlier_seeds_pairs():
     again = more_seeds(joined, study([1], [(0.20, 3.0)], [(0.20, 3.0)]))  # a seed run again replaces its runs
     assert [x["held_out_final"] for x in again["runs"]["streamrl"]] == [0.60, 0.20, 0.40]
     other = more_seeds(joined, study([0], [(0.3, 1.0)], [(0.3, 1.0)], steps=3))  # other settings: nothing joins
-    assert other["repeats"] == 1
+    assert other["repeats"] == 1 and "cpu_share" not in other["median"]["trl"]  # not measured in these runs
+    for side in other["runs"].values():
+        side[0]["cpu_share"] = {"generating": 0.5, "training": 0.25, "other": 0.05, "idle": 0.2}
+    assert summary(other["runs"])["median"]["streamrl"]["cpu_share"]["training"] == 0.25
+
+
+def test_cpu_share_files_each_process_under_its_own_or_its_ancestors_role():
+    """A role's CPU time includes its children's (vLLM's engine under the server); a process of no role, and a
+    role that only sleeps, take nothing."""
+    import subprocess
+    import sys
+
+    from benchmarks.cpu_share import CpuShare
+
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n"
+    parent = ("import subprocess, sys\nsubprocess.run([sys.executable, '-c', sys.argv[1]])\n")  # a child spins
+    roles = {"busy": lambda argv: "busy-role" in argv, "asleep": lambda argv: "asleep-role" in argv}
+    with CpuShare(roles, interval_s=0.05) as share:
+        sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)", "asleep-role"])
+        subprocess.run([sys.executable, "-c", parent, spin, "busy-role"], check=True)
+        subprocess.run([sys.executable, "-c", spin], check=True)  # no role: not counted
+        sleeper.kill()
+        sleeper.wait()
+    spent, wall = share.seconds()
+    assert 0.4 <= spent["busy"] < 0.4 + 2.0  # the grandchild's spin, and at most the start-ups beside it
+    assert spent["asleep"] < 0.3  # an interpreter's start-up alone
+    shares = share.shares()
+    assert shares["busy"] == pytest.approx(spent["busy"] / (wall * os.cpu_count()))
+    assert shares["idle"] == pytest.approx(max(0.0, 1 - shares["busy"] - shares["asleep"]))
