@@ -1,0 +1,108 @@
+"""The staleness bound chosen from what the learner measures (``off_policy.max_staleness: auto``).
+
+After each step the controller reads the step's signals and may move the admission bound ``k`` within
+``[low, high]``, additive up and multiplicative down (as TCP does with its window):
+
+- **down**, to ``max(low, floor(k / 2))``, as soon as the off-policy data degrades: the normalised effective sample
+  size of the importance weights ``ESS = (sum w)^2 / (n sum w^2)`` falls under ``ess_floor``, their second moment
+  ``E[w^2]`` (M2PO's quantity) passes ``m2_ceiling``, the clip fraction passes ``clip_ceiling``, or the gradient
+  norm passes ``spike`` times its running mean (an exponential mean of the norms that were not spikes);
+- **up**, to ``k + 1``, when the learner waited for data for more than ``wait_share`` of each of the last
+  ``patience`` steps and the data was healthy throughout, with margin: ESS at least ``ess_raise`` (above
+  ``ess_floor``) and the clip fraction at most half its ceiling.
+
+It does not oscillate: the margin between the thresholds that lower and raise it, the ``patience`` steps a raise
+waits for, and the ``cooldown`` steps after any change (the data admitted under the old bound drains meanwhile,
+so a change is judged on data made under it) keep it from flipping on noise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Signals:
+    """One learner step's measurements."""
+
+    wait_share: float  # the share of the step the learner spent waiting for data
+    ess: float  # normalised effective sample size of the importance weights, in (0, 1]
+    second_moment: float  # E[w^2] of the importance weights: 1 on-policy
+    clip_frac: float
+    grad_norm: float
+
+
+@dataclass(frozen=True)
+class Change:
+    step: int
+    old: int
+    new: int
+    cause: str
+
+    def __str__(self) -> str:
+        way = "raised" if self.new > self.old else "lowered"
+        return f"max staleness {way} {self.old} -> {self.new} at step {self.step}: {self.cause}"
+
+
+@dataclass
+class StalenessController:
+    low: int = 1
+    high: int = 8
+    bound: int = 1
+    wait_share: float = 0.1
+    ess_floor: float = 0.8
+    ess_raise: float = 0.9
+    m2_ceiling: float = 1.5
+    clip_ceiling: float = 0.1
+    spike: float = 3.0
+    patience: int = 3
+    cooldown: int = 4
+    smoothing: float = 0.9  # of the gradient norm's running mean
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.low <= self.bound <= self.high:
+            raise ValueError(f"staleness bounds: need 0 <= low {self.low} <= start {self.bound} <= high {self.high}")
+        if not self.ess_floor < self.ess_raise <= 1:
+            raise ValueError(f"need ess_floor {self.ess_floor} < ess_raise {self.ess_raise} <= 1")
+        self._grad_mean: float | None = None
+        self._healthy_waits = 0  # consecutive steps that waited for data on healthy data
+        self._last_change = -(10**9)
+
+    def observe(self, step: int, s: Signals) -> Change | None:
+        """Take a step's signals; the change of the bound they call for, if any (already applied)."""
+        cause = self._degraded(s)
+        self._track_grad_norm(s.grad_norm, spiked=cause is not None and cause.startswith("gradient"))
+        settled = step - self._last_change >= self.cooldown
+        if cause is not None:
+            self._healthy_waits = 0
+            if settled and self.bound > self.low:
+                return self._move(step, max(self.low, self.bound // 2), cause)
+            return None
+        healthy = s.ess >= self.ess_raise and s.clip_frac <= self.clip_ceiling / 2
+        self._healthy_waits = self._healthy_waits + 1 if healthy and s.wait_share > self.wait_share else 0
+        if self._healthy_waits >= self.patience and settled and self.bound < self.high:
+            return self._move(step, self.bound + 1, f"the learner waited {s.wait_share:.0%} of its step for data "
+                                                    f"{self.patience} steps running, ESS {s.ess:.2f}")
+        return None
+
+    def _degraded(self, s: Signals) -> str | None:
+        if s.ess < self.ess_floor:
+            return f"ESS {s.ess:.2f} < {self.ess_floor}"
+        if s.second_moment > self.m2_ceiling:
+            return f"E[w^2] {s.second_moment:.2f} > {self.m2_ceiling}"
+        if s.clip_frac > self.clip_ceiling:
+            return f"clip fraction {s.clip_frac:.2f} > {self.clip_ceiling}"
+        if self._grad_mean is not None and s.grad_norm > self.spike * self._grad_mean:
+            return f"gradient norm {s.grad_norm:.3g} > {self.spike} x its running mean {self._grad_mean:.3g}"
+        return None
+
+    def _track_grad_norm(self, norm: float, spiked: bool) -> None:
+        if spiked:  # a spike stays out of the mean it is judged against
+            return
+        self._grad_mean = norm if self._grad_mean is None else (
+            self.smoothing * self._grad_mean + (1 - self.smoothing) * norm)
+
+    def _move(self, step: int, new: int, cause: str) -> Change:
+        change = Change(step, self.bound, new, cause)
+        self.bound, self._last_change, self._healthy_waits = new, step, 0
+        return change
