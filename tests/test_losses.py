@@ -169,3 +169,17 @@ def test_an_uneven_split_over_two_gloo_ranks_equals_the_full_batch():
     for rank in range(2):
         for got, want in zip(out[rank], full):
             assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_the_statistics_carry_the_importance_weights_first_two_moments():
+    """r = pi_prox / pi_behav over the generated tokens, uncapped: weights 1, 2, 4 (and one masked out) give
+    mean 7/3 and mean square 7, so an effective sample size of (7/3)^2 / 7 = 7/9 of the tokens."""
+    behav = torch.zeros(4)
+    prox = torch.log(torch.tensor([1.0, 2.0, 4.0, 100.0]))
+    mask = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    for correction in ("none", "tis", "decoupled"):  # whatever the loss does with them
+        _, stats = PolicyLoss(correction=correction, tis_cap=1.5)(prox.clone(), behav, prox, torch.ones(4), mask)
+        assert stats["is_raw_mean"].item() == pytest.approx(7 / 3)
+        assert stats["is_raw_sq_mean"].item() == pytest.approx(7.0)
+    _, stats = PolicyLoss()(prox.clone(), behav, None, torch.ones(4), mask)  # no proximal policy: pi / pi_behav
+    assert stats["is_raw_mean"].item() == pytest.approx(7 / 3)

@@ -209,6 +209,7 @@ def test_later_minibatches_train_against_the_weights_at_the_versions_start(engin
     # the second: its proximal is still the start weights (weight 1 against behaviour), while the
     # weights it trains have moved (a ratio off 1, which the clip bounds)
     assert seen[1]["is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert seen[1]["is_ess"] == pytest.approx(1.0, abs=1e-5)  # the data's weight is against the proximal policy
     assert abs(seen[1]["ratio_mean"] - 1.0) > 1e-6
 
 
@@ -364,6 +365,8 @@ def test_a_step_is_the_textbook_clipped_and_decayed_policy_gradient_step(config,
     stats = policy.step([seqs[:5], seqs[5:]], tokens)
     assert stats["skipped"] == 0.0 and stats["grad_norm"] == pytest.approx(norm, rel=1e-4)  # before the clip
     assert stats["entropy"] > 0  # measured without an entropy bonus in the loss
+    # on-policy data: every importance weight is one, so the whole batch is its effective sample
+    assert stats["is_ess"] == pytest.approx(1.0, abs=1e-5) and stats["is_second_moment"] == pytest.approx(1.0, abs=1e-4)
     expected = dict(plain.named_parameters())
     # Adam divides each gradient by its own size: an element whose gradient is near zero moves by up to the
     # learning rate on a rounding difference (1.6e-5 on an H100); the decay missing would move some by 4e-4

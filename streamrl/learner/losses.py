@@ -135,6 +135,10 @@ class PolicyLoss:
                    (w = 0 where w > behav_cap: a token the data's policy found far less likely than
                    the proximal one is too stale to correct, so it is left out rather than amplified)
         loss = -w * min(u A, clip(u, 1 - eps, 1 + eps_high) A)
+
+        The statistics include the first two moments of the data's importance weight against the current
+        policy, r = pi_prox / pi_behav (pi / pi_behav without a proximal policy), uncapped: the step's
+        effective sample size is mean(r)^2 / mean(r^2).
         """
         dropped = None  # tokens left out by behav_cap
         if self.correction == "none" or logp_prox is None:
@@ -148,6 +152,7 @@ class PolicyLoss:
                 dropped = weight > self.behav_cap
                 weight = weight.masked_fill(dropped, 0.0)
         ratio = torch.exp(logp - anchor)
+        staleness = torch.exp(logp_prox.detach() - logp_behav) if logp_prox is not None else ratio.detach()
         high = self.clip_low if self.clip_high is None else self.clip_high
         clipped = ratio.clamp(1 - self.clip_low, 1 + high)
         objective = torch.minimum(ratio * advantages, clipped * advantages)
@@ -160,6 +165,8 @@ class PolicyLoss:
             "clip_frac": ((ratio[m] - clipped[m]).abs() > 0).float().mean() if m.any() else ratio.new_zeros(()),
             "is_weight_mean": weight[m].mean() if m.any() else ratio.new_zeros(()),
             "is_weight_max": weight[m].max() if m.any() else ratio.new_zeros(()),
+            "is_raw_mean": staleness[m].mean() if m.any() else ratio.new_zeros(()),
+            "is_raw_sq_mean": staleness[m].square().mean() if m.any() else ratio.new_zeros(()),
         }
         if self.correction == "tis" and m.any():
             stats["is_capped_frac"] = (weight[m] >= self.tis_cap).float().mean()

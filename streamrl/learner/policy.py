@@ -233,9 +233,12 @@ class Policy:
         n = max(stats["tokens"], 1.0)
         stats["clip_frac"] /= n
         stats["ratio_mean"] /= n
-        for key in ("adv_sum", "is_weight_mean", "is_capped_frac"):
+        for key in ("adv_sum", "is_weight_mean", "is_capped_frac", "is_raw_mean", "is_raw_sq_mean"):
             if key in stats:
                 stats[key.replace("_sum", "_mean")] = stats.pop(key) / n
+        mean, square = stats.pop("is_raw_mean", 0.0), stats.pop("is_raw_sq_mean", 0.0)
+        if square > 0:  # the importance weights' effective sample size, as a share of the tokens; E[r^2]
+            stats["is_ess"], stats["is_second_moment"] = mean**2 / square, square
         stats["entropy"] /= n
         stats["kl"] /= n
         mismatch_means(stats)
@@ -264,7 +267,8 @@ class Policy:
         stats["loss"] += float(per_token.sum().detach())
         stats["adv_sum"] = stats.get("adv_sum", 0.0) + float((batch["advantages"] * mask).sum())
         stats["adv_abs_max"] = max(stats.get("adv_abs_max", 0.0), float((batch["advantages"] * mask).abs().max()))
-        stats["is_weight_mean"] = stats.get("is_weight_mean", 0.0) + float(s["is_weight_mean"]) * n
+        for key in ("is_weight_mean", "is_raw_mean", "is_raw_sq_mean"):
+            stats[key] = stats.get(key, 0.0) + float(s[key]) * n
         if "is_capped_frac" in s:
             stats["is_capped_frac"] = stats.get("is_capped_frac", 0.0) + float(s["is_capped_frac"]) * n
         stats["tokens"] += n
