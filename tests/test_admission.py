@@ -123,3 +123,24 @@ def test_a_restarted_worker_takes_back_the_slots_of_its_earlier_life_only(ns):
     assert admission.running() == 2 and admission.try_admit(group_id("w0", "life-b"))  # the slot is free again
     assert admission.counters()["abandoned:worker_restarted"] == 1
     assert admission.reclaim("w0", "life-b") == 0
+
+
+def test_a_published_bound_moves_the_admission_limit_for_every_worker(ns):
+    """max_staleness: auto: the learner publishes the bound in force; admissions read it at once, so a lowered
+    bound admits nothing until the groups in flight fit under it."""
+    learner, worker = (Admission(ns, max_staleness=8, groups_per_step=2) for _ in range(2))
+    assert learner.published() is None and worker.bound() == 8  # nothing published: the given bound
+    learner.set_bound(1)  # (1 + 0 + 1) * 2 = 4 slots
+    assert worker.bound() == 1
+    assert [worker.try_admit(f"g{i}") for i in range(5)] == [True] * 4 + [False]
+    learner.set_bound(2)  # 6 slots
+    assert [worker.try_admit(f"h{i}") for i in range(3)] == [True, True, False]
+    learner.set_bound(0)  # 2 slots, 6 held: none until four are put or given back
+    for i in range(4):
+        assert not worker.try_admit(f"k{i}")
+        worker.abandon(f"g{i}")
+    assert not worker.try_admit("k4")  # 2 held, 2 slots
+    worker.abandon("h0")
+    assert worker.try_admit("k5")
+    with pytest.raises(ValueError, match="a staleness bound is >= 0"):
+        learner.set_bound(-1)

@@ -60,6 +60,11 @@ REFUSED = [
     (["router.sync_every_s=10"], "the router's announcement would expire", "ports_and_heartbeats_fit"),
     (["learner.lora.rank=32", "server.max_lora_rank=16"], "the servers would refuse every adapter",
      "adapters_fit_the_servers"),
+    (["off_policy.auto.high=4"], "off_policy.auto.high applies to off_policy.max_staleness: auto",
+     "auto_settings_need_auto"),
+    (["off_policy.max_staleness=auto", "mode=sync"], "mode=sync trains on fresh data alone", "auto_settings_need_auto"),
+    (["off_policy.max_staleness=auto", "weight_sync.sync_every=3"], "weight_sync.sync_every: 3 > off_policy.max_"
+     "staleness + 1 = 2", "pushes_keep_up_with_staleness"),  # auto at its lowest, 1
 ]
 
 
@@ -93,6 +98,7 @@ def test_every_rule_has_a_refusal_here_and_all_problems_come_at_once():
     ["rollout.sampling.n=1", "learner.algorithm=ppo", "rollout.min_group=1"],
     ["learner.micro_batch_tokens=512", "rollout.max_context=512"],
     ["rollout.dataset=train.jsonl", "rollout.shuffle=false"],
+    ["off_policy.max_staleness=auto", "off_policy.auto.high=4", "off_policy.auto.low=2", "weight_sync.sync_every=3"],
 ], ids=lambda o: " ".join(o))
 def test_the_same_settings_where_they_apply_are_accepted(overrides):
     load_config(None, overrides)
@@ -120,3 +126,18 @@ def test_auto_pushes_over_nccl_only_into_vllm_on_a_gpu_learner(monkeypatch):
     assert transport(load_config(None, ["server.engine=vllm", "weight_sync.backend=gloo"])) == "gloo"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert transport(load_config(None, ["server.engine=vllm"])) == "gloo"
+
+
+def test_an_auto_bound_spans_its_range_and_a_fixed_one_is_its_own():
+    auto = load_config(None, ["off_policy.max_staleness=auto", "off_policy.auto.low=2", "off_policy.auto.high=6"])
+    assert (auto.off_policy.floor, auto.off_policy.ceiling, auto.staleness_bound) == (2, 6, 6)
+    assert auto.adapter_slots == 8  # a LoRA server holds every version the largest bound may need
+    fixed = load_config(None, ["off_policy.max_staleness=3"])
+    assert (fixed.off_policy.floor, fixed.off_policy.ceiling, fixed.staleness_bound) == (3, 3, 3)
+    for bad, says in ((["off_policy.max_staleness=often"], "Input should be 'auto'"),
+                      (["off_policy.max_staleness=auto", "off_policy.auto.low=5", "off_policy.auto.high=4"],
+                       "off_policy.auto.low 5 > high 4"),
+                      (["off_policy.max_staleness=auto", "off_policy.auto.ess_floor=0.95"], "must be under ess_raise")):
+        with pytest.raises(ConfigError, match="invalid config") as refused:
+            load_config(None, bad)
+        assert says in str(refused.value)

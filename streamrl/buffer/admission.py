@@ -4,7 +4,8 @@ AReaL's rule (ARCHITECTURE §3): start a new group only while
 
     accepted + running < (max_staleness + V + 1) * groups_per_step
 
-where ``V`` is the learner's policy version, ``accepted`` counts groups ever put
+where ``V`` is the learner's policy version (``max_staleness`` is the bound given, or the one the learner
+publishes with ``max_staleness: auto``), ``accepted`` counts groups ever put
 into the replay stream (less those the learner dropped as stale or, with dynamic sampling,
 as carrying no signal: they will never be trained, so they must not hold slots, or a burst
 of such data would stall the run)
@@ -35,7 +36,8 @@ local accepted = tonumber(redis.call('HGET', KEYS[2], 'accepted') or '0')
   - tonumber(redis.call('HGET', KEYS[2], 'dropped_stale') or '0')
   - tonumber(redis.call('HGET', KEYS[2], 'dropped_no_signal') or '0')
 local version = tonumber(redis.call('GET', KEYS[3]) or '0')
-if accepted + running >= (tonumber(ARGV[3]) + version + 1) * tonumber(ARGV[4]) then return 0 end
+local bound = tonumber(redis.call('GET', KEYS[4]) or ARGV[3])
+if accepted + running >= (bound + version + 1) * tonumber(ARGV[4]) then return 0 end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 redis.call('HINCRBY', KEYS[2], 'admitted', 1)
 return 1
@@ -90,14 +92,32 @@ class Admission:
         self.max_staleness = max_staleness
         self.groups_per_step = groups_per_step
         self.lease_ms = int(lease_s * 1000)
-        self._keys = [ns.key("inflight"), ns.key("counters"), ns.key("version")]
+        self._keys = [ns.key("inflight"), ns.key("counters"), ns.key("version"), ns.key("staleness_bound")]
         self._admit = ns.conn.register_script(_ADMIT)
         self._release = ns.conn.register_script(_RELEASE)
         self._renew = ns.conn.register_script(_RENEW)
         self._reclaim = ns.conn.register_script(_RECLAIM)
 
+    def published(self) -> int | None:
+        """The bound the learner published (``max_staleness: auto``), if it did."""
+        with self.ns.reachable("read the staleness bound"):
+            live = self.ns.conn.get(self._keys[3])
+        return None if live is None else int(live)
+
+    def bound(self) -> int:
+        """The staleness bound in force: the learner's (``max_staleness: auto``), else the one given."""
+        published = self.published()
+        return self.max_staleness if published is None else published
+
+    def set_bound(self, bound: int) -> None:
+        """The learner moves the bound (``max_staleness: auto``); every admission from now on reads it."""
+        if bound < 0:
+            raise ValueError(f"a staleness bound is >= 0, got {bound}")
+        with self.ns.reachable("set the staleness bound"):
+            self.ns.conn.set(self._keys[3], bound)
+
     def try_admit(self, group_id: str) -> bool:
-        """Take a slot for ``group_id`` (or renew its lease). False when the bound is reached."""
+        """Take a slot for ``group_id`` (or renew its lease). False when the bound in force is reached."""
         args = [group_id, self.lease_ms, self.max_staleness, self.groups_per_step]
         with self.ns.reachable(f"admit group {group_id}"):
             return bool(self._admit(keys=self._keys, args=args))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import types
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel
 
@@ -80,6 +80,11 @@ def _doc(obj: Any) -> str:
 
 def _type(annotation: Any) -> str:
     origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:  # a constrained member of a union: its type and range
+        constraints = [c for m in args[1:] for c in getattr(m, "metadata", [m])]  # Field(ge=0) holds Ge(0)
+        bounds = " ".join(f"{sign} {getattr(c, k)}" for c in constraints
+                          for k, sign in (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<")) if hasattr(c, k))
+        return _type(args[0]) + (f" ({bounds})" if bounds else "")
     if origin is Literal:
         return " \\| ".join(f"`{json.dumps(a)}`" for a in args)
     if origin in (Union, types.UnionType):

@@ -43,12 +43,25 @@ def pushes_keep_up_with_staleness(cfg: Config) -> Iterator[str]:
     `mode: sync`: data would be too stale to train on when it arrives."""
     # tokens carry the version of the last *pushed* weights; if pushes are rarer than the staleness
     # bound allows, every group is too old on arrival, is dropped, and the run stalls
-    every, bound = cfg.weight_sync.sync_every, cfg.off_policy.max_staleness
+    every, bound = cfg.weight_sync.sync_every, cfg.off_policy.floor  # auto: at its lowest too
     if cfg.mode == "sync" and every != 1:
         yield f"weight_sync.sync_every: mode=sync needs 1 (a push after every step), got {every}"
     elif cfg.off_policy.stale == "drop" and every > bound + 1:
         yield (f"weight_sync.sync_every: {every} > off_policy.max_staleness + 1 = {bound + 1}; data would be too "
                "stale to train on; push more often or allow more staleness")
+
+
+@rule
+def auto_settings_need_auto(cfg: Config) -> Iterator[str]:
+    """`off_policy.auto.*` without `off_policy.max_staleness: auto`; `auto` under `mode: sync`, whose bound is
+    0."""
+    off = cfg.off_policy
+    changed = _changed(off.auto, *type(off.auto).model_fields)
+    if not off.adaptive and changed:
+        yield (f"off_policy.auto.{changed[0]} applies to off_policy.max_staleness: auto; max_staleness is "
+               f"{off.max_staleness}")
+    if off.adaptive and cfg.mode == "sync":
+        yield "off_policy.max_staleness: auto moves the bound of async runs; mode=sync trains on fresh data alone"
 
 
 @rule

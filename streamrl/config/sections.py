@@ -6,7 +6,7 @@ Unknown keys are errors (``extra="forbid"``), so a typo never silently falls bac
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -168,10 +168,39 @@ class RewardConfig(Section):
     max_length: int = Field(2048, ge=8, description="longest (prompt, response) in tokens; longer is cut from the left")
 
 
+class AutoStalenessConfig(Section):
+    """With `off_policy.max_staleness: auto`, how the learner moves the bound (docs/concepts.md): up by one while
+    it waits for data on healthy off-policy data, halved when that data degrades."""
+
+    low: int = Field(1, ge=0, description="smallest bound (and the first)")
+    high: int = Field(8, ge=1, description="largest bound")
+    wait_share: float = Field(0.1, ge=0, lt=1, description="a step that waited for data longer than this share "
+                              "of it counts towards a raise")
+    ess_floor: float = Field(0.8, gt=0, lt=1, description="lower when the importance weights' effective sample "
+                             "size (a share of the tokens) falls under this")
+    ess_raise: float = Field(0.9, gt=0, le=1, description="raise only while the effective sample size is at least this")
+    m2_ceiling: float = Field(1.5, gt=1, description="lower when the importance weights' second moment passes this")
+    clip_ceiling: float = Field(0.1, gt=0, lt=1, description="lower when the clip fraction passes this")
+    spike: float = Field(3.0, gt=1, description="lower when the gradient norm passes this many times its running mean")
+    patience: int = Field(3, ge=1, description="steps in a row that must call for a raise")
+    cooldown: int = Field(4, ge=1, description="steps after a change before the next")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AutoStalenessConfig:
+        if self.low > self.high:
+            raise ValueError(f"off_policy.auto.low {self.low} > high {self.high}")
+        if self.ess_floor >= self.ess_raise:
+            raise ValueError(f"off_policy.auto.ess_floor {self.ess_floor} must be under ess_raise {self.ess_raise}")
+        return self
+
+
 class OffPolicyConfig(Section):
     """How old (in policy versions) trained data may be, and how the loss corrects for its age."""
 
-    max_staleness: int = Field(2, ge=0, description="oldest policy lag a trained token may have")
+    max_staleness: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        2, description="oldest policy lag a trained token may have; auto: the learner moves it within "
+                       "off_policy.auto's bounds")
+    auto: AutoStalenessConfig = Field(default_factory=AutoStalenessConfig)
     stale: Literal["drop", "keep"] = Field("drop", description="what the learner does with data past the bound")
     correction: Literal["none", "tis", "decoupled"] = Field(
         "decoupled", description="none: PPO ratio against the behaviour policy; tis: ratio against the proximal "
@@ -179,6 +208,20 @@ class OffPolicyConfig(Section):
     tis_cap: float = Field(2.0, gt=0, description="correction=tis: largest importance weight")
     behav_weight_cap: float | None = Field(None, gt=1, description="decoupled: leave out tokens whose "
                                            "pi_prox / pi_behav exceeds this (AReaL's behav_imp_weight_cap)")
+
+    @property
+    def adaptive(self) -> bool:
+        return self.max_staleness == "auto"
+
+    @property
+    def ceiling(self) -> int:
+        """The largest bound in force at any time."""
+        return self.auto.high if self.adaptive else self.max_staleness
+
+    @property
+    def floor(self) -> int:
+        """The smallest bound in force at any time."""
+        return self.auto.low if self.adaptive else self.max_staleness
 
 
 class LoraConfig(Section):
@@ -387,8 +430,9 @@ class Config(Section):
 
     @property
     def staleness_bound(self) -> int:
-        """The oldest policy lag trained data may have: ``off_policy.max_staleness``, or 0 under ``mode: sync``."""
-        return 0 if self.mode == "sync" else self.off_policy.max_staleness
+        """The oldest policy lag trained data may have: ``off_policy.max_staleness`` (with ``auto``, the largest
+        bound it may take), or 0 under ``mode: sync``."""
+        return 0 if self.mode == "sync" else self.off_policy.ceiling
 
     @property
     def adapter_slots(self) -> int:

@@ -45,6 +45,7 @@ class Dashboard:
         self.last_plain = 0.0
         self.supervisor = None
         self.final: dict[str, Any] = {}
+        self.changes_said = 0  # bound changes already on screen
 
     def connect(self, redis_url: str, supervisor) -> None:
         from streamrl.buffer import Admission, Namespace, PolicyVersion
@@ -84,8 +85,10 @@ class Dashboard:
                 r.get("groups", 0) + r.get("dropped_stale", 0) + r.get("dropped_no_signal", 0) for r in learner))
             out["accepted"] = counters.get("accepted", 0)
             out["dropped_stale"] = counters.get("dropped_stale", 0)
+            out["bound"] = self.admission.bound()  # with max_staleness: auto, the learner's of the moment
         except Exception:  # Redis restarting: show what the files say
             pass
+        out["bound_changes"] = [r["staleness_change"] for r in lines if "staleness_change" in r]
         if learner:
             last = learner[-1]
             out.update(step=last["step"], reward=last.get("reward_mean"), loss=last.get("loss"),
@@ -136,7 +139,7 @@ class Dashboard:
             ("eval accuracy (first → last)", f"{_fmt(first and first['eval/accuracy'])} → "
                                              f"{_fmt(last and last['eval/accuracy'])}"
                                              + (f" @ step {last['step']}" if last else "")),
-            ("staleness max (bound)", f"{s.get('staleness_max', '–')} ({self.cfg.staleness_bound})"),
+            ("staleness max (bound)", f"{s.get('staleness_max', '–')} ({self._bound(s)})"),
             ("queue (groups waiting)", str(s.get("queue", "–"))),
             ("in flight / dropped stale", f"{s.get('running', '–')} / {s.get('dropped_stale', '–')}"),
             ("generation tokens/s", _fmt(s.get("gen_tok_s"), ".0f")),
@@ -150,8 +153,15 @@ class Dashboard:
             table.add_row(name, value)
         return table
 
+    def _bound(self, s: dict[str, Any]) -> str:
+        bound = s.get("bound", self.cfg.staleness_bound)
+        return f"auto: {bound}" if self.cfg.off_policy.adaptive else str(bound)
+
     def refresh(self) -> None:
         s = self.stats()
+        for change in s["bound_changes"][self.changes_said:]:  # each move of an auto bound, with its cause
+            self.say(change)
+        self.changes_said = len(s["bound_changes"])
         if self.live is not None:
             self.live.update(Group(self._progress(s), self._health()))
         elif time.time() - self.last_plain >= 10:
@@ -186,7 +196,9 @@ class Dashboard:
         table.add_row("generated tokens/s (whole run)", _fmt(s.get("gen_tok_s_run"), ".0f"))
         table.add_row("trained tokens/s (learner's time)", _fmt(s.get("train_tok_s_run"), ".0f"))
         table.add_row("train reward first → last", f"{_fmt(s.get('first_reward'))} → {_fmt(s.get('reward'))}")
-        table.add_row("max staleness seen (bound)", f"{s.get('staleness_max', '–')} ({self.cfg.staleness_bound})")
+        table.add_row("max staleness seen (bound)", f"{s.get('staleness_max', '–')} ({self._bound(s)})")
+        if s.get("bound_changes"):
+            table.add_row("bound changes (auto)", str(len(s["bound_changes"])))
         dropped, finished = s.get("dropped_stale"), s.get("accepted")
         table.add_row("groups dropped as stale", f"{dropped} of {finished} finished" if finished else str(dropped or "–"))
         table.add_row("run directory", str(self.cfg.run.path))

@@ -35,9 +35,17 @@ def plot_run(run: Path, bound: int | None = None) -> Path:
     _label(reward, "reward and accuracy", "learner step")
 
     stale.plot(_x(steps), _y(steps, "staleness_max"), label="max staleness trained")
-    if bound is not None:
+    if any("staleness_bound" in r for r in steps):  # max_staleness: auto, the bound the learner set each step
+        stale.step(_x(steps), _y(steps, "staleness_bound"), where="post", color="grey", ls="--", label="bound (auto)")
+    elif bound is not None:
         stale.axhline(bound, color="grey", ls="--", label=f"bound ({bound})")
     _label(stale, "staleness (versions)", "learner step")
+    if any("is_ess" in r for r in steps):  # what the data's age costs: the importance weights' effective sample
+        ess = stale.twinx()
+        ess.plot(_x(steps), _y(steps, "is_ess"), color="tab:green", alpha=0.6, label="effective sample size")
+        ess.set_ylim(0, 1.05)
+        ess.set_ylabel("ESS (share of tokens)")
+        ess.legend(loc="lower right", fontsize=8)
 
     speed.plot(_x(steps), _y(steps, "tokens_per_s"), label="training")
     for name, lines in workers.items():  # a worker's reports placed at the learner's step when they came

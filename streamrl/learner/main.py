@@ -26,6 +26,7 @@ from streamrl.learner.metrics import MetricsSink
 from streamrl.learner.partition import attention_cost, plan_micro_batches
 from streamrl.learner.policy import Policy, init_distributed
 from streamrl.learner.push import WeightPusher
+from streamrl.learner.staleness import AutoBound
 from streamrl.learner.updates import train
 from streamrl.models import load_tokenizer
 
@@ -113,6 +114,7 @@ class Learner:
                 log.info("resumed from %s: version %d, cursor %s", resumed["path"], self.version, self.reader.cursor)
             self.admission = Admission(ns, max_staleness=cfg.staleness_bound,
                                        groups_per_step=cfg.learner.groups_per_step)
+            self.auto = AutoBound(cfg.off_policy.auto, self.admission) if cfg.off_policy.adaptive else None
             self.versions.set(self.version)
             self.published, self.publish_lock = self.version, threading.Lock()
             self.ledger = Ledger(ns)
@@ -129,7 +131,7 @@ class Learner:
         and with ``learner.drop_no_signal`` groups whose rewards are all equal left out (and counted). The
         ledger outcome of every group read and not trained goes into ``work.outcomes``."""
         want, groups, dropped, silent_dropped, outcomes = self.cfg.learner.groups_per_step, [], 0, 0, {}
-        max_staleness = self.cfg.staleness_bound
+        max_staleness = self.auto.bound if self.auto else self.cfg.staleness_bound
         t0 = last_catch_up = time.perf_counter()
         while len(groups) < want:
             entries = self.reader.read(want - len(groups), block_ms=1000)
@@ -218,6 +220,8 @@ class Learner:
         record = {"step": self.version, "time": time.time(), "train_s": train_s, **work.info, **stats,
                   "cursor": self.reader.cursor}
         record["tokens_per_s"] = record["tokens_global"] / max(train_s, 1e-9)
+        if self.auto:  # max_staleness: auto judges the step, and may move the bound for the next
+            record.update(self.auto.after_step(self.version, record))
         self._write(record)
         return record
 

@@ -18,7 +18,11 @@ so a change is judged on data made under it) keep it from flipping on noise.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("streamrl.learner")
 
 
 @dataclass(frozen=True)
@@ -106,3 +110,38 @@ class StalenessController:
         change = Change(step, self.bound, new, cause)
         self.bound, self._last_change, self._healthy_waits = new, step, 0
         return change
+
+
+def signals(record: dict) -> Signals:
+    """A learner step's signals, from its metrics record."""
+    wait, train = record.get("wait_s", 0.0), record.get("train_s", 0.0)
+    return Signals(wait_share=wait / max(wait + train, 1e-9), ess=record.get("is_ess", 1.0),
+                   second_moment=record.get("is_second_moment", 1.0), clip_frac=record.get("clip_frac", 0.0),
+                   grad_norm=record.get("grad_norm", 0.0))
+
+
+class AutoBound:
+    """``max_staleness: auto`` at the learner: the controller, and the bound published where every worker's
+    admission reads it. A resumed learner goes on from the bound in force."""
+
+    def __init__(self, auto: Any, admission: Any):
+        self.admission = admission
+        published = admission.published()
+        published = auto.low if published is None else published
+        thresholds = auto.model_dump(exclude={"low", "high"})
+        self.controller = StalenessController(low=auto.low, high=auto.high,
+                                              bound=min(max(published, auto.low), auto.high), **thresholds)
+        admission.set_bound(self.controller.bound)
+
+    @property
+    def bound(self) -> int:
+        return self.controller.bound
+
+    def after_step(self, step: int, record: dict) -> dict:
+        """Judge a step's record; the bound (and the change, with its cause) for the metrics line."""
+        change = self.controller.observe(step, signals(record))
+        if change is None:
+            return {"staleness_bound": self.bound}
+        self.admission.set_bound(change.new)
+        log.info("%s", change)
+        return {"staleness_bound": self.bound, "staleness_change": str(change)}
