@@ -64,6 +64,7 @@ def test_every_setting_appears_with_its_default():
             if _section_of(field.annotation) is None and not isinstance(value := getattr(defaults, key), BaseModel):
                 row = next(line for line in table.splitlines() if line.startswith(f"| `{key}` |"))
                 assert f"| {_default(value)} |" in row, row
-    assert '| `max_staleness` | integer, ≥ 0 | `2` |' in page  # type, bound and default as pydantic has them
+    assert '| `tis_cap` | number, > 0 | `2.0` |' in page  # type, bound and default as pydantic has them
+    assert '| `max_staleness` | integer (≥ 0) \\| `"auto"` | `2` |' in page  # a bound inside a union
     assert page.split("## `ray.router`")[1].split("\n## ")[0].count("| `cpus` | number, ≥ 0 | `0.1` |") == 1  # as ray makes it
     assert '| `engine` | `"hf"` \\| `"vllm"` \\| `"sglang"` | `"hf"` |' in page
