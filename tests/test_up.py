@@ -348,3 +348,26 @@ def test_the_summary_counts_stale_drops_and_says_what_to_do_when_many(tmp_path, 
     board.final = {"step": 40, "dropped_stale": 14, "accepted": 100}
     board.summary(60.0, 0)
     assert "14% of the finished groups were dropped as stale" in capsys.readouterr().out
+
+
+def test_the_display_says_each_move_of_an_auto_bound_once_with_its_cause(tmp_path, capsys):
+    from streamrl.config import load_config
+    from streamrl.launch.display import Dashboard
+
+    cfg = load_config("configs/quickstart.yaml", [f"run.dir={tmp_path}", "supervise.display=plain",
+                                                   "off_policy.max_staleness=auto"])
+    learner = tmp_path / "quickstart" / "metrics" / "learner.jsonl"
+    learner.parent.mkdir(parents=True)
+    step = {"loss": 0.1, "time": 1.0, "staleness_max": 1, "tokens_global": 10, "train_s": 1.0}
+    lines = [{**step, "step": 1, "staleness_bound": 1},
+             {**step, "step": 2, "staleness_bound": 2, "staleness_change": "max staleness raised 1 -> 2 at step 2: x"}]
+    learner.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    dashboard = Dashboard(cfg)
+    dashboard.refresh()
+    dashboard.refresh()
+    said = capsys.readouterr().out
+    assert said.count("max staleness raised 1 -> 2 at step 2: x") == 1
+    dashboard.final = dashboard.stats()
+    dashboard.summary(1.0, 0)
+    summary = capsys.readouterr().out
+    assert "bound changes (auto)" in summary and "(auto: 2)" in summary  # the last step's, with Redis gone

@@ -96,6 +96,8 @@ class Dashboard:
                        train_tok_s=last.get("tokens_per_s"), first_reward=learner[0].get("reward_mean"),
                        mismatch=last.get("mismatch_abs"), fresh_mismatch=last.get("fresh_mismatch_abs"),
                        no_signal=last.get("groups_no_signal"), groups=last.get("groups"))
+            if "staleness_bound" in last:  # Redis gone (after teardown): the auto bound of the last step
+                out.setdefault("bound", last["staleness_bound"])
         if pushes:
             out["push_s"] = pushes[-1]["push_s"]
         waits = [r["push_wait_s"] for r in lines if "push_wait_s" in r]
