@@ -35,8 +35,8 @@ def plot_run(run: Path, bound: int | None = None) -> Path:
     _label(reward, "reward and accuracy", "learner step")
 
     stale.plot(_x(steps), _y(steps, "staleness_max"), label="max staleness trained")
-    if any("staleness_bound" in r for r in steps):  # max_staleness: auto, the bound the learner set each step
-        stale.step(_x(steps), _y(steps, "staleness_bound"), where="post", color="grey", ls="--", label="bound (auto)")
+    if any("staleness_bound" in r for r in steps):  # the bound each step's data was judged under (auto moves it)
+        stale.step(_x(steps), _y(steps, "staleness_bound"), where="mid", color="grey", ls="--", label="bound")
     elif bound is not None:
         stale.axhline(bound, color="grey", ls="--", label=f"bound ({bound})")
     _label(stale, "staleness (versions)", "learner step")

@@ -158,7 +158,7 @@ class Learner:
         silent_kept = sum(batching.no_signal(g) for g in groups)  # trained, for no gradient under rloo and grpo
         work.outcomes = outcomes
         work.info.update(wait_s=time.perf_counter() - t0, dropped_stale=dropped, dropped_no_signal=silent_dropped,
-                         groups_no_signal=silent_kept + silent_dropped)
+                         groups_no_signal=silent_kept + silent_dropped, staleness_bound=max_staleness)
         return groups
 
     def _verdict(self, entry, max_staleness: int) -> str | None:

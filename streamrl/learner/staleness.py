@@ -138,10 +138,10 @@ class AutoBound:
         return self.controller.bound
 
     def after_step(self, step: int, record: dict) -> dict:
-        """Judge a step's record; the bound (and the change, with its cause) for the metrics line."""
+        """Judge a step's record; for its metrics line, the change it made to the next steps' bound (and why)."""
         change = self.controller.observe(step, signals(record))
         if change is None:
-            return {"staleness_bound": self.bound}
+            return {}
         self.admission.set_bound(change.new)
         log.info("%s", change)
-        return {"staleness_bound": self.bound, "staleness_change": str(change)}
+        return {"staleness_change": str(change)}
