@@ -24,7 +24,8 @@ finer measure of "no loss of final reward": first-try accuracy, and the task's o
 workload a right second try counts at its discount; on single-turn the two are the same).
 The ratio is async samples/s over sync samples/s; who goes first rotates per repeat. Async runs at
 max staleness 4 (the headline), 2 and 1: staleness buys throughput and, on a task learnt in a few
-dozen steps, can cost final reward — both sides of the trade are in the table. Runs are 40 steps,
+dozen steps, can cost final reward — both sides of the trade are in the table — and at ``auto``, where the
+learner sets the bound from what it measures (docs/concepts.md). Runs are 40 steps,
 the quickstart's length, by which the synchronous run has converged (held-out ≈ 0.95).
 Every run also records its stages' speeds (``stages``), from which ``streamrl bench simulate``
 replays it to check the pipeline model.
@@ -66,11 +67,12 @@ from streamrl.rollout.worker import max_groups_in_flight
 
 TARGET = 0.8  # eval accuracy whose first crossing is timed
 HELD_OUT = 512  # prompts of the final greedy evaluation, off the clock (the online one scores 64)
-STALENESS = (4, 2, 1)  # max staleness of the async runs: the headline one, then the trade-off against reward
+# max staleness of the async runs: the headline one, the trade-off against reward, and the learner's own choice
+STALENESS = (4, 2, 1, "auto")
 WORKLOADS = {"single-turn": "configs/quickstart.yaml", "env-latency": "configs/agentic.yaml"}  # the same recipe
 
 
-def one_run(run_dir: Path, prepared: Path, workload: str, mode: str, steps: int, staleness: int,
+def one_run(run_dir: Path, prepared: Path, workload: str, mode: str, steps: int, staleness: int | str,
             seed: int = 0, overrides: tuple[str, ...] = ()) -> dict:
     name = f"{workload}-{mode}"
     shutil.rmtree(run_dir / name, ignore_errors=True)
@@ -207,7 +209,9 @@ def stage_speeds(worker: list[dict], steps: list[dict], cfg) -> dict:
     mean = sum(r["group_s_mean"] * r["groups_pushed"] for r in reports) / pushed if pushed else None
     square = sum((r.get("group_s_std", 0.0) ** 2 + r["group_s_mean"] ** 2) * r["groups_pushed"] for r in reports)
     n = cfg.rollout.sampling.n
-    return {"mode": cfg.mode, "max_staleness": cfg.off_policy.max_staleness, "stale": cfg.off_policy.stale, "n": n,
+    # an auto bound is replayed at its typical value: the simulator holds one bound
+    bound = round(median([r["staleness_bound"] for r in steady])) if cfg.off_policy.adaptive else cfg.staleness_bound
+    return {"mode": cfg.mode, "max_staleness": bound, "stale": cfg.off_policy.stale, "n": n,
             "groups_per_step": cfg.learner.groups_per_step, "groups_in_flight": max_groups_in_flight(cfg.rollout),
             "learner_step_s": median([r["train_s"] for r in steady]),
             "push_s": median([r.get("push_s", 0.0) for r in steady]),
@@ -225,8 +229,8 @@ def medians(rows: list[dict]) -> dict:
     return out
 
 
-def async_mode(staleness: int) -> str:
-    return "async" if staleness == STALENESS[0] else f"async-s{staleness}"
+def async_mode(staleness: int | str) -> str:
+    return "async" if staleness == STALENESS[0] else f"async-{staleness}" if staleness == "auto" else f"async-s{staleness}"
 
 
 def run(quick: bool, repeats: int | None = None) -> dict:
