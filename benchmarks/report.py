@@ -21,7 +21,7 @@ TITLES = {"queue": "Replay stream", "partition": "Micro-batch partitioning", "ge
           "soak": "Soak: memory over a long run", "agent": "Agents through the gateway",
           "nodes": "One node or two on Ray", "lora": "LoRA against full fine-tuning",
           "trl_async": "Against TRL's AsyncGRPOTrainer", "trl_async_lora": "Against TRL's AsyncGRPOTrainer, LoRA"}
-MODULES = {"queue": "replay_stream", "trl": "against_trl", "trl_async_lora": "trl_async"}  # where not its own name
+MODULES = {"queue": "replay_stream", "trl": "against_trl"}  # a study's module, where not its own name
 COMMANDS = {"trl_async": "trl --trl-trainer async", "trl_async_lora": "trl --trl-trainer async --lora"}
 HEADLINES = {"e2e": "- **async (", "ablation": "- **ablation `", "trl": "- **streamrl / TRL GRPOTrainer",
              "trl_async": "- **streamrl / TRL AsyncGRPOTrainer (vLLM)**",
@@ -31,10 +31,10 @@ HEADLINES = {"e2e": "- **async (", "ablation": "- **ablation `", "trl": "- **str
 
 def about(name: str) -> str:
     """What a study measures and how: its module's docstring, in Markdown, without the usage line."""
-    if name == "trl_async_lora":
-        return ("The run above, with both sides training `configs/smollm2-lora.yaml`'s adapter (rank 16, every linear "
-                "layer): streamrl pushes it into its vLLM servers' LoRA slots, TRL loads each version through vLLM's "
-                "LoRA routes.\n")
+    if name == "trl_async_lora":  # the async study's text, with what changes for an adapter
+        return (about("trl_async") + "\nHere both sides train `configs/smollm2-lora.yaml`'s adapter (rank 16, every "
+                "linear layer, its learning rate): streamrl pushes it into its vLLM server's LoRA slots, TRL loads "
+                "each version through vLLM's LoRA routes (`trl-policy-vN`).\n")
     path = Path(__file__).parent / f"{MODULES.get(name, name)}.py"
     text = ast.get_docstring(ast.parse(path.read_text())) or ""
     lines = [line for line in text.splitlines() if not line.lstrip().startswith("python -m benchmarks")]
