@@ -106,6 +106,9 @@ def headlines(results: Path) -> list[str]:
         push = ", ".join(f"{p['lora']['median_s']:.2f} vs {p['full']['median_s']:.2f} s into {engine}"
                          for engine, p in lora.get("push", {}).items())
         line = f"- **LoRA / full fine-tuning, SmolLM2-135M** (rank 16, every linear layer): push {push}"
+        if large := lora.get("push_large"):
+            p = large["vllm"]
+            line += f" (at {large['size']}: {p['lora']['median_s']:.2f} vs {p['full']['median_s']:.2f} s)"
         if learner := lora.get("learner"):
             line += (f"; learner {learner['lora']['tokens_per_s'] / learner['full']['tokens_per_s']:.2f}× tokens/s, "
                      f"peak memory {_peak(learner['lora']):.1f} vs {_peak(learner['full']):.1f} GB")

@@ -94,6 +94,7 @@ COMMANDS = {
     "streamrl bench agent": BENCH,
     "streamrl bench soak": BENCH,
     "streamrl bench trl --precision bf16": BENCH,
+    "streamrl bench trl --trl-trainer async --lora": BENCH,
 }
 
 
