@@ -368,8 +368,8 @@ def report(data: dict, out: Path) -> None:
     if all("cpu_share" in m[side] for side in m):
         roles = ["generating", "training", "other", "idle"]
         print_table("Where the cores went while each side's clock ran (share of all cores, medians): generating "
-                    "(the servers, vLLM's processes), training (the learner; TRL's trainer process), other (rollout "
-                    "workers, router, Redis; TRL's rollout worker), idle",
+                    "(the servers, vLLM's processes), training (the learner; TRL's trainer process, which also generates "
+                    "unless TRL's async trainer runs), other (rollout workers, router, Redis; TRL's rollout worker), idle",
                     ["system", *roles], [[side, *(percent(m[side]["cpu_share"][r]) for r in roles)] for side in m])
     name = result_name(data)
     json_path = write_json(out, name, data)
