@@ -10,7 +10,8 @@ MODULES = {"queue": "benchmarks.replay_stream", "generate": "benchmarks.generate
            "learner": "benchmarks.learner", "weight-push": "benchmarks.weight_push", "e2e": "benchmarks.e2e",
            "simulate": "benchmarks.simulate", "trl": "benchmarks.against_trl", "soak": "benchmarks.soak",
            "ablation": "benchmarks.ablation", "agent": "benchmarks.agent", "nodes": "benchmarks.nodes",
-           "lora": "benchmarks.lora"}
+           "lora": "benchmarks.lora", "trl-tune": "benchmarks.trl_tune",
+           "recipe": "benchmarks.recipe"}
 
 
 def run_suite(name: str, *, quick: bool, out: Path, **options) -> dict:

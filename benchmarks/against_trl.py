@@ -67,6 +67,7 @@ from benchmarks.common import (
     chat_prompt_ids,
     cli,
     console,
+    join_seeds,
     matmul_flops,
     median,
     new_figure,
@@ -228,6 +229,7 @@ def streamrl_run(cfg: Config, prepared: Path, runs: Path, *, steps: int, seed: i
     path = runs / name
     trained = [r for r in read_records(path / "metrics" / "learner.jsonl") if "loss" in r]
     start = read_records(path / "metrics" / "rollout-worker-0.jsonl")[0]["time"]  # the worker begins generating
+    evals = read_records(path / "metrics" / "eval.jsonl")
     samples = sum(r["groups"] for r in trained) * cfg.rollout.sampling.n
     wall = trained[-1]["time"] - start
     return {"wall_s": wall, "window": [start, trained[-1]["time"]], "samples": samples,
@@ -235,7 +237,8 @@ def streamrl_run(cfg: Config, prepared: Path, runs: Path, *, steps: int, seed: i
             "completion_tokens": sum(r["tokens_global"] for r in trained) / samples,
             "train_reward_last5": sum(r["reward_mean"] for r in trained[-5:]) / len(trained[-5:]),
             "train_rewards": [r["reward_mean"] for r in trained],
-            "eval_online_final": read_records(path / "metrics" / "eval.jsonl")[-1]["eval/accuracy"],
+            "eval_online_final": evals[-1]["eval/accuracy"],
+            "evals": [[e["time"] - start, e["step"], e["eval/accuracy"]] for e in evals],  # seconds, step, accuracy
             "held_out_final": score_final(cfg, path / "export" / f"version-{trained[-1]['step']}",
                                           rows(prepared / "eval.jsonl"))}
 
@@ -264,7 +267,8 @@ def fraction_of_bound(row: dict, b: dict) -> float:
 
 
 def run(quick: bool, repeats: int | None, steps: int | None, generation: str, precision: dict[str, str],
-        overrides: tuple[str, ...] = (), trainer: str = "sync", config: str = CONFIG, first_seed: int = 0) -> dict:
+        overrides: tuple[str, ...] = (), trainer: str = "sync", config: str = CONFIG, first_seed: int = 0,
+        trl_tune: dict[str, int] | None = None) -> dict:
     repeats = repeats or (1 if quick else 3)
     steps = steps or (3 if quick else 20)
     results = {"streamrl": [], "trl": []}
@@ -273,8 +277,9 @@ def run(quick: bool, repeats: int | None, steps: int | None, generation: str, pr
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         cfg, prepared = prepare_shared(tmp)
-        if config != CONFIG:  # another recipe on the same task (the LoRA one): its settings, the prepared model
-            cfg = load_config(config, [f"model.path={cfg.model.path}"])
+        if config != CONFIG or trainer == "async":  # another recipe (the LoRA one) or TRL's async trainer, whose
+            # settings (max staleness) follow the overrides: the recipe's, with the prepared model
+            cfg = load_config(config, [f"model.path={cfg.model.path}", *(overrides if trainer == "async" else ())])
         held_out = rows(prepared / "eval.jsonl")
         limit = bound(cfg, prepared)
         console.log(f"matmul rate fp32 {limit['matmul_flops'] / 1e9:.0f} GFLOP/s, bf16 "
@@ -288,7 +293,7 @@ def run(quick: bool, repeats: int | None, steps: int | None, generation: str, pr
                     if side == "trl" and trainer == "async":
                         from benchmarks.trl_async import trl_async_run
 
-                        row = trl_async_run(cfg, prepared, tmp / f"trl-{r}", steps=steps, seed=r)
+                        row = trl_async_run(cfg, prepared, tmp / f"trl-{r}", steps=steps, seed=r, tune=trl_tune)
                     elif side == "trl":
                         row = trl_run(cfg, prepared, tmp / f"trl-{r}", steps=steps, seed=r, generation=generation,
                                       precision=precision["trl"])
@@ -309,13 +314,12 @@ def run(quick: bool, repeats: int | None, steps: int | None, generation: str, pr
             "streamrl_settings": {"mode": ran.mode, "max_staleness": ran.off_policy.max_staleness,
                                   "engine": ran.server.engine, "algorithm": ran.learner.algorithm,
                                   "overrides": list(overrides)},
-            **summary(results)}
+            **({"trl_settings": trl_tune} if trl_tune else {}), **summary(results)}
 
 
 def summary(results: dict[str, list[dict]]) -> dict:
     """Each side's medians, streamrl's samples/s over TRL's, and held-out accuracy paired by seed."""
-    for rows in results.values():
-        rows.sort(key=lambda x: x["seed"])
+    results = {side: sorted(rs, key=lambda x: x["seed"]) for side, rs in results.items()}
     med = {side: {k: median([x[k] for x in rs]) for k in ("samples_per_s", "wall_s", "held_out_final",
                                                            "train_reward_last5", "completion_tokens",
                                                            "fraction_of_bound")}
@@ -329,7 +333,8 @@ def summary(results: dict[str, list[dict]]) -> dict:
                                                  [x["held_out_final"] for x in results["trl"]])}
 
 
-SAME_STUDY = ("config", "trl_trainer", "lora", "max_steps", "trl_generation", "precision", "streamrl_settings")
+SAME_STUDY = ("config", "trl_trainer", "lora", "max_steps", "trl_generation", "precision", "streamrl_settings",
+              "trl_settings")
 
 
 def more_seeds(earlier: dict, new: dict) -> dict:
@@ -340,10 +345,7 @@ def more_seeds(earlier: dict, new: dict) -> dict:
     for rows in earlier["runs"].values():  # runs written before seeds were recorded: repeat r was seed r
         for r, x in enumerate(rows):
             x.setdefault("seed", r)
-    fresh = {x["seed"] for x in new["runs"]["trl"]}
-    runs = {side: [*(x for x in earlier["runs"][side] if x["seed"] not in fresh), *rows]
-            for side, rows in new["runs"].items()}
-    return {**new, **summary(runs)}
+    return {**new, **summary(join_seeds(earlier["runs"], new["runs"]))}
 
 
 def report(data: dict, out: Path) -> None:
@@ -403,23 +405,26 @@ def trl_name(data: dict) -> str:
 def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None,
          steps: int | None = None, trl_generation: str = "hf", precision: str = "fp32",
          trl_precision: str | None = None, streamrl_set: tuple[str, ...] = (), trl_trainer: str = "sync",
-         lora: bool = False, first_seed: int = 0) -> dict:
+         lora: bool = False, first_seed: int = 0, trl_set: tuple[str, ...] = ()) -> dict:
     """``trl_trainer``: sync (GRPOTrainer) or async (AsyncGRPOTrainer, benchmarks/trl_async.py); ``lora``: both
     sides train the LoRA recipe's adapter (async only); ``first_seed``: the first run's seed (runs of other seeds
-    with the same settings, in the results file already, join these)."""
+    with the same settings, in the results file already, join these); ``trl_set``: TRL's async trainer's
+    ``KEY=VALUE`` settings (``trl_async.TUNABLE``)."""
     require_trl()
     if trl_generation not in ("hf", "paged", "vllm"):
         raise SystemExit(f"--trl-generation: {trl_generation!r} is not one of hf, paged, vllm")
     if trl_trainer not in ("sync", "async"):
         raise SystemExit(f"--trl-trainer: {trl_trainer!r} is not one of sync, async")
+    trl_tune = None
     if trl_trainer == "async":
-        from benchmarks.trl_async import require_trl_version
+        from benchmarks.trl_async import require_trl_version, tuning
 
         require_trl_version()
+        trl_tune = tuning(tuple(trl_set))
         if precision != "fp32" or trl_precision not in (None, "fp32"):
             raise SystemExit("--trl-trainer async runs in fp32 (TRL's bf16 path needs a GPU's kernels)")
-    elif lora:
-        raise SystemExit("--lora runs with --trl-trainer async")
+    elif lora or trl_set:
+        raise SystemExit(f"{'--lora' if lora else '--trl-set'} runs with --trl-trainer async")
     config = "configs/smollm2-lora.yaml" if lora else CONFIG
     sides = {"streamrl": precision, "trl": trl_precision or precision}
     for flag, value in (("--precision", precision), ("--trl-precision", sides["trl"])):
@@ -430,8 +435,9 @@ def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: i
     except ConfigError as e:
         raise SystemExit(f"--streamrl-set: {e}") from None
     settings.update(trl_generation=trl_generation, precision=sides, streamrl_set=list(streamrl_set),
-                    trl_trainer=trl_trainer, lora=lora)
-    data = run(quick, repeats, steps, trl_generation, sides, tuple(streamrl_set), trl_trainer, config, first_seed)
+                    trl_trainer=trl_trainer, lora=lora, trl_set=list(trl_set))
+    data = run(quick, repeats, steps, trl_generation, sides, tuple(streamrl_set), trl_trainer, config, first_seed,
+               trl_tune)
     report(data, out)
     return data
 

@@ -87,6 +87,14 @@ def paired_difference(a: list[float], b: list[float]) -> dict[str, float | int]:
     return {"mean": statistics.fmean(d), "ci95": t * statistics.stdev(d) / len(d) ** 0.5, "pairs": len(d)}
 
 
+def join_seeds(earlier: dict[str, list[dict]], new: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """Each arm's runs in ``new``, with ``earlier``'s of the seeds ``new`` did not run, sorted by seed: a study's
+    seeds can be run one session at a time (a seed run again replaces its earlier runs)."""
+    fresh = {r["seed"] for rs in new.values() for r in rs}
+    return {arm: sorted([*(r for r in earlier.get(arm, []) if r["seed"] not in fresh), *rs], key=lambda r: r["seed"])
+            for arm, rs in new.items()}
+
+
 def points(diff: dict) -> str:
     """A paired difference in accuracy as percentage points: ``-1.2 ± 2.3 pts (3 pairs)``."""
     ci = "" if diff["ci95"] != diff["ci95"] else f" ± {100 * diff['ci95']:.1f}"  # nan: one pair, no interval

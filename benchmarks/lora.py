@@ -37,6 +37,7 @@ from benchmarks.against_trl import prepare_shared, score_final, streamrl_run
 from benchmarks.common import (
     cli,
     console,
+    join_seeds,
     machine_info,
     median,
     new_figure,
@@ -183,8 +184,7 @@ def accuracy(cfg, prepared: Path, runs: Path, seeds: range, steps: int) -> dict:
 
 def summary(runs: dict[str, list[dict]]) -> dict:
     """Medians of each arm and held-out accuracy paired by seed."""
-    for arm in ARMS:
-        runs[arm].sort(key=lambda r: r["seed"])
+    runs = {arm: sorted(rs, key=lambda r: r["seed"]) for arm, rs in runs.items()}
     return {"runs": runs,
             "median": {arm: {k: median([r[k] for r in rs]) for k in ("samples_per_s", "held_out_final", "wall_s")}
                        for arm, rs in runs.items()},
@@ -196,9 +196,7 @@ def more_seeds(earlier: dict, new: dict) -> dict:
     """An accuracy study's runs joined to an earlier one's of other seeds (same steps), so seeds can be added."""
     if earlier.get("steps") != new["steps"]:
         return new["accuracy"]
-    fresh = {r["seed"] for r in new["accuracy"]["runs"]["lora"]}
-    return summary({arm: [*(r for r in earlier["accuracy"]["runs"][arm] if r["seed"] not in fresh), *rs]
-                    for arm, rs in new["accuracy"]["runs"].items()})
+    return summary(join_seeds(earlier["accuracy"]["runs"], new["accuracy"]["runs"]))
 
 
 STUDIES = ("push", "push-large", "learner", "accuracy")

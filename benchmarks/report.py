@@ -20,7 +20,8 @@ TITLES = {"queue": "Replay stream", "partition": "Micro-batch partitioning", "ge
           "ablation": "Ablations on the agentic workload", "trl": "Against TRL", "simulate": "Simulated fleets",
           "soak": "Soak: memory over a long run", "agent": "Agents through the gateway",
           "nodes": "One node or two on Ray", "lora": "LoRA against full fine-tuning",
-          "trl_async": "Against TRL's AsyncGRPOTrainer", "trl_async_lora": "Against TRL's AsyncGRPOTrainer, LoRA"}
+          "trl_async": "Against TRL's AsyncGRPOTrainer", "trl_async_lora": "Against TRL's AsyncGRPOTrainer, LoRA",
+          "trl_tune": "TRL's AsyncGRPOTrainer: its settings here", "recipe": "The real-model recipe on each engine"}
 MODULES = {"queue": "replay_stream", "trl": "against_trl"}  # a study's module, where not its own name
 COMMANDS = {"trl_async": "trl --trl-trainer async", "trl_async_lora": "trl --trl-trainer async --lora"}
 HEADLINES = {"e2e": "- **async (", "ablation": "- **ablation `", "trl": "- **streamrl / TRL GRPOTrainer",

@@ -34,9 +34,11 @@ TRL is built for GPUs. What it needs to run here, each applied by this module an
 
 Settings given to TRL: the recipe's (samples per step = groups × n in one micro-batch with ``token_budget=0``,
 group size, max new tokens, temperature 1 with no top-p/top-k, learning rate, constant schedule, max staleness),
-fp32, ``gradient_checkpointing=False`` (nothing to save at this size). In-flight requests: TRL's default,
-``max_staleness × samples per step``. Threads: the server and the trainer one each, as ``streamrl up`` splits two
-cores. Its training data is the recipe's prompts shuffled by the run's seed (its worker reads them in order).
+fp32, ``gradient_checkpointing=False`` (nothing to save at this size). Its training data is the recipe's prompts
+shuffled by the run's seed (its worker reads them in order). What TRL leaves to its user is tunable
+(``--trl-set KEY=VALUE``, ``TUNABLE``): in-flight requests (TRL's default: ``max_staleness × samples per step``) and
+the torch threads of its trainer and of its server (default one each, as ``streamrl up`` splits two cores). Max
+staleness is the recipe's on both sides (``--streamrl-set off_policy.max_staleness=K`` sets both).
 
 What cannot be matched: TRL divides advantages by the group's standard deviation, clips its ratio against the
 server's logprobs, and drops samples older than the bound one by one (generated, never trained). After the last
@@ -74,6 +76,25 @@ CHATML_RESPONSE = {  # TRL's response schema for ChatML replies: the assistant's
     "start_anchor": "<|im_start|>assistant\n",
     "fields": {"content": {"close_pattern": r"\s*(?:<\|im_end\|>|<\|endoftext\|>)", "content": "text"}},
 }
+
+
+TUNABLE = {"max_inflight_tasks": -1, "trainer_threads": 1, "server_threads": 1}  # what --trl-set may change
+
+
+def tuning(pairs: tuple[str, ...] = ()) -> dict[str, int]:
+    """``KEY=VALUE`` settings of TRL's side over ``TUNABLE``'s defaults; a wrong key or value stops the bench."""
+    given = dict(TUNABLE)
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if key not in TUNABLE:
+            raise SystemExit(f"--trl-set {pair!r}: {key!r} is not one of {', '.join(TUNABLE)}")
+        try:
+            given[key] = int(value)
+        except ValueError:
+            raise SystemExit(f"--trl-set {pair!r}: {value!r} is not an integer") from None
+        if key != "max_inflight_tasks" and given[key] < 1:
+            raise SystemExit(f"--trl-set {pair!r}: needs at least 1 thread")
+    return given
 
 
 def require_trl_version() -> None:
@@ -176,10 +197,10 @@ class EnvReward:
 
 @contextmanager
 def vllm_server(model_dir: str, *, seed: int, max_model_len: int, max_seqs: int, lora_rank: int | None = None,
-                lora_slots: int = 0, log: Path, timeout_s: float = 600.0):
-    """vLLM's OpenAI server for TRL (patch 5), one thread, until the block ends."""
+                lora_slots: int = 0, threads: int = 1, log: Path, timeout_s: float = 600.0):
+    """vLLM's OpenAI server for TRL (patch 5) on ``threads`` torch threads, until the block ends."""
     port = free_port()
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "VLLM_CPU_KVCACHE_SPACE": "2"}
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port),
             "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", str(max_model_len),
@@ -234,9 +255,11 @@ def served_gap(url: str, served_name: str, model_dir: Path, prompt_ids: list[int
     return max(abs(float(s[str(t)]["logprob"]) - float(x)) for s, t, x in zip(served, prompt_ids[1:], trained))
 
 
-def trl_async_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: int) -> dict:
-    """One run of TRL's AsyncGRPOTrainer on the recipe (``cfg``; with ``learner.lora`` an adapter), timed from its
-    first step's start (after its first push and its worker's start) to its end."""
+def trl_async_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: int,
+                  tune: dict[str, int] = TUNABLE, evaluate: bool = True) -> dict:
+    """One run of TRL's AsyncGRPOTrainer on the recipe (``cfg``; with ``learner.lora`` an adapter) as ``tune`` sets
+    it, timed from its first step's start (after its first push and its worker's start) to its end; its final model
+    scored on the held-out questions when ``evaluate``."""
     from datasets import Dataset
     from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
@@ -245,7 +268,7 @@ def trl_async_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: i
 
     patch_for_cpu()
     os.environ.update(HF_HUB_DISABLE_TELEMETRY="1", TRL_EXPERIMENTAL_SILENCE="1")
-    torch.set_num_threads(1)
+    torch.set_num_threads(tune["trainer_threads"])
     model_dir, s, lora = str(Path(cfg.model.path).resolve()), cfg.rollout.sampling, cfg.learner.lora
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.response_template = CHATML_RESPONSE  # patch 4
@@ -266,14 +289,16 @@ def trl_async_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: i
     slots = cfg.off_policy.max_staleness + 2  # TRL holds that many adapter versions, and checks the server has them
     context = 512  # the recipe's prompts (~46 tokens) and replies (32): the step budget of patch 6 stays small
     with vllm_server(model_dir, seed=seed, max_model_len=context, max_seqs=cfg.server.max_batch_size,
-                     lora_rank=lora.rank if lora else None, lora_slots=slots, log=out / "vllm.log") as url:
+                     lora_rank=lora.rank if lora else None, lora_slots=slots, threads=tune["server_threads"],
+                     log=out / "vllm.log") as url:
         args = AsyncGRPOConfig(
             output_dir=str(out), per_device_train_batch_size=per_step, gradient_accumulation_steps=1,
             token_budget=0, num_generations=s.n, max_completion_length=s.max_new_tokens, temperature=s.temperature,
             top_p=1.0, top_k=0, learning_rate=cfg.learner.lr, weight_decay=cfg.learner.weight_decay,
             lr_scheduler_type="constant", warmup_steps=0, max_steps=steps, max_staleness=cfg.off_policy.max_staleness,
             bf16=False, use_cpu=True, gradient_checkpointing=False, report_to=[], logging_steps=1,
-            save_strategy="no", seed=seed, disable_tqdm=True, vllm_server_base_url=url)
+            save_strategy="no", seed=seed, disable_tqdm=True, vllm_server_base_url=url,
+            max_inflight_tasks=tune["max_inflight_tasks"])
         extra = {"peft_config": _peft_config(lora)} if lora else {"weight_transfer": GlooTransfer(url)}
         trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=EnvReward(cfg), args=args, train_dataset=data,
                                    processing_class=tokenizer, **extra)
@@ -302,9 +327,9 @@ def trl_async_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: i
             "train_reward_last5": _mean(rewards[-5:]), "train_rewards": rewards,
             "dropped_stale": dropped[-1] if dropped else 0, "staleness_mean": _mean(logged("sample/staleness_mean")),
             "weight_sync_s": _mean(logged("perf/weight_sync_s")), "served_gap": gap,
-            "held_out_final": score_final(cfg, out / "final", rows(prepared / "eval.jsonl")),
-            "settings": {"trl": TRL_VERSION, "max_inflight_tasks": args.max_inflight_tasks, "lora": bool(lora),
-                         "max_staleness": args.max_staleness, "per_step": per_step, "threads": 1}}
+            **({"held_out_final": score_final(cfg, out / "final", rows(prepared / "eval.jsonl"))} if evaluate else {}),
+            "settings": {"trl": TRL_VERSION, **tune, "max_inflight_tasks": args.max_inflight_tasks, "lora": bool(lora),
+                         "max_staleness": args.max_staleness, "per_step": per_step}}
 
 
 def _peft_config(lora):

@@ -316,31 +316,38 @@ def show_config(
 @app.command()
 def bench(
     suite: Annotated[str, typer.Argument(help="Study to run: queue, partition, generate, learner, weight-push, e2e, "
-                                                "ablation, trl, simulate, agent, nodes, lora, soak; "
-                                                "or 'report' to gather results into docs/benchmarks.md.")],
+                                                "ablation, trl, trl-tune, recipe, simulate, agent, nodes, lora, "
+                                                "soak; or 'report' to gather results into docs/benchmarks.md.")],
     quick: Annotated[bool, typer.Option("--quick", help="A short run that still measures both sides.")] = False,
     out: Annotated[Path, typer.Option(help="Where JSON and PNG results go.")] = Path("benchmarks/results"),
     model: Annotated[Path | None, typer.Option(help="HF model directory, for studies that run a model.")] = None,
-    repeats: Annotated[int | None, typer.Option(help="Runs of each arm, for e2e, ablation, trl, nodes and lora "
-                                                   "(default: the study's own).", min=1)] = None,
-    steps: Annotated[int | None, typer.Option(help="trl and lora: learner steps of each run (default: the study's "
-                                                   "own).", min=1)] = None,
+    repeats: Annotated[int | None, typer.Option(help="Runs of each arm, for e2e, ablation, trl, recipe, nodes "
+                                                   "and lora (default: the study's own).", min=1)] = None,
+    steps: Annotated[int | None, typer.Option(help="trl, trl-tune, recipe and lora: learner steps of each "
+                                                   "run (default: the study's own).", min=1)] = None,
     trl_generation: Annotated[str | None, typer.Option(help="trl: TRL's generation backend: hf (model.generate), "
                                                             "paged (continuous batching) or vllm (colocated).")] = None,
     precision: Annotated[str | None, typer.Option(help="trl: fp32, or bf16 mixed precision (fp32 weights, bf16 "
                                                        "autocast) for both sides.")] = None,
     trl_precision: Annotated[str | None, typer.Option(help="trl: TRL's precision when it differs from "
                                                            "--precision.")] = None,
-    study: Annotated[str | None, typer.Option(help="ablation: one of its studies: credit, late-groups, is-weights, minibatches, minibatches-sync, longer; lora: push, push-large, learner or accuracy (default: all).")] = None,
+    study: Annotated[str | None, typer.Option(help="ablation: one of its studies: credit, late-groups, "
+                                                 "is-weights, minibatches, minibatches-sync, longer; lora: push, "
+                                                 "push-large, learner or accuracy; trl-tune: one candidate "
+                                                 "(default: all).")] = None,
     trl_trainer: Annotated[str | None, typer.Option(help="trl: sync (GRPOTrainer) or async (AsyncGRPOTrainer, "
                                                          "generating on a vLLM server; streamrl's side then serves "
                                                          "with vLLM too).")] = None,
     lora: Annotated[bool | None, typer.Option("--lora", help="trl --trl-trainer async: both sides train the LoRA "
                                                              "recipe's adapter (configs/smollm2-lora.yaml).")] = None,
-    first_seed: Annotated[int | None, typer.Option(help="lora (its accuracy study) and trl: the first seed, to add "
-                                                        "seeds to an earlier run's results (default: 0).", min=0)] = None,
+    first_seed: Annotated[int | None, typer.Option(help="lora (its accuracy study), trl and recipe: the first "
+                                                        "seed, to add seeds to an earlier run's results (default: 0).",
+                                                   min=0)] = None,
     streamrl_set: Annotated[list[str] | None, typer.Option("--streamrl-set", help="trl: a config override for "
                                                            "streamrl's side (repeatable), e.g. mode=sync.")] = None,
+    trl_set: Annotated[list[str] | None, typer.Option("--trl-set", help="trl --trl-trainer async: a setting of "
+                                                      "TRL's side (repeatable): max_inflight_tasks, trainer_threads "
+                                                      "or server_threads, e.g. server_threads=2.")] = None,
 ) -> None:
     """Throughput studies; each prints a table and writes JSON and a PNG plot."""
     import importlib
@@ -359,7 +366,8 @@ def bench(
     options = {name: value for name, value in (
         ("model", str(model) if model else None), ("repeats", repeats), ("steps", steps),
         ("trl_generation", trl_generation), ("precision", precision), ("trl_precision", trl_precision),
-        ("study", study), ("trl_trainer", trl_trainer), ("lora", lora), ("first_seed", first_seed), ("streamrl_set", tuple(streamrl_set or ()) or None))
+        ("study", study), ("trl_trainer", trl_trainer), ("lora", lora), ("first_seed", first_seed), ("streamrl_set", tuple(streamrl_set or ()) or None),
+        ("trl_set", tuple(trl_set or ()) or None))
         if value is not None}
     takes = inspect.signature(importlib.import_module(MODULES[suite]).main).parameters  # the study's own options
     for name in options.keys() - takes.keys():

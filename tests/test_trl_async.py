@@ -52,3 +52,51 @@ def test_the_reward_crosses_into_a_spawned_process_and_scores_as_the_env_does():
     row = json.dumps({"question": "What is 12 + 30?", "answer": 42})  # a row of the recipe's train.jsonl
     # right: 1 and the answer-format bonus 0.1; wrong but well formed: the bonus alone
     assert reward([[{"content": "42"}], [{"content": "41"}]], [row, row]) == pytest.approx([1.1, 0.1])
+
+
+def test_trl_settings_override_the_defaults_and_a_wrong_one_names_itself():
+    from benchmarks.trl_async import TUNABLE, tuning
+
+    assert tuning() == TUNABLE
+    assert tuning(("server_threads=2", "max_inflight_tasks=128")) == {**TUNABLE, "server_threads": 2,
+                                                                      "max_inflight_tasks": 128}
+    for bad, named in (("threads=2", "'threads' is not one of"), ("server_threads=two", "'two' is not an integer"),
+                       ("trainer_threads=0", "at least 1 thread")):
+        with pytest.raises(SystemExit, match=named):
+            tuning((bad,))
+
+
+def test_trl_settings_apply_only_to_the_async_trainer(monkeypatch):
+    from benchmarks import against_trl
+
+    monkeypatch.setattr(against_trl, "require_trl", lambda: None)  # CI's test install has no TRL
+    monkeypatch.setattr(against_trl, "run", lambda *a, **k: pytest.fail("ran with a setting it would ignore"))
+    with pytest.raises(SystemExit, match="--trl-set runs with --trl-trainer async"):
+        against_trl.main(quick=True, trl_set=("server_threads=2",))
+
+
+def _tried(name: str, samples_per_s: float, steps: int = 6) -> dict:
+    from benchmarks.trl_tune import CANDIDATES
+
+    staleness, pairs = CANDIDATES[name]
+    return {"candidate": name, "max_staleness": staleness, "trl_set": list(pairs), "steps": steps,
+            "samples_per_s": samples_per_s, "wall_s": 1.0, "dropped_stale": 0, "staleness_mean": 0.5,
+            "weight_sync_s": 0.1, "train_rewards": [0.1, 0.3]}
+
+
+def test_trl_tuning_joins_earlier_candidates_by_name_and_names_the_fastest(tmp_path, monkeypatch):
+    import json
+
+    from benchmarks import trl_tune
+
+    monkeypatch.setattr(trl_tune, "require_trl_version", lambda: None)
+    (tmp_path / "trl_tune.json").write_text(json.dumps({"runs": [
+        _tried("defaults", 1.0), _tried("staleness-4", 9.0), _tried("threads-2", 5.0, steps=2)]}))
+    monkeypatch.setattr(trl_tune, "run_candidate", lambda name, steps: _tried(name, 1.5, steps))
+    data = trl_tune.main(out=tmp_path, study="staleness-4")
+    assert [r["candidate"] for r in data["runs"]] == ["defaults", "staleness-4"]  # a shorter run is not joined
+    assert data["runs"][1]["samples_per_s"] == 1.5  # its new run replaced the old
+    assert data["best"] == "staleness-4" and data["best_max_staleness"] == 4
+    assert (tmp_path / "trl_tune.png").is_file()
+    with pytest.raises(SystemExit, match="'fast' is not one of defaults"):
+        trl_tune.main(out=tmp_path, study="fast")
