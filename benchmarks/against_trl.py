@@ -80,6 +80,7 @@ from benchmarks.common import (
     write_json,
 )
 from benchmarks.cpu_share import CpuShare
+from benchmarks.scoring import held_out
 from streamrl.buffer.redis_server import free_port
 from streamrl.config import Config, ConfigError, load_config
 from streamrl.envs.base import Action
@@ -121,36 +122,10 @@ def play(cfg: Config, items: list[dict], replies: list[str] | None = None) -> li
     return asyncio.run(every())
 
 
-def greedy_accuracy(cfg: Config, model, tokenizer, items: list[dict], batch: int = 64) -> float:
-    """The share of ``items`` whose greedy reply the env counts correct (as the online evaluator does)."""
-    import torch
-
-    was_training, side = model.training, tokenizer.padding_side
-    model.eval()
-    tokenizer.padding_side = "left"
-    replies = []
-    for i in range(0, len(items), batch):
-        conversations = play(cfg, items[i: i + batch])
-        text = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
-        enc = tokenizer(text, return_tensors="pt", padding=True, add_special_tokens=False)
-        with torch.no_grad():
-            out = model.generate(**enc, max_new_tokens=cfg.rollout.sampling.max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        replies += tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
-    model.train(was_training)
-    tokenizer.padding_side = side
-    verdicts = play(cfg, items, replies)
-    return sum(bool(v.info.get("correct", v.reward >= 1.0)) for v in verdicts) / len(items)
-
-
-def score_final(cfg: Config, model_dir: Path, held_out: list[dict]) -> float:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    # in fp32 whatever was trained, from the saved weights: both sides load the same way (TRL's model in memory
-    # would run under the bf16 autocast accelerate wraps around its forward for training)
-    return greedy_accuracy(cfg, AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                           AutoTokenizer.from_pretrained(model_dir), held_out)
+def score_final(cfg: Config, model_dir: Path, held_out_items: list[dict]) -> float:
+    """Greedy accuracy of the saved weights, in fp32 whatever was trained: both sides load the same way (TRL's
+    model in memory would run under the bf16 autocast accelerate wraps around its forward for training)."""
+    return held_out(cfg, model_dir, held_out_items)["accuracy"]
 
 
 def trl_args(cfg: Config, out: Path, steps: int, seed: int, generation: str, precision: str):

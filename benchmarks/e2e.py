@@ -11,6 +11,11 @@ Each run is a real ``streamrl up`` (every part its own process) of one of two sh
   with its own advantage and takes four PPO minibatches per batch at a quarter of the learning rate, in
   both modes: the settings ``bench ablation`` found best on this task.
 
+With ``--real-model`` the same pair on SmolLM2-135M-Instruct's two-digit addition (``RECIPES["smollm2"]``):
+``configs/smollm2.yaml`` (compute-bound: a 135M model generating and training on the same two cores) and
+``configs/smollm2-agentic.yaml`` (its replies go to the ~1 s checker, a wrong one gets a second try paying
+half); 20 steps a run, 256 held-out questions, eval target 0.5.
+
 Both modes train the same number of samples (``max_steps × groups_per_step × n``) from the same
 warm-started model. The clock starts when the rollout worker begins generating (its opening report) —
 the last part to start, after the version-0 evaluation; the learner started first and may still be
@@ -30,12 +35,11 @@ the quickstart's length, by which the synchronous run has converged (held-out �
 Every run also records its stages' speeds (``stages``), from which ``streamrl bench simulate``
 replays it to check the pipeline model.
 
-    python -m benchmarks.e2e [--quick]      (or: streamrl bench e2e)
+    python -m benchmarks.e2e [--quick] [--real-model]      (or: streamrl bench e2e)
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -43,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common import (
@@ -57,27 +62,44 @@ from benchmarks.common import (
     save_figure,
     write_json,
 )
+from benchmarks.scoring import held_out
 from streamrl.buffer.redis_server import free_port
 from streamrl.config import load_config
-from streamrl.envs.registry import env_class
-from streamrl.envs.retry import FEEDBACK, RetryWithFeedback
 from streamrl.recipes.reverse import prepare
 from streamrl.rollout.evaluate import read_records
 from streamrl.rollout.worker import max_groups_in_flight
 
-TARGET = 0.8  # eval accuracy whose first crossing is timed
-HELD_OUT = 512  # prompts of the final greedy evaluation, off the clock (the online one scores 64)
 # max staleness of the async runs: the headline one, the trade-off against reward, and the learner's own choice
 STALENESS = (4, 2, 1, "auto")
-WORKLOADS = {"single-turn": "configs/quickstart.yaml", "env-latency": "configs/agentic.yaml"}  # the same recipe
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A model's pair of workloads (the same task single-turn and agentic) and how its runs are judged."""
+    workloads: dict[str, str]  # workload -> config
+    steps: int  # learner steps of a run
+    quick_steps: int
+    target: float  # eval accuracy whose first crossing is timed
+    held_out: int  # prompts of the final greedy evaluation, off the clock (the online one scores 64)
+    result: str  # the results file's name
+
+
+RECIPES = {
+    "toy": Recipe({"single-turn": "configs/quickstart.yaml", "env-latency": "configs/agentic.yaml"},
+                  steps=40, quick_steps=12, target=0.8, held_out=512, result="e2e"),
+    "smollm2": Recipe({"single-turn": "configs/smollm2.yaml", "env-latency": "configs/smollm2-agentic.yaml"},
+                      steps=20, quick_steps=3, target=0.5, held_out=256, result="e2e_smollm2"),
+}
+TOY = RECIPES["toy"]
+WORKLOADS, HELD_OUT = TOY.workloads, TOY.held_out  # the toy's, which bench ablation varies
 
 
 def one_run(run_dir: Path, prepared: Path, workload: str, mode: str, steps: int, staleness: int | str,
-            seed: int = 0, overrides: tuple[str, ...] = ()) -> dict:
+            seed: int = 0, overrides: tuple[str, ...] = (), recipe: Recipe = TOY) -> dict:
     name = f"{workload}-{mode}"
     shutil.rmtree(run_dir / name, ignore_errors=True)
     shutil.copytree(prepared, run_dir / name / "prepared")
-    argv = [sys.executable, "-m", "streamrl", "up", WORKLOADS[workload], f"run.dir={run_dir}", f"run.name={name}",
+    argv = [sys.executable, "-m", "streamrl", "up", recipe.workloads[workload], f"run.dir={run_dir}", f"run.name={name}",
             f"mode={mode}", f"learner.max_steps={steps}", f"eval.every={max(1, steps // 4)}", "eval.size=64",
             f"off_policy.max_staleness={staleness}", f"router.port={free_port()}",
             f"router.prometheus_port={free_port()}", f"server.base_port={free_port()}", "supervise.display=plain",
@@ -85,84 +107,36 @@ def one_run(run_dir: Path, prepared: Path, workload: str, mode: str, steps: int,
     out = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
     if out.returncode != 0:
         raise RuntimeError(f"{name} failed ({out.returncode}):\n{out.stdout[-3000:]}")
-    return summarise(run_dir / name)
+    return summarise(run_dir / name, recipe)
 
 
-def greedy_replies(model, tokenizer, conversations: list[list[dict]]) -> list[str]:
-    """Greedy replies (12 new tokens) to each conversation, rendered with the chat template."""
-    import torch
-
-    was_training, side = model.training, tokenizer.padding_side
-    model.eval()
-    tokenizer.padding_side = "left"
-    prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
-    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    with torch.no_grad():
-        out = model.generate(**batch, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=tokenizer.eos_token_id)
-    model.train(was_training)
-    tokenizer.padding_side = side
-    return [t.strip() for t in tokenizer.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)]
+def held_out_rows(prepared: Path, n: int) -> list[dict]:
+    return [json.loads(x) for x in (prepared / "eval.jsonl").read_text().splitlines()][:n]
 
 
-def task_scores(reply, rows: list[dict], tries: int = 1, discount: float = 1.0) -> tuple[float, float]:
-    """(first-try accuracy, the task's reward) of ``reply(conversations) -> texts`` on ``rows``.
-
-    The reward plays ``RetryWithFeedback``'s episode: a wrong reply hears the feedback and the question
-    again, up to ``tries`` replies, and a right reply on try t (from 0) earns ``discount**t``.
-    """
-    conversations = [[{"role": "user", "content": r["prompt"]}] for r in rows]
-    reward, first_try, waiting = [0.0] * len(rows), 0.0, list(range(len(rows)))
-    for t in range(tries):
-        wrong = []
-        for i, text in zip(waiting, reply([conversations[i] for i in waiting])):
-            if text == rows[i]["answer"]:
-                reward[i] = discount**t
-            else:
-                conversations[i] += [{"role": "assistant", "content": text},
-                                     {"role": "user", "content": f"{FEEDBACK} {rows[i]['prompt']}"}]
-                wrong.append(i)
-        if t == 0:
-            first_try = (len(rows) - len(wrong)) / len(rows)
-        waiting = wrong
-    return first_try, sum(reward) / len(rows)
-
-
-def greedy_accuracy(model, tokenizer, rows: list[dict]) -> float:
-    """Exact-match accuracy of greedy replies to ``rows`` (one try)."""
-    return task_scores(functools.partial(greedy_replies, model, tokenizer), rows)[0]
-
-
-def held_out_rows(prepared: Path) -> list[dict]:
-    return [json.loads(x) for x in (prepared / "eval.jsonl").read_text().splitlines()][:HELD_OUT]
-
-
-def held_out_scores(run_path: Path, cfg, version: int) -> dict:
+def held_out_scores(run_path: Path, cfg, version: int, n: int) -> dict:
     """The final weights' greedy scores on every held-out prompt: finer than the online eval's 64.
 
     ``held_out_final`` is first-try accuracy; ``held_out_reward`` the task's own reward, which on the
     agentic workload counts a right second try at its discount (the same as accuracy on single-turn).
     """
-    from transformers import AutoModelForCausalLM
-
-    from streamrl.models import load_tokenizer
-
-    args = cfg.rollout.env_args if issubclass(env_class(cfg.rollout.env), RetryWithFeedback) else {}
-    model = AutoModelForCausalLM.from_pretrained(run_path / "export" / f"version-{version}")
-    reply = functools.partial(greedy_replies, model, load_tokenizer(run_path / "prepared" / "model"))
-    accuracy, reward = task_scores(reply, held_out_rows(run_path / "prepared"), tries=args.get("turns", 1),
-                                   discount=args.get("discount", 1.0))
-    return {"held_out_final": accuracy, "held_out_reward": reward}
+    scores = held_out(cfg, run_path / "export" / f"version-{version}", held_out_rows(run_path / "prepared", n),
+                      tokenizer_dir=run_path / "prepared" / "model")
+    return {"held_out_final": scores["accuracy"], "held_out_reward": scores["reward"]}
 
 
-def prepare_shared(tmp: Path):
-    """The warm-started model and data every run starts from, with ``HELD_OUT`` held-out prompts."""
+def prepare_shared(tmp: Path, recipe: Recipe = TOY):
+    """The model and data every run starts from (the toy's warm start, with ``held_out`` held-out prompts)."""
+    if recipe is RECIPES["smollm2"]:
+        from benchmarks.against_trl import prepare_shared as smollm2
+
+        return smollm2(tmp)
     cfg = load_config("configs/quickstart.yaml", [f"run.dir={tmp}", "run.name=prep"])
-    prepare(cfg, **{**cfg.prepare.args, "eval_size": HELD_OUT})
+    prepare(cfg, **{**cfg.prepare.args, "eval_size": recipe.held_out})
     return cfg, tmp / "prep" / "prepared"
 
 
-def summarise(run_path: Path) -> dict:
+def summarise(run_path: Path, recipe: Recipe = TOY) -> dict:
     cfg = load_config(run_path / "config.yaml")  # as the run saw it
     steps = [r for r in read_records(run_path / "metrics" / "learner.jsonl") if "loss" in r]
     evals = read_records(run_path / "metrics" / "eval.jsonl")
@@ -177,7 +151,7 @@ def summarise(run_path: Path) -> dict:
     staleness = Counter()
     for r in steps:
         staleness.update({int(k): v for k, v in r["staleness_hist"].items()})
-    reached = [e for e in evals if e["eval/accuracy"] >= TARGET]
+    reached = [e for e in evals if e["eval/accuracy"] >= recipe.target]
     dropped = sum(r.get("dropped_stale", 0) for r in steps)
     return {"wall_s": wall, "samples": samples, "samples_per_s": samples / wall, "steady_samples_per_s": steady,
             "time_to_target_s": reached[0]["time"] - start if reached else None,
@@ -187,7 +161,7 @@ def summarise(run_path: Path) -> dict:
             "dropped_stale": dropped, "dropped_fraction": dropped / (dropped + sum(r["groups"] for r in steps)),
             "train_reward_last5": sum(r["reward_mean"] for r in steps[-5:]) / len(steps[-5:]),
             **episode_shape(worker),
-            **held_out_scores(run_path, cfg, steps[-1]["step"]),
+            **held_out_scores(run_path, cfg, steps[-1]["step"], recipe.held_out),
             "stages": stage_speeds(worker, steps, cfg)}
 
 
@@ -233,22 +207,22 @@ def async_mode(staleness: int | str) -> str:
     return "async" if staleness == STALENESS[0] else f"async-{staleness}" if staleness == "auto" else f"async-s{staleness}"
 
 
-def run(quick: bool, repeats: int | None = None) -> dict:
-    default_repeats, steps, bounds = (1, 12, STALENESS[:1]) if quick else (3, 40, STALENESS)
+def run(quick: bool, repeats: int | None = None, recipe: Recipe = TOY) -> dict:
+    default_repeats, steps, bounds = (1, recipe.quick_steps, STALENESS[:1]) if quick else (3, recipe.steps, STALENESS)
     repeats = repeats or default_repeats
     modes = {"sync": 0, **{async_mode(k): k for k in bounds}}  # mode -> max staleness
-    results: dict[str, dict[str, list[dict]]] = {w: {m: [] for m in modes} for w in WORKLOADS}
+    results: dict[str, dict[str, list[dict]]] = {w: {m: [] for m in modes} for w in recipe.workloads}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         console.log("warm start (once, shared by every run)")
-        _, prepared = prepare_shared(tmp)
+        _, prepared = prepare_shared(tmp, recipe)
         order = list(modes)
         for r in range(repeats):
-            for workload in WORKLOADS:
+            for workload in recipe.workloads:
                 for mode in order[r % len(order):] + order[:r % len(order)]:  # who goes first rotates
                     system_mode = "sync" if mode == "sync" else "async"  # (sync ignores the staleness bound)
                     row = one_run(tmp / "runs", prepared, workload, system_mode, steps, modes[mode] or bounds[0],
-                                  seed=r)
+                                  seed=r, recipe=recipe)
                     results[workload][mode].append(row)
                     console.log(f"{workload} {mode}: {row['samples_per_s']:.1f} samples/s, wall {row['wall_s']:.0f}s, "
                                 f"eval {row['eval_first']:.2f} → {row['eval_final']:.2f}, "
@@ -264,8 +238,9 @@ def run(quick: bool, repeats: int | None = None) -> dict:
                   for m in med if m != "sync"}
         summary[workload] = {**med, **ratios["async"], "ratios": ratios}
     return {"study": "e2e", "repeats": repeats, "max_steps": steps, "max_staleness": bounds[0],
-            "staleness_modes": {m: k for m, k in modes.items() if k}, "target": TARGET,
-            "config": "configs/quickstart.yaml", "workloads": WORKLOADS,
+            "staleness_modes": {m: k for m, k in modes.items() if k}, "target": recipe.target,
+            "held_out": recipe.held_out, "result": recipe.result, "config": next(iter(recipe.workloads.values())),
+            "workloads": recipe.workloads,
             "runs": results, "summary": summary}
 
 
@@ -281,12 +256,15 @@ def report(data: dict, out: Path) -> None:
         for mode, r in s["ratios"].items():
             rows.append([f"{workload}: {mode} / sync", r["ratio"], r["steady_ratio"], "", "", "",
                          points(r["held_out_final_vs_sync"]), points(r["held_out_reward_vs_sync"]), ""])
-    print_table(f"End to end, {data['max_steps']} steps, medians of {data['repeats']}; held-out of a ratio row: "
+    model = "SmolLM2-135M, " if data.get("result") == "e2e_smollm2" else ""
+    held_out, name = data.get("held_out", HELD_OUT), data.get("result", "e2e")
+    print_table(f"End to end, {model}{data['max_steps']} steps, medians of {data['repeats']}; held-out of a ratio row: "
                 "mean difference from sync over seed-paired runs, ± its 95% t interval",
                 ["run", "samples/s", "steady samples/s", "wall s", f"s to eval ≥ {data['target']} (runs)",
-                 "final eval (64)", f"held-out first try ({HELD_OUT})", "held-out reward", "dropped stale"], rows)
-    json_path = write_json(out, "e2e", data)
-    fig, (ax1, ax2) = new_figure(2, "Async vs sync, same samples (quickstart task)")
+                 "final eval (64)", f"held-out first try ({held_out})", "held-out reward", "dropped stale"], rows)
+    json_path = write_json(out, name, data)
+    task = "SmolLM2-135M, two-digit addition" if model else "quickstart task"
+    fig, (ax1, ax2) = new_figure(2, f"Async vs sync, same samples ({task})")
     names = list(data["summary"])
     width = 0.8 / len(modes)
     labels = {m: m if m == "sync" else f"async, staleness ≤ {data['staleness_modes'][m]}" for m in modes}
@@ -298,15 +276,17 @@ def report(data: dict, out: Path) -> None:
     for ax in (ax1, ax2):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names)
     ax1.set_ylabel("samples/s")
-    ax2.set_ylabel(f"final greedy accuracy, {HELD_OUT} held-out prompts")
+    ax2.set_ylabel(f"final greedy accuracy, {held_out} held-out prompts")
     ax2.set_ylim(0, 1.3)  # headroom for the legend (one for both panels: the same colours)
     ax2.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
     ax2.legend(loc="upper center", ncol=2, fontsize=8)
-    save_figure(fig, out, "e2e", json_path)
+    save_figure(fig, out, name, json_path)
 
 
-def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None) -> dict:
-    data = run(quick, repeats)
+def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None,
+         real_model: bool = False) -> dict:
+    """``real_model``: SmolLM2-135M's pair of workloads (``RECIPES["smollm2"]``) instead of the toy's."""
+    data = run(quick, repeats, RECIPES["smollm2" if real_model else "toy"])
     report(data, out)
     return data
 

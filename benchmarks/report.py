@@ -17,14 +17,15 @@ from benchmarks.common import console, points
 
 TITLES = {"queue": "Replay stream", "partition": "Micro-batch partitioning", "generate": "Generation",
           "learner": "Learner", "weight_push": "Weight push", "e2e": "End to end: async vs sync",
+          "e2e_smollm2": "End to end on SmolLM2-135M: async vs sync",
           "ablation": "Ablations on the agentic workload", "trl": "Against TRL", "simulate": "Simulated fleets",
           "soak": "Soak: memory over a long run", "agent": "Agents through the gateway",
           "nodes": "One node or two on Ray", "lora": "LoRA against full fine-tuning",
           "trl_async": "Against TRL's AsyncGRPOTrainer", "trl_async_lora": "Against TRL's AsyncGRPOTrainer, LoRA",
           "trl_tune": "TRL's AsyncGRPOTrainer: its settings here", "recipe": "The real-model recipe on each engine"}
-MODULES = {"queue": "replay_stream", "trl": "against_trl"}  # a study's module, where not its own name
-COMMANDS = {"trl_async": "trl --trl-trainer async", "trl_async_lora": "trl --trl-trainer async --lora"}
-HEADLINES = {"e2e": "- **async (", "ablation": "- **ablation `", "trl": "- **streamrl / TRL GRPOTrainer",
+MODULES = {"queue": "replay_stream", "trl": "against_trl", "e2e_smollm2": "e2e"}  # a study's module, where not its own name
+COMMANDS = {"e2e_smollm2": "e2e --real-model", "trl_async": "trl --trl-trainer async", "trl_async_lora": "trl --trl-trainer async --lora"}
+HEADLINES = {"e2e": "- **async (", "e2e_smollm2": "- **SmolLM2-135M: async (", "ablation": "- **ablation `", "trl": "- **streamrl / TRL GRPOTrainer",
              "trl_async": "- **streamrl / TRL AsyncGRPOTrainer (vLLM)**",
              "trl_async_lora": "- **streamrl / TRL AsyncGRPOTrainer (vLLM, LoRA)**", "soak": "- **soak**",
              "agent": "- **agent gateway", "lora": "- **LoRA / full"}
@@ -72,13 +73,15 @@ def headlines(results: Path) -> list[str]:
         return json.loads(path.read_text()) if path.is_file() else None
 
     lines = []
-    if e2e := load("e2e"):
+    for name, model in (("e2e", ""), ("e2e_smollm2", "SmolLM2-135M: ")):
+        if not (e2e := load(name)):
+            continue
         for workload, s in e2e["summary"].items():
             bounds = e2e.get("staleness_modes", {"async": e2e["max_staleness"]})
             runs = [x for rows in e2e.get("runs", {}).get(workload, {}).values() for x in rows]
             two_scores = any(x.get("held_out_reward", x.get("held_out_final")) != x.get("held_out_final") for x in runs)
             for mode, r in s.get("ratios", {"async": s}).items():
-                line = (f"- **async (max staleness {bounds[mode]}) / sync, {workload}**: {r['ratio']:.2f}× samples/s "
+                line = (f"- **{model}async (max staleness {bounds[mode]}) / sync, {workload}**: {r['ratio']:.2f}× samples/s "
                         f"(steady state {r['steady_ratio']:.2f}×), medians of {e2e['repeats']}")
                 for key, what in (("held_out_final", "final first-try accuracy"), ("held_out_reward", "final reward")):
                     if key in s[mode] and (key == "held_out_final" or two_scores):

@@ -345,6 +345,9 @@ def bench(
                                                    min=0)] = None,
     streamrl_set: Annotated[list[str] | None, typer.Option("--streamrl-set", help="trl: a config override for "
                                                            "streamrl's side (repeatable), e.g. mode=sync.")] = None,
+    real_model: Annotated[bool | None, typer.Option("--real-model", help="e2e: SmolLM2-135M's workloads "
+                                                    "(configs/smollm2.yaml and configs/smollm2-agentic.yaml) instead "
+                                                    "of the toy's.")] = None,
     trl_set: Annotated[list[str] | None, typer.Option("--trl-set", help="trl --trl-trainer async: a setting of "
                                                       "TRL's side (repeatable): max_inflight_tasks, trainer_threads "
                                                       "or server_threads, e.g. server_threads=2.")] = None,
@@ -367,7 +370,7 @@ def bench(
         ("model", str(model) if model else None), ("repeats", repeats), ("steps", steps),
         ("trl_generation", trl_generation), ("precision", precision), ("trl_precision", trl_precision),
         ("study", study), ("trl_trainer", trl_trainer), ("lora", lora), ("first_seed", first_seed), ("streamrl_set", tuple(streamrl_set or ()) or None),
-        ("trl_set", tuple(trl_set or ()) or None))
+        ("trl_set", tuple(trl_set or ()) or None), ("real_model", real_model))
         if value is not None}
     takes = inspect.signature(importlib.import_module(MODULES[suite]).main).parameters  # the study's own options
     for name in options.keys() - takes.keys():

@@ -53,9 +53,12 @@ def test_learner_study_counts_what_each_side_computes():
     computed = computed_per_real(seqs, shape["budget"])
     assert computed["streamrl"] == 1.0 < computed["plain-padded"]  # packing computes no padding
 
-def test_task_scores_play_the_retry_episode_first_try_accuracy_and_discounted_reward():
-    from benchmarks.e2e import task_scores
+def test_held_out_episodes_are_the_envs_own_first_try_accuracy_and_discounted_reward():
+    """The retry env around exact-match questions: a wrong reply hears the feedback and the question again."""
+    from benchmarks.scoring import play_episodes
+    from streamrl.config import load_config
 
+    cfg = load_config("configs/agentic.yaml", ["rollout.env_args.latency_s=0"])
     rows = [{"prompt": "Reverse: ab", "answer": "ba"}, {"prompt": "Reverse: cd", "answer": "dc"},
             {"prompt": "Reverse: ef", "answer": "fe"}]
     seen = []
@@ -65,11 +68,12 @@ def test_task_scores_play_the_retry_episode_first_try_accuracy_and_discounted_re
         return [{"Reverse: ab": "ba", "Reverse: cd": "cd" if len(c) == 1 else "dc"}.get(c[0]["content"], "x")
                 for c in conversations]
 
-    assert task_scores(reply, rows, tries=2, discount=0.5) == (1 / 3, (1 + 0.5 + 0) / 3)
+    assert play_episodes(cfg, rows, reply) == {"accuracy": 1 / 3, "reward": (1 + 0.5 + 0) / 3}
     assert [len(batch) for batch in seen] == [3, 2]  # only the wrong ones try again
     assert seen[1][0][1:] == [{"role": "assistant", "content": "cd"},
                               {"role": "user", "content": "That is not right. Reverse: cd"}]
-    assert task_scores(reply, rows) == (1 / 3, 1 / 3)  # one try: the reward is the accuracy
+    one_try = load_config("configs/quickstart.yaml")
+    assert play_episodes(one_try, rows, reply) == {"accuracy": 1 / 3, "reward": 1 / 3}  # the reward is the accuracy
 
 
 def test_the_report_says_what_each_study_measures_from_its_module_docstring():
@@ -322,3 +326,25 @@ def test_recipe_study_times_the_first_evaluation_at_the_target_and_pairs_engines
     assert data["median"]["hf"]["time_to_target"] == 900.0
     assert data["held_out_vllm_vs_hf"]["mean"] == pytest.approx(((0.60 - 0.70) + (0.66 - 0.64)) / 2)
     assert (tmp_path / "recipe.png").is_file()
+
+
+def test_the_real_model_e2e_study_has_its_own_section_and_headlines_beside_the_toys(tmp_path):
+    from benchmarks import report
+
+    page = tmp_path / "benchmarks.md"
+    page.write_text("# Benchmarks\n\n## Headlines\n\n- **async (max staleness 4) / sync, env-latency**: 3.78×\n")
+    results = tmp_path / "results"
+    results.mkdir()
+    machine = {"platform": "test", "cpu_count": 2, "torch": "x", "cuda": False, "time": "today"}
+    ratio = {"ratio": 3.1, "steady_ratio": 3.3, "held_out_final_vs_sync": {"mean": 0.01, "ci95": 0.02, "pairs": 3}}
+    summary = {"env-latency": {"sync": {"held_out_final": 0.5}, "async": {"held_out_final": 0.51},
+                               "ratios": {"async": ratio}}}
+    (results / "e2e_smollm2.json").write_text(json.dumps({
+        "machine": machine, "repeats": 3, "max_staleness": 4, "staleness_modes": {"async": 4}, "summary": summary,
+        "tables": [{"title": "smollm2 e2e", "columns": ["a"], "rows": [["1"]]}]}))
+    (results / "e2e_smollm2.png").write_bytes(b"png")
+    text = report.build(results, page).read_text()
+    assert "- **async (max staleness 4) / sync, env-latency**: 3.78×" in text  # the toy's, kept
+    assert "- **SmolLM2-135M: async (max staleness 4) / sync, env-latency**: 3.10× samples/s" in text
+    section = text[text.index("## End to end on SmolLM2-135M: async vs sync (`streamrl bench e2e --real-model`)"):]
+    assert "*smollm2 e2e*" in section and "benchmarks/e2e_smollm2.png" in section and "--real-model" in section

@@ -114,3 +114,22 @@ def test_the_agentic_config_is_the_quickstart_with_its_env_and_learner_tuned():
     assert changed == {"run.name", "rollout.env", "rollout.env_args", "rollout.concurrency", "rollout.env_concurrency",
                        "off_policy.max_staleness", "learner.lr", "learner.minibatches", "learner.credit",
                        "learner.turn_lam"}
+
+
+def test_the_agentic_smollm2_recipe_prepares_the_wrapped_tasks_questions(tmp_path):
+    """Its env is the retry loop, whose settings are not the arithmetic task's: prepare takes the task's own."""
+    import json
+
+    from streamrl.config import load_config
+    from streamrl.recipes.smollm2 import prepare
+
+    cfg = load_config("configs/smollm2-agentic.yaml", [f"run.dir={tmp_path}"])
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")  # a converted model is there: prepare makes only the questions
+    made = prepare(cfg, **{**cfg.prepare.args, "model_dir": str(model), "eval_size": 8, "train_size": 16})
+    rows = [json.loads(x) for x in open(made["rollout.dataset"])]
+    held_out = [json.loads(x) for x in open(made["eval.dataset"])]
+    assert len(rows) == 16 and len(held_out) == 8
+    assert all(" + " in r["question"] and int(r["answer"]) < 200 for r in rows + held_out)  # two-digit additions
+    assert not {r["question"] for r in rows} & {r["question"] for r in held_out}

@@ -17,7 +17,9 @@ from streamrl.models import convert_smollm2
 EVAL_SEED = 1_000_003
 
 
-def prepare(cfg, *, model_dir: str = "models/smollm2-135m", eval_size: int = 32, train_size: int = 4000) -> dict:
+def prepare(cfg, *, model_dir: str = "models/smollm2-135m", eval_size: int = 32, train_size: int = 4000,
+            task: dict | None = None) -> dict:
+    """``task``: the arithmetic env's settings, where the run's env wraps it (default: ``rollout.env_args``)."""
     model = Path(model_dir)
     if not (model / "config.json").is_file():
         convert_smollm2(model)
@@ -25,7 +27,7 @@ def prepare(cfg, *, model_dir: str = "models/smollm2-135m", eval_size: int = 32,
     train, evals = root / "train.jsonl", root / "eval.jsonl"
     if not train.is_file():
         root.mkdir(parents=True, exist_ok=True)
-        env = Arithmetic(**cfg.rollout.env_args)
+        env = Arithmetic(**(cfg.rollout.env_args if task is None else task))
         held_out = {}
         for item in itertools.islice(env.items(EVAL_SEED), 100 * eval_size):
             held_out.setdefault(item["question"], item)
