@@ -22,7 +22,7 @@ TITLES = {"queue": "Replay stream", "partition": "Micro-batch partitioning", "ge
           "soak": "Soak: memory over a long run", "agent": "Agents through the gateway",
           "nodes": "One node or two on Ray", "lora": "LoRA against full fine-tuning",
           "trl_async": "Against TRL's AsyncGRPOTrainer", "trl_async_lora": "Against TRL's AsyncGRPOTrainer, LoRA",
-          "trl_tune": "TRL's AsyncGRPOTrainer: its settings here", "recipe": "The real-model recipe on each engine"}
+          "trl_tune": "TRL's AsyncGRPOTrainer: its settings here", "engines": "The real-model recipe on each engine"}
 MODULES = {"queue": "replay_stream", "trl": "against_trl", "e2e_smollm2": "e2e"}  # a study's module, where not its own name
 COMMANDS = {"e2e_smollm2": "e2e --real-model", "trl_async": "trl --trl-trainer async", "trl_async_lora": "trl --trl-trainer async --lora"}
 HEADLINES = {"e2e": "- **async (", "e2e_smollm2": "- **SmolLM2-135M: async (", "ablation": "- **ablation `", "trl": "- **streamrl / TRL GRPOTrainer",

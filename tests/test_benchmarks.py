@@ -299,33 +299,33 @@ def test_cpu_share_files_each_process_under_its_own_or_its_ancestors_role():
     assert shares["idle"] == pytest.approx(max(0.0, 1 - shares["busy"] - shares["asleep"]))
 
 
-def _recipe_run(seed: int, engine: str, samples_per_s: float, held_out: float, evals: list) -> dict:
-    from benchmarks.recipe import TARGET, time_to
+def _engine_run(seed: int, engine: str, samples_per_s: float, held_out: float, evals: list) -> dict:
+    from benchmarks.engines import TARGET, time_to
 
     return {"seed": seed, "wall_s": 1280 / samples_per_s, "samples_per_s": samples_per_s, "eval_online_final":
             evals[-1][2], "held_out_final": held_out, "evals": evals, "time_to_target": time_to(TARGET, evals)}
 
 
-def test_recipe_study_times_the_first_evaluation_at_the_target_and_pairs_engines_by_seed(tmp_path, monkeypatch):
-    from benchmarks import recipe
+def test_engines_study_times_the_first_evaluation_at_the_target_and_pairs_engines_by_seed(tmp_path, monkeypatch):
+    from benchmarks import engines as recipe
 
     assert recipe.time_to(0.5, [[0.0, 0, 0.1], [60.0, 10, 0.5], [120.0, 20, 0.4]]) == 60.0  # the first crossing
     assert recipe.time_to(0.9, [[0.0, 0, 0.1], [60.0, 10, 0.5]]) is None
     slow = [[0.0, 0, 0.1], [900.0, 60, 0.70]]
     fast = [[0.0, 0, 0.1], [300.0, 30, 0.68], [500.0, 60, 0.60]]
-    earlier = {"steps": 60, "runs": {"hf": [_recipe_run(0, "hf", 1.0, 0.70, slow), _recipe_run(1, "hf", 1.0, 0.5, slow)],
-                                     "vllm": [_recipe_run(0, "vllm", 2.0, 0.60, fast),
-                                              _recipe_run(1, "vllm", 9.0, 0.9, fast)]}}
-    (tmp_path / "recipe.json").write_text(json.dumps(earlier))
+    earlier = {"steps": 60, "runs": {"hf": [_engine_run(0, "hf", 1.0, 0.70, slow), _engine_run(1, "hf", 1.0, 0.5, slow)],
+                                     "vllm": [_engine_run(0, "vllm", 2.0, 0.60, fast),
+                                              _engine_run(1, "vllm", 9.0, 0.9, fast)]}}
+    (tmp_path / "engines.json").write_text(json.dumps(earlier))
     monkeypatch.setattr(recipe, "run", lambda seeds, steps: {  # seed 1 again: it replaces the earlier seed 1
-        "hf": [_recipe_run(1, "hf", 1.0, 0.64, slow)], "vllm": [_recipe_run(1, "vllm", 3.0, 0.66, fast)]})
+        "hf": [_engine_run(1, "hf", 1.0, 0.64, slow)], "vllm": [_engine_run(1, "vllm", 3.0, 0.66, fast)]})
     data = recipe.main(out=tmp_path, repeats=1, first_seed=1)
     assert [r["seed"] for r in data["runs"]["vllm"]] == [0, 1]
     assert data["speedup"] == pytest.approx(2.5 / 1.0)  # medians (2+3)/2 over 1
     assert data["median"]["vllm"]["time_to_target"] == 300.0 and data["median"]["vllm"]["reached"] == 2
     assert data["median"]["hf"]["time_to_target"] == 900.0
     assert data["held_out_vllm_vs_hf"]["mean"] == pytest.approx(((0.60 - 0.70) + (0.66 - 0.64)) / 2)
-    assert (tmp_path / "recipe.png").is_file()
+    assert (tmp_path / "engines.png").is_file()
 
 
 def test_the_real_model_e2e_study_has_its_own_section_and_headlines_beside_the_toys(tmp_path):

@@ -9,7 +9,7 @@ the accuracy the README's table reaches by step 60 (``TARGET``, the median of it
 the final weights' greedy accuracy on the same questions (scored as `streamrl bench trl` scores both sides).
 Seeds can be added one session at a time (``--first-seed``).
 
-    python -m benchmarks.recipe [--quick] [--repeats N] [--steps N] [--first-seed S]
+    python -m benchmarks.engines [--quick] [--repeats N] [--steps N] [--first-seed S]
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def report(data: dict, out: Path) -> None:
                 ["seed", "engine", "wall min", "online eval by step", "held-out greedy accuracy"],
                 [[r["seed"], e, r["wall_s"] / 60, " ".join(f"{s}:{a:.2f}" for _, s, a in r["evals"]),
                   r["held_out_final"]] for e in ENGINES for r in data["runs"][e]])
-    json_path = write_json(out, "recipe", data)
+    json_path = write_json(out, "engines", data)
     fig, (ax,) = new_figure(1, "configs/smollm2.yaml: online greedy accuracy against wall time")
     for e, color in zip(ENGINES, ("tab:blue", "tab:orange")):
         for i, r in enumerate(data["runs"][e]):
@@ -97,7 +97,7 @@ def report(data: dict, out: Path) -> None:
     ax.set_xlabel("minutes")
     ax.set_ylabel("held-out greedy accuracy (256)")
     ax.legend(loc="lower right", fontsize=8)
-    save_figure(fig, out, "recipe", json_path)
+    save_figure(fig, out, "engines", json_path)
 
 
 def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None,
@@ -105,10 +105,10 @@ def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: i
     repeats, steps = repeats or (1 if quick else 3), steps or (EVAL_EVERY if quick else 60)
     settings.update(steps=steps)
     runs = run(range(first_seed, first_seed + repeats), steps)
-    earlier = out / "recipe.json"
+    earlier = out / "engines.json"
     if earlier.is_file() and json.loads(earlier.read_text()).get("steps") == steps:
         runs = join_seeds(json.loads(earlier.read_text())["runs"], runs)
-    data = {"study": "recipe", "steps": steps, "target": TARGET, **summary(runs)}
+    data = {"study": "engines", "steps": steps, "target": TARGET, **summary(runs)}
     report(data, out)
     return data
 
