@@ -256,10 +256,11 @@ def served_gap(url: str, served_name: str, model_dir: Path, prompt_ids: list[int
 
 
 def trl_async_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: int,
-                  tune: dict[str, int] = TUNABLE, evaluate: bool = True) -> dict:
+                  tune: dict[str, int] = TUNABLE, evaluate: bool = True, time_limit_s: float | None = None) -> dict:
     """One run of TRL's AsyncGRPOTrainer on the recipe (``cfg``; with ``learner.lora`` an adapter) as ``tune`` sets
     it, timed from its first step's start (after its first push and its worker's start) to its end; its final model
-    scored on the held-out questions when ``evaluate``."""
+    scored on the held-out questions when ``evaluate``. Past ``time_limit_s`` it stops after the step it is in
+    (the row says how many steps it made)."""
     from datasets import Dataset
     from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
@@ -281,6 +282,10 @@ def trl_async_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: i
     class Clock(TrainerCallback):
         def on_step_begin(self, *a, **kw):
             clock.setdefault("start", time.time())
+
+        def on_step_end(self, args, state, control, **kw):
+            if time_limit_s is not None and time.time() - clock["start"] > time_limit_s:
+                control.should_training_stop = True
 
         def on_train_end(self, *a, **kw):
             clock["end"] = time.time()
@@ -314,15 +319,15 @@ def trl_async_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: i
         gap = served_gap(url, served, out / "final", tokenizer.apply_chat_template(
             play(cfg, train[:1])[0], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
     history = trainer.state.log_history
-    wall = clock["end"] - clock["start"]
+    wall, made = clock["end"] - clock["start"], trainer.state.global_step
 
     def logged(key: str) -> list[float]:
         return [r[key] for r in history if key in r]
 
     rewards = logged("reward")
     dropped = logged("sample/dropped_stale_total")
-    return {"wall_s": wall, "window": [clock["start"], clock["end"]], "samples": steps * per_step,
-            "samples_per_s": steps * per_step / wall,
+    return {"wall_s": wall, "window": [clock["start"], clock["end"]], "steps": made, "samples": made * per_step,
+            "samples_per_s": made * per_step / wall,
             "completion_tokens": _mean(logged("sample/trained_tokens_mean")),
             "train_reward_last5": _mean(rewards[-5:]), "train_rewards": rewards,
             "dropped_stale": dropped[-1] if dropped else 0, "staleness_mean": _mean(logged("sample/staleness_mean")),

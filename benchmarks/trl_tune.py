@@ -3,8 +3,9 @@ against streamrl (`streamrl bench trl --trl-trainer async`).
 
 Each candidate runs TRL's async trainer alone (benchmarks/trl_async.py, with its patches) on the SmolLM2 recipe
 (``configs/smollm2.yaml``: full fine-tuning, fp32, 64 samples a step, seed 0) for ``--steps`` steps, timed as
-the head-to-head times it: from its first step's start to its last step's end. No held-out evaluation: a few
-steps say how fast it runs, not what it learns. The candidates vary what TRL leaves open:
+the head-to-head times it: from its first step's start to its last step's end. A candidate still running after
+``LIMIT_S`` stops after the step it is in, and its samples/s counts the steps it made. No held-out evaluation:
+a few steps say how fast it runs, not what it learns. The candidates vary what TRL leaves open:
 
 - its in-flight requests (``max_inflight_tasks``; TRL's default is max staleness × samples per step);
 - the torch threads of its trainer and of its vLLM server (``streamrl up`` gives each part one of two cores);
@@ -12,7 +13,7 @@ steps say how fast it runs, not what it learns. The candidates vary what TRL lea
 
 The fastest candidate sets TRL's side of the head-to-head (``--trl-set``; a max staleness other than the
 recipe's goes to both sides, ``--streamrl-set off_policy.max_staleness=K``). Candidates merge into an earlier
-run's file by name, so they can be added one at a time (``--study NAME``).
+run's file by name, and each is saved as it finishes: they can be added one at a time (``--study NAME``).
 
     python -m benchmarks.trl_tune [--quick] [--steps N] [--study NAME]
 """
@@ -35,6 +36,7 @@ CANDIDATES = {  # name -> (max staleness, TRL's settings)
     "staleness-2": (2, ()),
     "staleness-4": (4, ()),
 }
+LIMIT_S = 420  # a candidate's time on the clock: ~1.5x what TRL's defaults take for 6 steps here
 ABOUT = {"defaults": "TRL's defaults at the recipe's max staleness 1 (64 in flight), 1 thread each",
          "threads-2": "2 threads for the trainer and 2 for the server (both may use both cores)",
          "inflight-128": "128 requests in flight (the server runs 64 at a time, the rest wait in its queue)",
@@ -48,9 +50,11 @@ def run_candidate(name: str, steps: int) -> dict:
         tmp = Path(tmp)
         cfg, prepared = prepare_shared(tmp)
         cfg = load_config(CONFIG, [f"model.path={cfg.model.path}", f"off_policy.max_staleness={staleness}"])
-        row = trl_async_run(cfg, prepared, tmp / "trl", steps=steps, seed=0, tune=tuning(pairs), evaluate=False)
-    console.log(f"{name}: {row['samples_per_s']:.2f} samples/s over {row['wall_s']:.0f} s")
-    return {"candidate": name, "max_staleness": staleness, "trl_set": list(pairs), "steps": steps, **row}
+        row = trl_async_run(cfg, prepared, tmp / "trl", steps=steps, seed=0, tune=tuning(pairs), evaluate=False,
+                            time_limit_s=LIMIT_S)
+    console.log(f"{name}: {row['samples_per_s']:.2f} samples/s over {row['wall_s']:.0f} s ({row['steps']} steps)")
+    return {"candidate": name, "max_staleness": staleness, "trl_set": list(pairs), **row, "steps": steps,
+            "steps_made": row["steps"]}
 
 
 def report(rows: list[dict], out: Path) -> dict:
@@ -59,9 +63,9 @@ def report(rows: list[dict], out: Path) -> dict:
     best = max(rows, key=lambda r: r["samples_per_s"])
     print_table(f"TRL AsyncGRPOTrainer (vLLM, fp32), SmolLM2-135M two-digit addition: each candidate alone, "
                 f"{rows[0]['steps']} steps of 64 samples, seed 0",
-                ["candidate", "what changes", "samples/s", "/ defaults", "samples dropped as stale",
+                ["candidate", "what changes", "steps made", "samples/s", "/ defaults", "samples dropped as stale",
                  "mean staleness", "weight sync s", "train reward"],
-                [[r["candidate"], ABOUT[r["candidate"]], r["samples_per_s"],
+                [[r["candidate"], ABOUT[r["candidate"]], r["steps_made"], r["samples_per_s"],
                   r["samples_per_s"] / base if base else "", r["dropped_stale"], r["staleness_mean"],
                   r["weight_sync_s"], sum(r["train_rewards"]) / len(r["train_rewards"])] for r in rows])
     data = {"study": "trl_tune", "runs": rows, "best": best["candidate"], "best_trl_set": best["trl_set"],
@@ -82,11 +86,14 @@ def main(quick: bool = False, out: Path = Path("benchmarks/results"), steps: int
         raise SystemExit(f"--study: {study!r} is not one of {', '.join(CANDIDATES)}")
     steps = steps or (2 if quick else 6)
     settings.update(steps=steps)
-    new = [run_candidate(name, steps) for name in ([study] if study else CANDIDATES)]
-    earlier = out / "trl_tune.json"
-    kept = [r for r in json.loads(earlier.read_text())["runs"]
-            if r["candidate"] not in {x["candidate"] for x in new} and r["steps"] == steps] if earlier.is_file() else []
-    return report(kept + new, out)
+    data = {}
+    for name in [study] if study else CANDIDATES:  # each saved as it finishes: a stopped study keeps the others
+        new = run_candidate(name, steps)
+        earlier = out / "trl_tune.json"
+        kept = [r for r in json.loads(earlier.read_text())["runs"]
+                if r["candidate"] != name and r["steps"] == steps] if earlier.is_file() else []
+        data = report(kept + [new], out)
+    return data
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def _tried(name: str, samples_per_s: float, steps: int = 6) -> dict:
     from benchmarks.trl_tune import CANDIDATES
 
     staleness, pairs = CANDIDATES[name]
-    return {"candidate": name, "max_staleness": staleness, "trl_set": list(pairs), "steps": steps,
+    return {"candidate": name, "max_staleness": staleness, "trl_set": list(pairs), "steps": steps, "steps_made": steps,
             "samples_per_s": samples_per_s, "wall_s": 1.0, "dropped_stale": 0, "staleness_mean": 0.5,
             "weight_sync_s": 0.1, "train_rewards": [0.1, 0.3]}
 
