@@ -2,6 +2,7 @@
 
 import pytest
 
+from streamrl.config.sections import AutoStalenessConfig
 from streamrl.learner.staleness import Signals, StalenessController
 
 CALM = Signals(wait_share=0.5, ess=0.97, second_moment=1.02, clip_frac=0.01, grad_norm=1.0)
@@ -11,12 +12,17 @@ def calm(**changed) -> Signals:
     return Signals(**{**CALM.__dict__, **changed})
 
 
+def controller(bound: int | None = None, **rules) -> StalenessController:
+    """A controller under ``off_policy.auto`` settings (their defaults, but for ``rules``)."""
+    return StalenessController(AutoStalenessConfig(**rules), bound)
+
+
 def run(controller: StalenessController, signals: list[Signals], first_step: int = 0) -> list:
     return [(step, c) for step, s in enumerate(signals, first_step) if (c := controller.observe(step, s))]
 
 
 def test_a_learner_waiting_on_healthy_data_raises_the_bound_one_at_a_time_up_to_its_ceiling():
-    c = StalenessController(low=1, high=3, bound=1, patience=3, cooldown=4)
+    c = controller(low=1, high=3, bound=1, patience=3, cooldown=4)
     changes = run(c, [CALM] * 20)
     # three waiting steps, then one each cooldown (the patience count starts again after a change)
     assert [(step, ch.old, ch.new) for step, ch in changes] == [(2, 1, 2), (6, 2, 3)]
@@ -24,14 +30,14 @@ def test_a_learner_waiting_on_healthy_data_raises_the_bound_one_at_a_time_up_to_
 
 
 def test_a_learner_that_does_not_wait_keeps_the_bound():
-    c = StalenessController(bound=2)
+    c = controller(bound=2)
     assert run(c, [calm(wait_share=0.05)] * 20) == [] and c.bound == 2
 
 
 @pytest.mark.parametrize("bad, cause", [(calm(ess=0.6), "ESS 0.60 < 0.8"), (calm(second_moment=2.0), "E[w^2] 2.00"),
                                         (calm(clip_frac=0.3), "clip fraction 0.30 > 0.1")])
 def test_degraded_off_policy_data_halves_the_bound_at_once_with_its_cause(bad, cause):
-    c = StalenessController(low=1, high=8, bound=8, cooldown=4)
+    c = controller(low=1, high=8, bound=8, cooldown=4)
     changes = run(c, [bad] * 9)
     assert [(ch.old, ch.new) for _, ch in changes] == [(8, 4), (4, 2), (2, 1)]  # once per cooldown, to the floor
     assert [step for step, _ in changes] == [0, 4, 8] and cause in changes[0][1].cause
@@ -40,7 +46,7 @@ def test_degraded_off_policy_data_halves_the_bound_at_once_with_its_cause(bad, c
 
 
 def test_a_gradient_spike_lowers_the_bound_and_stays_out_of_the_mean_it_is_judged_by():
-    c = StalenessController(bound=4, spike=3.0, cooldown=1)
+    c = controller(bound=4, spike=3.0, cooldown=1)
     assert run(c, [calm(grad_norm=1.0, wait_share=0.0)] * 5) == []
     changes = run(c, [calm(grad_norm=10.0)] * 2, first_step=5)  # both spikes: the mean stays 1
     assert [(ch.old, ch.new) for _, ch in changes] == [(4, 2), (2, 1)]
@@ -48,7 +54,7 @@ def test_a_gradient_spike_lowers_the_bound_and_stays_out_of_the_mean_it_is_judge
 
 
 def test_a_raise_waits_for_patience_and_the_cooldown_after_a_cut():
-    c = StalenessController(low=1, high=8, bound=4, patience=2, cooldown=5)
+    c = controller(low=1, high=8, bound=4, patience=2, cooldown=5)
     assert run(c, [calm(ess=0.5)])[0][1].new == 2
     changes = run(c, [CALM] * 10, first_step=1)
     assert [(step, ch.new) for step, ch in changes] == [(5, 3), (10, 4)]  # not before step 0 + cooldown
@@ -57,7 +63,7 @@ def test_a_raise_waits_for_patience_and_the_cooldown_after_a_cut():
 def test_signals_wavering_at_a_threshold_do_not_make_the_bound_oscillate():
     """ESS between the floor and the raise threshold: healthy enough to keep, not to raise; a single dip under
     the floor lowers once, and a change waits out its cooldown."""
-    c = StalenessController(low=1, high=8, bound=4, cooldown=4)
+    c = controller(low=1, high=8, bound=4, cooldown=4)
     wavering = [calm(ess=0.85 if i % 7 else 0.79) for i in range(40)]
     changes = run(c, wavering)
     assert all(ch.new < ch.old for _, ch in changes)  # never back up on data at the margin
@@ -67,9 +73,9 @@ def test_signals_wavering_at_a_threshold_do_not_make_the_bound_oscillate():
 
 def test_settings_that_cannot_work_are_refused():
     with pytest.raises(ValueError, match="low 3 <= start 2"):
-        StalenessController(low=3, high=8, bound=2)
-    with pytest.raises(ValueError, match="ess_floor 0.9 < ess_raise 0.8"):
-        StalenessController(ess_floor=0.9, ess_raise=0.8)
+        controller(low=3, high=8, bound=2)
+    with pytest.raises(ValueError, match="ess_floor 0.9 must be under ess_raise 0.8"):
+        controller(ess_floor=0.9, ess_raise=0.8)
 
 
 def test_the_learners_auto_bound_is_published_where_admission_reads_it_and_survives_a_restart(ns):

@@ -22,6 +22,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from streamrl.config.sections import AutoStalenessConfig
+
 log = logging.getLogger("streamrl.learner")
 
 
@@ -48,56 +50,48 @@ class Change:
         return f"max staleness {way} {self.old} -> {self.new} at step {self.step}: {self.cause}"
 
 
-@dataclass
 class StalenessController:
-    low: int = 1
-    high: int = 8
-    bound: int = 1
-    wait_share: float = 0.1
-    ess_floor: float = 0.8
-    ess_raise: float = 0.9
-    m2_ceiling: float = 1.5
-    clip_ceiling: float = 0.1
-    spike: float = 3.0
-    patience: int = 3
-    cooldown: int = 4
-    smoothing: float = 0.9  # of the gradient norm's running mean
+    """Moves the bound by ``rules`` (the ``off_policy.auto`` settings: their defaults when not given), from
+    ``bound`` (default: ``rules.low``)."""
 
-    def __post_init__(self) -> None:
-        if not 0 <= self.low <= self.bound <= self.high:
-            raise ValueError(f"staleness bounds: need 0 <= low {self.low} <= start {self.bound} <= high {self.high}")
-        if not self.ess_floor < self.ess_raise <= 1:
-            raise ValueError(f"need ess_floor {self.ess_floor} < ess_raise {self.ess_raise} <= 1")
+    smoothing = 0.9  # of the gradient norm's running mean
+
+    def __init__(self, rules: AutoStalenessConfig | None = None, bound: int | None = None):
+        self.rules = r = rules or AutoStalenessConfig()
+        self.bound = r.low if bound is None else bound
+        if not r.low <= self.bound <= r.high:
+            raise ValueError(f"staleness bounds: need low {r.low} <= start {self.bound} <= high {r.high}")
         self._grad_mean: float | None = None
         self._healthy_waits = 0  # consecutive steps that waited for data on healthy data
         self._last_change = -(10**9)
 
     def observe(self, step: int, s: Signals) -> Change | None:
         """Take a step's signals; the change of the bound they call for, if any (already applied)."""
-        cause = self._degraded(s)
+        r, cause = self.rules, self._degraded(s)
         self._track_grad_norm(s.grad_norm, spiked=cause is not None and cause.startswith("gradient"))
-        settled = step - self._last_change >= self.cooldown
+        settled = step - self._last_change >= r.cooldown
         if cause is not None:
             self._healthy_waits = 0
-            if settled and self.bound > self.low:
-                return self._move(step, max(self.low, self.bound // 2), cause)
+            if settled and self.bound > r.low:
+                return self._move(step, max(r.low, self.bound // 2), cause)
             return None
-        healthy = s.ess >= self.ess_raise and s.clip_frac <= self.clip_ceiling / 2
-        self._healthy_waits = self._healthy_waits + 1 if healthy and s.wait_share > self.wait_share else 0
-        if self._healthy_waits >= self.patience and settled and self.bound < self.high:
+        healthy = s.ess >= r.ess_raise and s.clip_frac <= r.clip_ceiling / 2
+        self._healthy_waits = self._healthy_waits + 1 if healthy and s.wait_share > r.wait_share else 0
+        if self._healthy_waits >= r.patience and settled and self.bound < r.high:
             return self._move(step, self.bound + 1, f"the learner waited {s.wait_share:.0%} of its step for data "
-                                                    f"{self.patience} steps running, ESS {s.ess:.2f}")
+                                                    f"{r.patience} steps running, ESS {s.ess:.2f}")
         return None
 
     def _degraded(self, s: Signals) -> str | None:
-        if s.ess < self.ess_floor:
-            return f"ESS {s.ess:.2f} < {self.ess_floor}"
-        if s.second_moment > self.m2_ceiling:
-            return f"E[w^2] {s.second_moment:.2f} > {self.m2_ceiling}"
-        if s.clip_frac > self.clip_ceiling:
-            return f"clip fraction {s.clip_frac:.2f} > {self.clip_ceiling}"
-        if self._grad_mean is not None and s.grad_norm > self.spike * self._grad_mean:
-            return f"gradient norm {s.grad_norm:.3g} > {self.spike} x its running mean {self._grad_mean:.3g}"
+        r = self.rules
+        if s.ess < r.ess_floor:
+            return f"ESS {s.ess:.2f} < {r.ess_floor}"
+        if s.second_moment > r.m2_ceiling:
+            return f"E[w^2] {s.second_moment:.2f} > {r.m2_ceiling}"
+        if s.clip_frac > r.clip_ceiling:
+            return f"clip fraction {s.clip_frac:.2f} > {r.clip_ceiling}"
+        if self._grad_mean is not None and s.grad_norm > r.spike * self._grad_mean:
+            return f"gradient norm {s.grad_norm:.3g} > {r.spike} x its running mean {self._grad_mean:.3g}"
         return None
 
     def _track_grad_norm(self, norm: float, spiked: bool) -> None:
@@ -128,9 +122,7 @@ class AutoBound:
         self.admission = admission
         published = admission.published()
         published = auto.low if published is None else published
-        thresholds = auto.model_dump(exclude={"low", "high"})
-        self.controller = StalenessController(low=auto.low, high=auto.high,
-                                              bound=min(max(published, auto.low), auto.high), **thresholds)
+        self.controller = StalenessController(auto, bound=min(max(published, auto.low), auto.high))
         admission.set_bound(self.controller.bound)
 
     @property
