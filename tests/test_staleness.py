@@ -98,3 +98,19 @@ def test_the_learners_auto_bound_is_published_where_admission_reads_it_and_survi
     auto.after_step(4, waited)
     restarted = AutoBound(cfg.off_policy.auto, Admission(ns, max_staleness=cfg.staleness_bound, groups_per_step=2))
     assert restarted.bound == 2 == worker.bound()  # a resumed learner goes on from the bound in force
+
+
+def test_the_learners_bound_is_published_where_admission_reads_it_and_a_resumed_learner_goes_on_from_it(ns):
+    from streamrl.buffer import Admission
+    from streamrl.learner.staleness import AutoBound
+
+    admission = Admission(ns, max_staleness=8, groups_per_step=1)  # the ceiling; the published bound rules
+    rules = AutoStalenessConfig(low=1, high=4, patience=1, cooldown=1)
+    auto = AutoBound(rules, admission)
+    assert auto.bound == 1 and admission.published() == 1
+    waiting = {"wait_s": 1.0, "train_s": 1.0, "is_ess": 0.99, "clip_frac": 0.0, "grad_norm": 1.0}
+    assert "raised 1 -> 2" in auto.after_step(1, waiting)["staleness_change"]
+    assert admission.published() == 2
+    assert AutoBound(rules, admission).bound == 2  # a restarted learner
+    assert "lowered 2 -> 1" in auto.after_step(2, {**waiting, "is_ess": 0.5})["staleness_change"]
+    assert admission.published() == 1
