@@ -350,7 +350,7 @@ def report(data: dict, out: Path) -> None:
                     ["system", *roles], [[side, *(percent(m[side]["cpu_share"][r]) for r in roles)] for side in m])
     name = result_name(data)
     json_path = write_json(out, name, data)
-    fig, (ax1, ax2) = new_figure(2, f"streamrl vs {trl_name(data)}: SmolLM2-135M, same samples and machine")
+    fig, (ax1, ax2) = new_figure(2, f"streamrl vs {trl_name(data, settings=False)}: SmolLM2-135M, same samples and machine")
     sides = {"streamrl": f"streamrl ({precision['streamrl']})",
              "trl": f"TRL ({data['trl_generation']}, {precision['trl']})" if name == "trl" else "TRL (vLLM)"}
     for ax, key, label in ((ax1, "samples_per_s", "samples/s"), (ax2, "held_out_final", "held-out greedy accuracy")):
@@ -370,11 +370,14 @@ def result_name(data: dict) -> str:
     return "trl_async_lora" if data.get("lora") else "trl_async"
 
 
-def trl_name(data: dict) -> str:
+def trl_name(data: dict, settings: bool = True) -> str:
     precision = data.get("precision", {}).get("trl", "fp32")
     if data.get("trl_trainer", "sync") == "sync":
         return f"TRL GRPOTrainer ({data['trl_generation']} generation, {precision})"
-    return f"TRL AsyncGRPOTrainer (vLLM{', LoRA' if data.get('lora') else ''}, {precision})"
+    ran = (data.get("runs", {}).get("trl") or [{}])[0].get("settings", {})  # as TRL resolved them
+    how = (f"; {ran['max_inflight_tasks']} requests in flight, threads {ran['trainer_threads']} trainer + "
+           f"{ran['server_threads']} server" if settings and "trainer_threads" in ran else "")
+    return f"TRL AsyncGRPOTrainer (vLLM{', LoRA' if data.get('lora') else ''}, {precision}{how})"
 
 
 def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None,

@@ -66,7 +66,7 @@ def report(rows: list[dict], out: Path) -> dict:
                 ["candidate", "what changes", "steps made", "samples/s", "/ defaults", "samples dropped as stale",
                  "mean staleness", "weight sync s", "train reward"],
                 [[r["candidate"], ABOUT[r["candidate"]], r["steps_made"], r["samples_per_s"],
-                  r["samples_per_s"] / base if base else "", r["dropped_stale"], r["staleness_mean"],
+                  r["samples_per_s"] / base if base else "", int(r["dropped_stale"]), r["staleness_mean"],
                   r["weight_sync_s"], sum(r["train_rewards"]) / len(r["train_rewards"])] for r in rows])
     data = {"study": "trl_tune", "runs": rows, "best": best["candidate"], "best_trl_set": best["trl_set"],
             "best_max_staleness": best["max_staleness"]}
