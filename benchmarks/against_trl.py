@@ -300,8 +300,8 @@ def summary(results: dict[str, list[dict]]) -> dict:
                                                            "fraction_of_bound")}
            for side, rs in results.items()}
     for side, rs in results.items():
-        if all("cpu_share" in x for x in rs):  # runs from before it was measured have none
-            med[side]["cpu_share"] = {role: median([x["cpu_share"][role] for x in rs]) for role in rs[0]["cpu_share"]}
+        if measured := [x["cpu_share"] for x in rs if "cpu_share" in x]:  # runs from before it was measured have none
+            med[side]["cpu_share"] = {role: median([x[role] for x in measured]) for role in measured[0]}
     return {"runs": results, "repeats": len(results["trl"]), "median": med,
             "ratio": med["streamrl"]["samples_per_s"] / med["trl"]["samples_per_s"],
             "held_out_vs_trl": paired_difference([x["held_out_final"] for x in results["streamrl"]],

@@ -1,8 +1,8 @@
 """Where a run's CPU time goes: the share of the machine's cores each kind of work took over a window.
 
 A sampler thread reads, every ``interval_s``, the CPU seconds (user + system) of every process on the machine
-and files each under a role by its command line or its nearest ancestor's that has one (vLLM's engine and
-worker processes under the server that started them). A role's share of a window is the CPU seconds its
+and files each under the first role that its command line or an ancestor's matches (vLLM's engine and worker
+processes, spawned by multiprocessing like TRL's rollout worker, under the server that started them). A role's share of a window is the CPU seconds its
 processes spent inside it over ``wall × cores``; what no role took is idle. A process that exits between two
 samples loses at most one interval of its time.
 """
@@ -37,7 +37,7 @@ def trl(trainer_pid: int) -> Roles:
     rollout worker it spawns (posting requests, scoring groups) is the rest."""
     trainer = psutil.Process(trainer_pid).cmdline()
     return {"generating": lambda argv: "vllm.entrypoints.openai.api_server" in argv,
-            "other": lambda argv: "--multiprocessing-fork" in argv,
+            "other": lambda argv: any("spawn_main" in a or a == "--multiprocessing-fork" for a in argv),
             "training": lambda argv: argv == trainer}
 
 
@@ -82,14 +82,13 @@ class CpuShare:
         return self._known[proc.pid]
 
     def _match(self, proc: psutil.Process) -> str | None:
-        """The role of the process or of its nearest ancestor that has one."""
+        """The first role (in ``roles``' order) of the process or any of its ancestors: vLLM's spawned engine
+        processes go under the server that started them, whatever their own command lines look like."""
+        lineage = []
         while proc is not None and proc.pid > 1:
-            argv = proc.cmdline()
-            for role, test in self.roles.items():
-                if argv and test(argv):
-                    return role
+            lineage.append(proc.cmdline())
             proc = proc.parent()
-        return None
+        return next((role for role, test in self.roles.items() if any(argv and test(argv) for argv in lineage)), None)
 
     def seconds(self, start: float | None = None, end: float | None = None) -> tuple[dict[str, float], float]:
         """Each role's CPU seconds between ``start`` and ``end`` (``time.time()``; default: all that was sampled),

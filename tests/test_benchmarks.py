@@ -348,3 +348,20 @@ def test_the_real_model_e2e_study_has_its_own_section_and_headlines_beside_the_t
     assert "- **SmolLM2-135M: async (max staleness 4) / sync, env-latency**: 3.10× samples/s" in text
     section = text[text.index("## End to end on SmolLM2-135M: async vs sync (`streamrl bench e2e --real-model`)"):]
     assert "*smollm2 e2e*" in section and "benchmarks/e2e_smollm2.png" in section and "--real-model" in section
+
+
+def test_cpu_share_files_a_process_under_its_ancestors_earlier_role_before_its_own():
+    """vLLM's engine processes are spawned by multiprocessing, as TRL's rollout worker is: under the server that
+    started them they count as generating, not as the worker's role their own command lines also match."""
+    import subprocess
+    import sys
+
+    from benchmarks.cpu_share import CpuShare
+
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n"
+    parent = "import subprocess, sys\nsubprocess.run([sys.executable, '-c', sys.argv[1], 'fork-role'])\n"
+    roles = {"generating": lambda argv: "server-role" in argv, "other": lambda argv: "fork-role" in argv}
+    with CpuShare(roles, interval_s=0.05) as share:
+        subprocess.run([sys.executable, "-c", parent, spin, "server-role"], check=True)
+    spent, _ = share.seconds()
+    assert spent["generating"] >= 0.25 and spent["other"] == 0.0
