@@ -35,7 +35,10 @@ the quickstart's length, by which the synchronous run has converged (held-out â‰
 Every run also records its stages' speeds (``stages``), from which ``streamrl bench simulate``
 replays it to check the pipeline model.
 
-    python -m benchmarks.e2e [--quick] [--real-model]      (or: streamrl bench e2e)
+Seeds can be run one session at a time: ``--first-seed S`` joins the runs of seeds S on to an earlier run's of
+the same study.
+
+    python -m benchmarks.e2e [--quick] [--real-model] [--first-seed S]      (or: streamrl bench e2e)
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from pathlib import Path
 from benchmarks.common import (
     cli,
     console,
+    join_seeds,
     median,
     new_figure,
     paired_difference,
@@ -207,7 +211,7 @@ def async_mode(staleness: int | str) -> str:
     return "async" if staleness == STALENESS[0] else f"async-{staleness}" if staleness == "auto" else f"async-s{staleness}"
 
 
-def run(quick: bool, repeats: int | None = None, recipe: Recipe = TOY) -> dict:
+def run(quick: bool, repeats: int | None = None, recipe: Recipe = TOY, first_seed: int = 0) -> dict:
     default_repeats, steps, bounds = (1, recipe.quick_steps, STALENESS[:1]) if quick else (3, recipe.steps, STALENESS)
     repeats = repeats or default_repeats
     modes = {"sync": 0, **{async_mode(k): k for k in bounds}}  # mode -> max staleness
@@ -217,16 +221,24 @@ def run(quick: bool, repeats: int | None = None, recipe: Recipe = TOY) -> dict:
         console.log("warm start (once, shared by every run)")
         _, prepared = prepare_shared(tmp, recipe)
         order = list(modes)
-        for r in range(repeats):
+        for r in range(first_seed, first_seed + repeats):
             for workload in recipe.workloads:
                 for mode in order[r % len(order):] + order[:r % len(order)]:  # who goes first rotates
                     system_mode = "sync" if mode == "sync" else "async"  # (sync ignores the staleness bound)
                     row = one_run(tmp / "runs", prepared, workload, system_mode, steps, modes[mode] or bounds[0],
                                   seed=r, recipe=recipe)
-                    results[workload][mode].append(row)
+                    results[workload][mode].append({**row, "seed": r})
                     console.log(f"{workload} {mode}: {row['samples_per_s']:.1f} samples/s, wall {row['wall_s']:.0f}s, "
                                 f"eval {row['eval_first']:.2f} â†’ {row['eval_final']:.2f}, "
                                 f"held-out {row['held_out_final']:.2f}")
+    return {"study": "e2e", "max_steps": steps, "max_staleness": bounds[0],
+            "staleness_modes": {m: k for m, k in modes.items() if k}, "target": recipe.target,
+            "held_out": recipe.held_out, "result": recipe.result, "config": next(iter(recipe.workloads.values())),
+            "workloads": recipe.workloads, **summarise_modes(results)}
+
+
+def summarise_modes(results: dict[str, dict[str, list[dict]]]) -> dict:
+    """Each workload's medians by mode, and each async mode against sync (held-out paired by seed)."""
     summary = {}
     for workload, by_mode in results.items():
         med = {m: medians(rows) for m, rows in by_mode.items()}
@@ -237,11 +249,17 @@ def run(quick: bool, repeats: int | None = None, recipe: Recipe = TOY) -> dict:
                          for k in ("held_out_final", "held_out_reward")}}
                   for m in med if m != "sync"}
         summary[workload] = {**med, **ratios["async"], "ratios": ratios}
-    return {"study": "e2e", "repeats": repeats, "max_steps": steps, "max_staleness": bounds[0],
-            "staleness_modes": {m: k for m, k in modes.items() if k}, "target": recipe.target,
-            "held_out": recipe.held_out, "result": recipe.result, "config": next(iter(recipe.workloads.values())),
-            "workloads": recipe.workloads,
-            "runs": results, "summary": summary}
+    return {"repeats": len(next(iter(results.values()))["sync"]), "runs": results, "summary": summary}
+
+
+def more_seeds(earlier: dict, new: dict) -> dict:
+    """New seeds joined to an earlier run's of the same study (steps, bounds); other settings replace it."""
+    if any(earlier.get(k) != new.get(k) for k in ("max_steps", "staleness_modes", "workloads")):
+        return new
+    if not all("seed" in x for by_mode in earlier["runs"].values() for rows in by_mode.values() for x in rows):
+        return new  # written before runs recorded their seed
+    runs = {w: join_seeds(earlier["runs"][w], by_mode) for w, by_mode in new["runs"].items()}
+    return {**new, **summarise_modes(runs)}
 
 
 def report(data: dict, out: Path) -> None:
@@ -284,9 +302,14 @@ def report(data: dict, out: Path) -> None:
 
 
 def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None,
-         real_model: bool = False) -> dict:
-    """``real_model``: SmolLM2-135M's pair of workloads (``RECIPES["smollm2"]``) instead of the toy's."""
-    data = run(quick, repeats, RECIPES["smollm2" if real_model else "toy"])
+         real_model: bool = False, first_seed: int = 0) -> dict:
+    """``real_model``: SmolLM2-135M's pair of workloads (``RECIPES["smollm2"]``) instead of the toy's;
+    ``first_seed``: the first repeat's seed (runs of other seeds of the same study, in its results file, join)."""
+    recipe = RECIPES["smollm2" if real_model else "toy"]
+    data = run(quick, repeats, recipe, first_seed)
+    earlier = out / f"{recipe.result}.json"
+    if earlier.is_file():
+        data = more_seeds(json.loads(earlier.read_text()), data)
     report(data, out)
     return data
 

@@ -340,7 +340,7 @@ def bench(
                                                          "with vLLM too).")] = None,
     lora: Annotated[bool | None, typer.Option("--lora", help="trl --trl-trainer async: both sides train the LoRA "
                                                              "recipe's adapter (configs/smollm2-lora.yaml).")] = None,
-    first_seed: Annotated[int | None, typer.Option(help="lora (its accuracy study), trl and engines: the first "
+    first_seed: Annotated[int | None, typer.Option(help="lora (its accuracy study), trl, engines and e2e: the first "
                                                         "seed, to add seeds to an earlier run's results (default: 0).",
                                                    min=0)] = None,
     streamrl_set: Annotated[list[str] | None, typer.Option("--streamrl-set", help="trl: a config override for "

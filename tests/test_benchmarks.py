@@ -365,3 +365,25 @@ def test_cpu_share_files_a_process_under_its_ancestors_earlier_role_before_its_o
         subprocess.run([sys.executable, "-c", parent, spin, "server-role"], check=True)
     spent, _ = share.seconds()
     assert spent["generating"] >= 0.25 and spent["other"] == 0.0
+
+
+def test_e2e_seeds_join_an_earlier_run_of_the_same_study_and_pair_by_seed(tmp_path, monkeypatch):
+    from benchmarks import e2e
+
+    def row(seed: int, samples_per_s: float, held_out: float) -> dict:
+        return {"seed": seed, "samples_per_s": samples_per_s, "steady_samples_per_s": samples_per_s, "wall_s": 1.0,
+                "eval_final": 0.9, "held_out_final": held_out, "held_out_reward": held_out, "dropped_fraction": 0.0,
+                "time_to_target_s": None}
+
+    def study(seeds: dict[int, tuple]) -> dict:
+        runs = {"agentic": {"sync": [row(s, 1.0, a) for s, (a, _) in seeds.items()],
+                            "async": [row(s, 3.0, b) for s, (_, b) in seeds.items()]}}
+        return {"max_steps": 20, "staleness_modes": {"async": 4}, "workloads": {"agentic": "x.yaml"},
+                **e2e.summarise_modes(runs)}
+
+    earlier = study({0: (0.5, 0.6), 1: (0.5, 0.4)})
+    joined = e2e.more_seeds(earlier, study({1: (0.5, 0.5), 2: (0.6, 0.6)}))  # seed 1 again replaces it
+    assert joined["repeats"] == 3 and [x["seed"] for x in joined["runs"]["agentic"]["async"]] == [0, 1, 2]
+    assert joined["summary"]["agentic"]["held_out_final_vs_sync"]["mean"] == pytest.approx((0.1 + 0.0 + 0.0) / 3)
+    other = {**study({3: (0.5, 0.5)}), "max_steps": 40}
+    assert e2e.more_seeds(earlier, other) is other  # another study: not joined
