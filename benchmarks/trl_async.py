@@ -39,8 +39,8 @@ shuffled by the run's seed (its worker reads them in order). What TRL leaves to 
 (``--trl-set KEY=VALUE``, ``TUNABLE``): in-flight requests (TRL's default: ``max_staleness × samples per step``) and
 the torch threads of its trainer and of its server (default one each, as ``streamrl up`` splits two cores). Max
 staleness is the same on both sides: the recipe's, or ``--streamrl-set off_policy.max_staleness=K`` for both.
-`streamrl bench trl-tune` tries these settings on TRL alone; the full fine-tuning run takes its fastest (max
-staleness 2, TRL's default in-flight count for it, one thread each), and the table's title names them.
+`streamrl bench trl-tune` tries these settings on TRL alone; a run takes the fastest it found, and its table's
+title names the settings both sides ran with.
 
 What cannot be matched: TRL divides advantages by the group's standard deviation, clips its ratio against the
 server's logprobs, and drops samples older than the bound one by one (generated, never trained). After the last
