@@ -56,8 +56,8 @@ def test_unknown_benchmark_is_refused():
 def test_a_benchmark_option_the_study_does_not_take_is_refused():
     out = _run("bench", "queue", "--repeats", "3")
     assert out.returncode == 2 and "--repeats does not apply to queue" in out.stderr
-    out = _run("bench", "e2e", "--first-seed", "1")
-    assert out.returncode == 2 and "--first-seed does not apply to e2e" in out.stderr
+    out = _run("bench", "e2e", "--trl-set", "server_threads=2")
+    assert out.returncode == 2 and "--trl-set does not apply to e2e" in out.stderr
 
 
 def test_redis_subcommand_serves_until_terminated(tmp_path):
