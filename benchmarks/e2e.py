@@ -124,8 +124,7 @@ def held_out_scores(run_path: Path, cfg, version: int, n: int) -> dict:
     ``held_out_final`` is first-try accuracy; ``held_out_reward`` the task's own reward, which on the
     agentic workload counts a right second try at its discount (the same as accuracy on single-turn).
     """
-    scores = held_out(cfg, run_path / "export" / f"version-{version}", held_out_rows(run_path / "prepared", n),
-                      tokenizer_dir=run_path / "prepared" / "model")
+    scores = held_out(cfg, run_path / "export" / f"version-{version}", held_out_rows(run_path / "prepared", n))
     return {"held_out_final": scores["accuracy"], "held_out_reward": scores["reward"]}
 
 

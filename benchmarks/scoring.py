@@ -64,15 +64,15 @@ async def _gather(coroutines):
     return await asyncio.gather(*coroutines)
 
 
-def held_out(cfg, model_dir: Path, items: list[dict], tokenizer_dir: Path | None = None) -> dict[str, float]:
-    """``play_episodes`` of the weights saved in ``model_dir``, loaded in fp32 whatever they trained in (the
-    tokenizer from ``tokenizer_dir`` when the export has none)."""
+def held_out(cfg, model_dir: Path, items: list[dict]) -> dict[str, float]:
+    """``play_episodes`` of the weights saved in ``model_dir`` (an export: weights and tokenizer), loaded in fp32
+    whatever they trained in."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from streamrl.models import load_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    tokenizer = load_tokenizer(tokenizer_dir or model_dir)
+    tokenizer = load_tokenizer(model_dir)
     return play_episodes(cfg, items, lambda conversations: greedy_replies(
         model, tokenizer, conversations, cfg.rollout.sampling.max_new_tokens))
