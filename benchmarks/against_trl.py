@@ -252,9 +252,9 @@ def run(quick: bool, repeats: int | None, steps: int | None, generation: str, pr
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         cfg, prepared = prepare_shared(tmp)
-        if config != CONFIG or trainer == "async":  # another recipe (the LoRA one) or TRL's async trainer, whose
-            # settings (max staleness) follow the overrides: the recipe's, with the prepared model
-            cfg = load_config(config, [f"model.path={cfg.model.path}", *(overrides if trainer == "async" else ())])
+        # the recipe's settings with the prepared model; TRL's async trainer shares the overrides (max staleness)
+        shared = overrides if trainer == "async" else ()
+        cfg = load_config(config, [f"model.path={cfg.model.path}", *shared])
         held_out = rows(prepared / "eval.jsonl")
         limit = bound(cfg, prepared)
         console.log(f"matmul rate fp32 {limit['matmul_flops'] / 1e9:.0f} GFLOP/s, bf16 "

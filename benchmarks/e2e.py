@@ -86,13 +86,16 @@ class Recipe:
     target: float  # eval accuracy whose first crossing is timed
     held_out: int  # prompts of the final greedy evaluation, off the clock (the online one scores 64)
     result: str  # the results file's name
+    model: str  # as the table's title names it ("": the toy, the study's first)
+    task: str  # as the plot's title names it
 
 
 RECIPES = {
     "toy": Recipe({"single-turn": "configs/quickstart.yaml", "env-latency": "configs/agentic.yaml"},
-                  steps=40, quick_steps=12, target=0.8, held_out=512, result="e2e"),
+                  steps=40, quick_steps=12, target=0.8, held_out=512, result="e2e", model="", task="quickstart task"),
     "smollm2": Recipe({"single-turn": "configs/smollm2.yaml", "env-latency": "configs/smollm2-agentic.yaml"},
-                      steps=20, quick_steps=3, target=0.5, held_out=256, result="e2e_smollm2"),
+                      steps=20, quick_steps=3, target=0.5, held_out=256, result="e2e_smollm2", model="SmolLM2-135M",
+                      task="SmolLM2-135M, two-digit addition"),
 }
 TOY = RECIPES["toy"]
 WORKLOADS, HELD_OUT = TOY.workloads, TOY.held_out  # the toy's, which bench ablation varies
@@ -232,8 +235,8 @@ def run(quick: bool, repeats: int | None = None, recipe: Recipe = TOY, first_see
                                 f"held-out {row['held_out_final']:.2f}")
     return {"study": "e2e", "max_steps": steps, "max_staleness": bounds[0],
             "staleness_modes": {m: k for m, k in modes.items() if k}, "target": recipe.target,
-            "held_out": recipe.held_out, "result": recipe.result, "config": next(iter(recipe.workloads.values())),
-            "workloads": recipe.workloads, **summarise_modes(results)}
+            "held_out": recipe.held_out, "result": recipe.result, "model": recipe.model, "task": recipe.task,
+            "config": next(iter(recipe.workloads.values())), "workloads": recipe.workloads, **summarise_modes(results)}
 
 
 def summarise_modes(results: dict[str, dict[str, list[dict]]]) -> dict:
@@ -273,15 +276,14 @@ def report(data: dict, out: Path) -> None:
         for mode, r in s["ratios"].items():
             rows.append([f"{workload}: {mode} / sync", r["ratio"], r["steady_ratio"], "", "", "",
                          points(r["held_out_final_vs_sync"]), points(r["held_out_reward_vs_sync"]), ""])
-    model = "SmolLM2-135M, " if data.get("result") == "e2e_smollm2" else ""
+    model = f"{data['model']}, " if data.get("model") else ""
     held_out, name = data.get("held_out", HELD_OUT), data.get("result", "e2e")
     print_table(f"End to end, {model}{data['max_steps']} steps, medians of {data['repeats']}; held-out of a ratio row: "
                 "mean difference from sync over seed-paired runs, ± its 95% t interval",
                 ["run", "samples/s", "steady samples/s", "wall s", f"s to eval ≥ {data['target']} (runs)",
                  "final eval (64)", f"held-out first try ({held_out})", "held-out reward", "dropped stale"], rows)
     json_path = write_json(out, name, data)
-    task = "SmolLM2-135M, two-digit addition" if model else "quickstart task"
-    fig, (ax1, ax2) = new_figure(2, f"Async vs sync, same samples ({task})")
+    fig, (ax1, ax2) = new_figure(2, f"Async vs sync, same samples ({data.get('task', TOY.task)})")
     names = list(data["summary"])
     width = 0.8 / len(modes)
     labels = {m: m if m == "sync" else f"async, staleness ≤ {data['staleness_modes'][m]}" for m in modes}
