@@ -137,7 +137,7 @@ class AdapterReceiver(HostReceiver):
             self.pending = None
             raise
         push = self.pending = self.pending or _Pending(version)
-        push.tensors += [(name, t.clone()) for name, t in unpack(buffer, bucket)]  # the buffer is reused
+        push.tensors += unpack(buffer, bucket)  # views: the engine is done with them when load_adapter returns
         if len(push.tensors) >= lora.tensors:
             self.pending = None
             await self.engine.load_adapter(push.tensors, lora, version)

@@ -93,7 +93,9 @@ class Engine(Protocol):
     def resume(self) -> None: ...
 
     async def load_adapter(self, tensors: list, spec: AdapterSpec, version: int) -> None:
-        """A LoRA server: serve the adapter ``(name, tensor)`` pairs (checked already) as version ``version``."""
+        """A LoRA server: serve the adapter ``(name, tensor)`` pairs (checked already) as version ``version``.
+        The tensors are the caller's again once this returns (the receiver reuses their buffers): copy what
+        is kept."""
 
     async def update_weights(self, named_tensors: list, version: int) -> None:
         """Swap in ``(name, tensor)`` pairs; later tokens carry ``version``. The tensors are the
