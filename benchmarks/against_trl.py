@@ -212,6 +212,8 @@ def streamrl_run(cfg: Config, prepared: Path, runs: Path, *, steps: int, seed: i
             "completion_tokens": sum(r["tokens_global"] for r in trained) / samples,
             "train_reward_last5": sum(r["reward_mean"] for r in trained[-5:]) / len(trained[-5:]),
             "train_rewards": [r["reward_mean"] for r in trained],
+            "step_train_s": median([r["train_s"] for r in trained]),  # the learner's compute a step
+            "learner_waiting": sum(r["wait_s"] for r in trained) / wall,  # its share of the clock spent on data
             "eval_online_final": evals[-1]["eval/accuracy"],
             "evals": [[e["time"] - start, e["step"], e["eval/accuracy"]] for e in evals],  # seconds, step, accuracy
             "held_out_final": score_final(cfg, path / "export" / f"version-{trained[-1]['step']}",

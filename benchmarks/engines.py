@@ -18,6 +18,7 @@ import json
 import tempfile
 from pathlib import Path
 
+from benchmarks import cpu_share
 from benchmarks.against_trl import prepare_shared, streamrl_run
 from benchmarks.common import (
     cli,
@@ -26,12 +27,14 @@ from benchmarks.common import (
     median,
     new_figure,
     paired_difference,
+    percent,
     points,
     print_table,
     save_figure,
     settings,
     write_json,
 )
+from benchmarks.cpu_share import CpuShare
 
 ENGINES = ("hf", "vllm")
 TARGET = 0.672  # held-out greedy accuracy after 60 steps in the README's table: the median of seeds 0-2
@@ -50,14 +53,17 @@ def run(seeds: range, steps: int) -> dict[str, list[dict]]:
         cfg, prepared = prepare_shared(tmp)
         for seed in seeds:
             for engine in ENGINES[seed % 2:] + ENGINES[:seed % 2]:  # who goes first rotates
-                row = streamrl_run(cfg, prepared, tmp / "runs", steps=steps, seed=seed, precision="fp32",
-                                   overrides=(f"server.engine={engine}", f"eval.every={EVAL_EVERY}"),
-                                   name=f"{engine}-{seed}")
-                row.update(seed=seed, time_to_target=time_to(TARGET, row["evals"]))
+                with CpuShare(cpu_share.STREAMRL) as cores:
+                    row = streamrl_run(cfg, prepared, tmp / "runs", steps=steps, seed=seed, precision="fp32",
+                                       overrides=(f"server.engine={engine}", f"eval.every={EVAL_EVERY}"),
+                                       name=f"{engine}-{seed}")
+                row.update(seed=seed, time_to_target=time_to(TARGET, row["evals"]),
+                           cpu_share=cores.shares(*row["window"]))  # where the cores went while the clock ran
                 runs[engine].append(row)
                 console.log(f"{engine} seed {seed}: {row['samples_per_s']:.2f} samples/s over {row['wall_s']:.0f} s, "
                             f"eval {row['eval_online_final']:.3f}, held-out {row['held_out_final']:.3f}, "
-                            f"to {TARGET}: {row['time_to_target']}")
+                            f"to {TARGET}: " + ("not reached" if row["time_to_target"] is None
+                                                 else f"{row['time_to_target']:.0f} s"))
     return runs
 
 
@@ -69,6 +75,12 @@ def summary(runs: dict[str, list[dict]]) -> dict:
         med[engine] = {**{k: median([r[k] for r in rs]) for k in ("wall_s", "samples_per_s", "eval_online_final",
                                                                    "held_out_final")},
                        "time_to_target": median(reached), "reached": len(reached)}
+        # figures that runs from before they were recorded lack: over the runs that have them
+        for key in ("step_train_s", "learner_waiting"):
+            if have := [r[key] for r in rs if key in r]:
+                med[engine][key] = median(have)
+        if measured := [r["cpu_share"] for r in rs if "cpu_share" in r]:
+            med[engine]["cpu_share"] = {role: median([x[role] for x in measured]) for role in measured[0]}
     return {"runs": runs, "median": med,
             "speedup": med["vllm"]["samples_per_s"] / med["hf"]["samples_per_s"],
             "held_out_vllm_vs_hf": paired_difference([r["held_out_final"] for r in runs["vllm"]],
@@ -87,6 +99,15 @@ def report(data: dict, out: Path) -> None:
                 ["seed", "engine", "wall min", "online eval by step", "held-out greedy accuracy"],
                 [[r["seed"], e, r["wall_s"] / 60, " ".join(f"{s}:{a:.2f}" for _, s, a in r["evals"]),
                   r["held_out_final"]] for e in ENGINES for r in data["runs"][e]])
+    if all("cpu_share" in m[e] and "step_train_s" in m[e] for e in ENGINES):
+        roles = ["generating", "training", "other", "idle"]
+        print_table("Where the cores went while the clock ran (share of all cores, medians of the runs that "
+                    "measured it): generating (the server and its engine's processes), training (the learner), "
+                    "other (rollout worker, router, evaluator, Redis), idle; and the learner's seconds of compute "
+                    "a step and share of the clock spent waiting for data",
+                    ["engine", *roles, "learner s a step", "learner waiting"],
+                    [[e, *(percent(m[e]["cpu_share"][r]) for r in roles), m[e]["step_train_s"],
+                      percent(m[e]["learner_waiting"])] for e in ENGINES])
     json_path = write_json(out, "engines", data)
     fig, (ax,) = new_figure(1, "configs/smollm2.yaml: online greedy accuracy against wall time")
     for e, color in zip(ENGINES, ("tab:blue", "tab:orange")):

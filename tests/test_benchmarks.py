@@ -317,9 +317,14 @@ def test_engines_study_times_the_first_evaluation_at_the_target_and_pairs_engine
                                      "vllm": [_engine_run(0, "vllm", 2.0, 0.60, fast),
                                               _engine_run(1, "vllm", 9.0, 0.9, fast)]}}
     (tmp_path / "engines.json").write_text(json.dumps(earlier))
+    cores = {"generating": 0.5, "training": 0.3, "other": 0.05, "idle": 0.15}
+    measured = {"cpu_share": cores, "step_train_s": 7.0, "learner_waiting": 0.4}  # seed 0 ran before these were
     monkeypatch.setattr(recipe, "run", lambda seeds, steps: {  # seed 1 again: it replaces the earlier seed 1
-        "hf": [_engine_run(1, "hf", 1.0, 0.64, slow)], "vllm": [_engine_run(1, "vllm", 3.0, 0.66, fast)]})
+        "hf": [_engine_run(1, "hf", 1.0, 0.64, slow) | measured], "vllm": [_engine_run(1, "vllm", 3.0, 0.66, fast)
+                                                                           | measured | {"step_train_s": 20.0}]})
     data = recipe.main(out=tmp_path, repeats=1, first_seed=1)
+    assert data["median"]["vllm"]["cpu_share"] == cores  # over the runs that measured it alone
+    assert data["median"]["vllm"]["step_train_s"] == 20.0 and data["median"]["hf"]["learner_waiting"] == 0.4
     assert [r["seed"] for r in data["runs"]["vllm"]] == [0, 1]
     assert data["speedup"] == pytest.approx(2.5 / 1.0)  # medians (2+3)/2 over 1
     assert data["median"]["vllm"]["time_to_target"] == 300.0 and data["median"]["vllm"]["reached"] == 2
