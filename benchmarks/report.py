@@ -28,7 +28,7 @@ COMMANDS = {"e2e_smollm2": "e2e --real-model", "trl_async": "trl --trl-trainer a
 HEADLINES = {"e2e": "- **async (", "e2e_smollm2": "- **SmolLM2-135M: async (", "ablation": "- **ablation `", "trl": "- **streamrl / TRL GRPOTrainer",
              "trl_async": "- **streamrl / TRL AsyncGRPOTrainer (vLLM)**",
              "trl_async_lora": "- **streamrl / TRL AsyncGRPOTrainer (vLLM, LoRA)**", "soak": "- **soak**",
-             "agent": "- **agent gateway", "lora": "- **LoRA / full"}
+             "agent": "- **agent gateway", "lora": "- **LoRA / full", "engines": "- **vllm / hf engine"}
 
 
 def about(name: str) -> str:
@@ -121,12 +121,25 @@ def headlines(results: Path) -> list[str]:
             line += (f"; held-out accuracy {m['lora']['held_out_final']:.3f} vs {m['full']['held_out_final']:.3f} "
                      f"(paired difference {points(acc['held_out_lora_vs_full'])})")
         lines.append(line)
+    if engines := load("engines"):
+        lines.append(engines_headline(engines))
     if soak := load("soak"):
         worst = max(soak["growth"].items(), key=lambda kv: kv[1]["growth"], default=None)
         if worst:
             lines.append(f"- **soak**: {soak['minutes']:.0f} min; largest memory growth after warm-up "
                          f"{worst[1]['growth']:+.1%} ({worst[0]})")
     return lines
+
+
+def engines_headline(engines: dict) -> str:
+    m, n = engines["median"], len(engines["runs"]["hf"])
+    reached = {e: f"{m[e]['time_to_target'] / 60:.1f} min ({m[e]['reached']}/{n} runs)" if m[e]["reached"]
+               else "not reached" for e in m}
+    return (f"{HEADLINES['engines']}, configs/smollm2.yaml** ({engines['steps']} steps): {engines['speedup']:.2f}× "
+            f"samples/s ({m['vllm']['samples_per_s']:.3g} vs {m['hf']['samples_per_s']:.3g}; medians of {n}), time to "
+            f"{engines['target']} {reached['vllm']} vs {reached['hf']}, held-out accuracy "
+            f"{m['vllm']['held_out_final']:.3f} vs {m['hf']['held_out_final']:.3f} "
+            f"(paired difference {points(engines['held_out_vllm_vs_hf'])})")
 
 
 def trl_headline(name: str, trl: dict) -> str:

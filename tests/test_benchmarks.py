@@ -331,6 +331,11 @@ def test_engines_study_times_the_first_evaluation_at_the_target_and_pairs_engine
     assert data["median"]["hf"]["time_to_target"] == 900.0
     assert data["held_out_vllm_vs_hf"]["mean"] == pytest.approx(((0.60 - 0.70) + (0.66 - 0.64)) / 2)
     assert (tmp_path / "engines.png").is_file()
+    from benchmarks import report
+
+    line = next(x for x in report.headlines(tmp_path) if x.startswith(report.HEADLINES["engines"]))
+    assert "2.50× samples/s (2.5 vs 1; medians of 2)" in line
+    assert "time to 0.672 5.0 min (2/2 runs) vs 15.0 min (2/2 runs)" in line
 
 
 def test_the_real_model_e2e_study_has_its_own_section_and_headlines_beside_the_toys(tmp_path):
