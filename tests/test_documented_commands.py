@@ -95,6 +95,7 @@ COMMANDS = {
     "streamrl bench soak": BENCH,
     "streamrl bench trl --precision bf16": BENCH,
     "streamrl bench trl --trl-trainer async --lora": BENCH,
+    "streamrl bench engines": BENCH,
 }
 
 
