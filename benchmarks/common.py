@@ -196,6 +196,10 @@ def cli(main, doc: str) -> None:
         parser.add_argument("--study", help="one of the module's studies (default: all)")
     if "first_seed" in main.__code__.co_varnames:
         parser.add_argument("--first-seed", type=int, default=0, help="the first seed (to add seeds to a run's)")
+    if "real_model" in main.__code__.co_varnames:
+        parser.add_argument("--real-model", action="store_true", help="SmolLM2-135M's workloads, not the toy's")
+    if "staleness" in main.__code__.co_varnames:
+        parser.add_argument("--staleness", action="append", default=[], help="an async arm's bound (repeatable)")
     args = vars(parser.parse_args())
     settings["quick"] = args["quick"]
     main(**args)

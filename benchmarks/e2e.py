@@ -35,10 +35,10 @@ the quickstart's length, by which the synchronous run has converged (held-out â‰
 Every run also records its stages' speeds (``stages``), from which ``streamrl bench simulate``
 replays it to check the pipeline model.
 
-Seeds can be run one session at a time: ``--first-seed S`` joins the runs of seeds S on to an earlier run's of
-the same study.
+Seeds and arms can be run one session at a time: ``--first-seed S`` joins the runs of seeds S on to an earlier
+run's of the same study, and ``--staleness B`` (repeatable) runs sync and only those async arms.
 
-    python -m benchmarks.e2e [--quick] [--real-model] [--first-seed S]      (or: streamrl bench e2e)
+    python -m benchmarks.e2e [--quick] [--real-model] [--first-seed S] [--staleness B]   (or: streamrl bench e2e)
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def medians(rows: list[dict]) -> dict:
            for k in ("samples_per_s", "steady_samples_per_s", "wall_s", "eval_final", "held_out_final",
                      "held_out_reward", "dropped_fraction")}
     reached = [x["time_to_target_s"] for x in rows if x["time_to_target_s"] is not None]
-    out.update(time_to_target_s=median(reached), reached_target=f"{len(reached)}/{len(rows)}")
+    out.update(time_to_target_s=median(reached), reached_target=f"{len(reached)}/{len(rows)}", runs=len(rows))
     return out
 
 
@@ -213,9 +213,11 @@ def async_mode(staleness: int | str) -> str:
     return "async" if staleness == STALENESS[0] else f"async-{staleness}" if staleness == "auto" else f"async-s{staleness}"
 
 
-def run(quick: bool, repeats: int | None = None, recipe: Recipe = TOY, first_seed: int = 0) -> dict:
-    default_repeats, steps, bounds = (1, recipe.quick_steps, STALENESS[:1]) if quick else (3, recipe.steps, STALENESS)
-    repeats = repeats or default_repeats
+def run(quick: bool, repeats: int | None = None, recipe: Recipe = TOY, first_seed: int = 0,
+        bounds: tuple[int | str, ...] | None = None) -> dict:
+    default_repeats, steps, default_bounds = ((1, recipe.quick_steps, STALENESS[:1]) if quick
+                                              else (3, recipe.steps, STALENESS))
+    repeats, bounds = repeats or default_repeats, bounds or default_bounds
     modes = {"sync": 0, **{async_mode(k): k for k in bounds}}  # mode -> max staleness
     results: dict[str, dict[str, list[dict]]] = {w: {m: [] for m in modes} for w in recipe.workloads}
     with tempfile.TemporaryDirectory() as tmp:
@@ -247,21 +249,33 @@ def summarise_modes(results: dict[str, dict[str, list[dict]]]) -> dict:
         ratios = {m: {"ratio": med[m]["samples_per_s"] / med["sync"]["samples_per_s"],
                       "steady_ratio": med[m]["steady_samples_per_s"] / med["sync"]["steady_samples_per_s"],
                       # repeat r runs every mode at seed r: the held-out difference is paired by seed
-                      **{f"{k}_vs_sync": paired_difference([x[k] for x in by_mode[m]], [x[k] for x in by_mode["sync"]])
+                      **{f"{k}_vs_sync": by_seed(by_mode[m], by_mode["sync"], k)
                          for k in ("held_out_final", "held_out_reward")}}
                   for m in med if m != "sync"}
-        summary[workload] = {**med, **ratios["async"], "ratios": ratios}
+        summary[workload] = {**med, **ratios.get("async", {}), "ratios": ratios}
     return {"repeats": len(next(iter(results.values()))["sync"]), "runs": results, "summary": summary}
 
 
+def by_seed(rows: list[dict], base: list[dict], key: str) -> dict:
+    """``paired_difference`` of ``key`` over the seeds both arms ran (an arm may have run fewer seeds)."""
+    base_of = {x["seed"]: x[key] for x in base}
+    pairs = [(x[key], base_of[x["seed"]]) for x in rows if x["seed"] in base_of]
+    return paired_difference([a for a, _ in pairs], [b for _, b in pairs])
+
+
 def more_seeds(earlier: dict, new: dict) -> dict:
-    """New seeds joined to an earlier run's of the same study (steps, bounds); other settings replace it."""
-    if any(earlier.get(k) != new.get(k) for k in ("max_steps", "staleness_modes", "workloads")):
+    """New runs joined to an earlier run's of the same study (steps, workloads): new seeds, or new bounds on
+    seeds already run; a (bound, seed) run again replaces its earlier run. Other settings replace it."""
+    if any(earlier.get(k) != new.get(k) for k in ("max_steps", "workloads")):
         return new
     if not all("seed" in x for by_mode in earlier["runs"].values() for rows in by_mode.values() for x in rows):
         return new  # written before runs recorded their seed
-    runs = {w: join_seeds(earlier["runs"][w], by_mode) for w, by_mode in new["runs"].items()}
-    return {**new, **summarise_modes(runs)}
+    runs = {w: {**earlier["runs"][w], **join_seeds(earlier["runs"][w], by_mode)} for w, by_mode in new["runs"].items()}
+    modes = {**earlier.get("staleness_modes", {}), **new["staleness_modes"]}
+    modes = {async_mode(b): b for b in STALENESS if async_mode(b) in modes}  # the table's order
+    for w in runs:
+        runs[w] = {m: runs[w][m] for m in ("sync", *modes)}
+    return {**new, "staleness_modes": modes, **summarise_modes(runs)}
 
 
 def report(data: dict, out: Path) -> None:
@@ -270,6 +284,8 @@ def report(data: dict, out: Path) -> None:
         for mode in modes:
             m = s[mode]
             label = mode if mode == "sync" else f"async, max staleness {data['staleness_modes'][mode]}"
+            if m.get("runs", data["repeats"]) != data["repeats"]:
+                label += f" ({m['runs']} seeds)"
             rows.append([f"{workload} / {label}", m["samples_per_s"], m["steady_samples_per_s"], m["wall_s"],
                          f"{m['time_to_target_s']:.0f} ({m['reached_target']})", m["eval_final"],
                          m["held_out_final"], m["held_out_reward"], percent(m.get("dropped_fraction"))])
@@ -302,12 +318,21 @@ def report(data: dict, out: Path) -> None:
     save_figure(fig, out, name, json_path)
 
 
+def bounds_of(staleness: tuple[str, ...]) -> tuple[int | str, ...]:
+    """``--staleness`` values as the study's bounds, refusing one it does not run."""
+    known = {str(b): b for b in STALENESS}
+    if unknown := [s for s in staleness if s not in known]:
+        raise SystemExit(f"--staleness {', '.join(unknown)}: the study's async arms are {', '.join(known)}")
+    return tuple(known[s] for s in staleness)
+
+
 def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None,
-         real_model: bool = False, first_seed: int = 0) -> dict:
+         real_model: bool = False, first_seed: int = 0, staleness: tuple[str, ...] = ()) -> dict:
     """``real_model``: SmolLM2-135M's pair of workloads (``RECIPES["smollm2"]``) instead of the toy's;
-    ``first_seed``: the first repeat's seed (runs of other seeds of the same study, in its results file, join)."""
+    ``first_seed``: the first repeat's seed (runs of other seeds of the same study, in its results file, join);
+    ``staleness``: the async arms to run beside sync (default: all of ``STALENESS``; arms run later join)."""
     recipe = RECIPES["smollm2" if real_model else "toy"]
-    data = run(quick, repeats, recipe, first_seed)
+    data = run(quick, repeats, recipe, first_seed, bounds_of(staleness))
     earlier = out / f"{recipe.result}.json"
     if earlier.is_file():
         data = more_seeds(json.loads(earlier.read_text()), data)

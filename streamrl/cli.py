@@ -348,6 +348,9 @@ def bench(
     real_model: Annotated[bool | None, typer.Option("--real-model", help="e2e: SmolLM2-135M's workloads "
                                                     "(configs/smollm2.yaml and configs/smollm2-agentic.yaml) instead "
                                                     "of the toy's.")] = None,
+    staleness: Annotated[list[str] | None, typer.Option(help="e2e: an async arm's max staleness (repeatable: 4, 2, "
+                                                      "1 or auto) to run beside sync (default: all four); its runs "
+                                                      "join the study's earlier ones.")] = None,
     trl_set: Annotated[list[str] | None, typer.Option("--trl-set", help="trl --trl-trainer async: a setting of "
                                                       "TRL's side (repeatable): max_inflight_tasks, trainer_threads "
                                                       "or server_threads, e.g. server_threads=2.")] = None,
@@ -370,7 +373,8 @@ def bench(
         ("model", str(model) if model else None), ("repeats", repeats), ("steps", steps),
         ("trl_generation", trl_generation), ("precision", precision), ("trl_precision", trl_precision),
         ("study", study), ("trl_trainer", trl_trainer), ("lora", lora), ("first_seed", first_seed), ("streamrl_set", tuple(streamrl_set or ()) or None),
-        ("trl_set", tuple(trl_set or ()) or None), ("real_model", real_model))
+        ("trl_set", tuple(trl_set or ()) or None), ("real_model", real_model),
+        ("staleness", tuple(staleness or ()) or None))
         if value is not None}
     takes = inspect.signature(importlib.import_module(MODULES[suite]).main).parameters  # the study's own options
     for name in options.keys() - takes.keys():

@@ -397,3 +397,18 @@ def test_e2e_seeds_join_an_earlier_run_of_the_same_study_and_pair_by_seed(tmp_pa
     assert joined["summary"]["agentic"]["held_out_final_vs_sync"]["mean"] == pytest.approx((0.1 + 0.0 + 0.0) / 3)
     other = {**study({3: (0.5, 0.5)}), "max_steps": 40}
     assert e2e.more_seeds(earlier, other) is other  # another study: not joined
+
+    # an arm run later on one of the seeds joins beside the others, paired with sync on that seed alone
+    auto = {"max_steps": 20, "staleness_modes": {"async-auto": "auto"}, "workloads": {"agentic": "x.yaml"},
+            **e2e.summarise_modes({"agentic": {"sync": [row(1, 1.2, 0.7)], "async-auto": [row(1, 2.4, 0.8)]}})}
+    both = e2e.more_seeds(joined, auto)
+    assert list(both["runs"]["agentic"]) == ["sync", "async", "async-auto"]
+    assert both["staleness_modes"] == {"async": 4, "async-auto": "auto"}
+    assert [x["samples_per_s"] for x in both["runs"]["agentic"]["sync"]] == [1.0, 1.2, 1.0]  # seed 1 rerun
+    s = both["summary"]["agentic"]
+    assert s["async-auto"]["runs"] == 1 and s["ratios"]["async-auto"]["ratio"] == pytest.approx(2.4 / 1.0)
+    assert s["ratios"]["async-auto"]["held_out_final_vs_sync"]["mean"] == pytest.approx(0.1)
+    assert s["ratios"]["async-auto"]["held_out_final_vs_sync"]["pairs"] == 1
+    with pytest.raises(SystemExit, match="--staleness 3"):
+        e2e.bounds_of(("auto", "3"))
+    assert e2e.bounds_of(("4", "auto")) == (4, "auto")
