@@ -14,7 +14,8 @@ Each run is a real ``streamrl up`` (every part its own process) of one of two sh
 With ``--real-model`` the same pair on SmolLM2-135M-Instruct's two-digit addition (``RECIPES["smollm2"]``):
 ``configs/smollm2.yaml`` (compute-bound: a 135M model generating and training on the same two cores) and
 ``configs/smollm2-agentic.yaml`` (its replies go to the ~1 s checker, a wrong one gets a second try paying
-half); 20 steps a run, 256 held-out questions, eval target 0.5.
+half); 20 steps a run, 256 held-out questions, eval target 0.5, evaluated online at steps 0, 10 and 20 only
+(64 greedy two-turn episodes take the real model's server for over a minute, on the clock).
 
 Both modes train the same number of samples (``max_steps × groups_per_step × n``) from the same
 warm-started model. The clock starts when the rollout worker begins generating (its opening report) —
@@ -88,6 +89,7 @@ class Recipe:
     result: str  # the results file's name
     model: str  # as the table's title names it ("": the toy, the study's first)
     task: str  # as the plot's title names it
+    evals: int = 4  # online evaluations after the first (each takes the server from the run's own generation)
 
 
 RECIPES = {
@@ -95,7 +97,7 @@ RECIPES = {
                   steps=40, quick_steps=12, target=0.8, held_out=512, result="e2e", model="", task="quickstart task"),
     "smollm2": Recipe({"single-turn": "configs/smollm2.yaml", "env-latency": "configs/smollm2-agentic.yaml"},
                       steps=20, quick_steps=3, target=0.5, held_out=256, result="e2e_smollm2", model="SmolLM2-135M",
-                      task="SmolLM2-135M, two-digit addition"),
+                      task="SmolLM2-135M, two-digit addition", evals=2),
 }
 TOY = RECIPES["toy"]
 WORKLOADS, HELD_OUT = TOY.workloads, TOY.held_out  # the toy's, which bench ablation varies
@@ -107,7 +109,7 @@ def one_run(run_dir: Path, prepared: Path, workload: str, mode: str, steps: int,
     shutil.rmtree(run_dir / name, ignore_errors=True)
     shutil.copytree(prepared, run_dir / name / "prepared")
     argv = [sys.executable, "-m", "streamrl", "up", recipe.workloads[workload], f"run.dir={run_dir}", f"run.name={name}",
-            f"mode={mode}", f"learner.max_steps={steps}", f"eval.every={max(1, steps // 4)}", "eval.size=64",
+            f"mode={mode}", f"learner.max_steps={steps}", f"eval.every={max(1, steps // recipe.evals)}", "eval.size=64",
             f"off_policy.max_staleness={staleness}", f"router.port={free_port()}",
             f"router.prometheus_port={free_port()}", f"server.base_port={free_port()}", "supervise.display=plain",
             f"run.seed={seed}", *overrides]
