@@ -37,6 +37,9 @@ def about(name: str) -> str:
         return (about("trl_async") + "\nHere both sides train `configs/smollm2-lora.yaml`'s adapter (rank 16, every "
                 "linear layer, its learning rate): streamrl pushes it into its vLLM server's LoRA slots, TRL loads "
                 "each version through vLLM's LoRA routes (`trl-policy-vN`).\n")
+    if name == "e2e_smollm2":  # the toy study's method (its section above), on the real model's workloads
+        real = next(p for p in about("e2e").split("\n\n") if p.startswith("With `--real-model`"))
+        return "The end-to-end study of the section above. " + real + "\n"
     path = Path(__file__).parent / f"{MODULES.get(name, name)}.py"
     text = ast.get_docstring(ast.parse(path.read_text())) or ""
     lines = [line for line in text.splitlines() if not line.lstrip().startswith("python -m benchmarks")]

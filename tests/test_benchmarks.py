@@ -83,6 +83,7 @@ def test_the_report_says_what_each_study_measures_from_its_module_docstring():
         text = report.about(name)
         assert len(text) > 100 and "python -m benchmarks" not in text and "``" not in text, name
     assert "discount: 0.5" in report.about("e2e") and "XADD" in report.about("queue")
+    assert "smollm2-agentic.yaml" in report.about("e2e_smollm2") and "discount" not in report.about("e2e_smollm2")
 
 
 def test_ablation_pairs_arms_by_seed_and_writes_table_json_and_plot(tmp_path, capsys):
