@@ -11,7 +11,7 @@ MODULES = {"queue": "benchmarks.replay_stream", "generate": "benchmarks.generate
            "simulate": "benchmarks.simulate", "trl": "benchmarks.against_trl", "soak": "benchmarks.soak",
            "ablation": "benchmarks.ablation", "agent": "benchmarks.agent", "nodes": "benchmarks.nodes",
            "lora": "benchmarks.lora", "trl-tune": "benchmarks.trl_tune",
-           "engines": "benchmarks.engines"}
+           "engines": "benchmarks.engines", "stress": "benchmarks.stress"}
 
 
 def run_suite(name: str, *, quick: bool, out: Path, **options) -> dict:

@@ -105,18 +105,26 @@ WORKLOADS, HELD_OUT = TOY.workloads, TOY.held_out  # the toy's, which bench abla
 
 def one_run(run_dir: Path, prepared: Path, workload: str, mode: str, steps: int, staleness: int | str,
             seed: int = 0, overrides: tuple[str, ...] = (), recipe: Recipe = TOY) -> dict:
-    name = f"{workload}-{mode}"
-    shutil.rmtree(run_dir / name, ignore_errors=True)
-    shutil.copytree(prepared, run_dir / name / "prepared")
-    argv = [sys.executable, "-m", "streamrl", "up", recipe.workloads[workload], f"run.dir={run_dir}", f"run.name={name}",
-            f"mode={mode}", f"learner.max_steps={steps}", f"eval.every={max(1, steps // recipe.evals)}", "eval.size=64",
-            f"off_policy.max_staleness={staleness}", f"router.port={free_port()}",
-            f"router.prometheus_port={free_port()}", f"server.base_port={free_port()}", "supervise.display=plain",
-            f"run.seed={seed}", *overrides]
+    argv, name = up_argv(run_dir, prepared, workload, mode, steps, staleness, seed, overrides, recipe)
     out = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
     if out.returncode != 0:
         raise RuntimeError(f"{name} failed ({out.returncode}):\n{out.stdout[-3000:]}")
     return summarise(run_dir / name, recipe)
+
+
+def up_argv(run_dir: Path, prepared: Path, workload: str, mode: str, steps: int, staleness: int | str,
+            seed: int = 0, overrides: tuple[str, ...] = (), recipe: Recipe = TOY,
+            name: str | None = None) -> tuple[list[str], str]:
+    """The ``streamrl up`` of one run (named ``workload-mode`` unless ``name``), in a fresh run directory that
+    starts from ``prepared``."""
+    name = name or f"{workload}-{mode}"
+    shutil.rmtree(run_dir / name, ignore_errors=True)
+    shutil.copytree(prepared, run_dir / name / "prepared")
+    return [sys.executable, "-m", "streamrl", "up", recipe.workloads[workload], f"run.dir={run_dir}",
+            f"run.name={name}", f"mode={mode}", f"learner.max_steps={steps}",
+            f"eval.every={max(1, steps // recipe.evals)}", "eval.size=64", f"off_policy.max_staleness={staleness}",
+            f"router.port={free_port()}", f"router.prometheus_port={free_port()}", f"server.base_port={free_port()}",
+            "supervise.display=plain", f"run.seed={seed}", *overrides], name
 
 
 def held_out_rows(prepared: Path, n: int) -> list[dict]:

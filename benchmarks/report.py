@@ -22,13 +22,15 @@ TITLES = {"queue": "Replay stream", "partition": "Micro-batch partitioning", "ge
           "soak": "Soak: memory over a long run", "agent": "Agents through the gateway",
           "nodes": "One node or two on Ray", "lora": "LoRA against full fine-tuning",
           "trl_async": "Against TRL's AsyncGRPOTrainer", "trl_async_lora": "Against TRL's AsyncGRPOTrainer, LoRA",
-          "trl_tune": "TRL's AsyncGRPOTrainer: its settings here", "engines": "The real-model recipe on each engine"}
+          "trl_tune": "TRL's AsyncGRPOTrainer: its settings here", "engines": "The real-model recipe on each engine",
+          "stress": "Stale data on purpose: the auto staleness bound under stress"}
 MODULES = {"queue": "replay_stream", "trl": "against_trl", "e2e_smollm2": "e2e"}  # a study's module, where not its own name
 COMMANDS = {"e2e_smollm2": "e2e --real-model", "trl_async": "trl --trl-trainer async", "trl_async_lora": "trl --trl-trainer async --lora"}
 HEADLINES = {"e2e": "- **async (", "e2e_smollm2": "- **SmolLM2-135M: async (", "ablation": "- **ablation `", "trl": "- **streamrl / TRL GRPOTrainer",
              "trl_async": "- **streamrl / TRL AsyncGRPOTrainer (vLLM)**",
              "trl_async_lora": "- **streamrl / TRL AsyncGRPOTrainer (vLLM, LoRA)**", "soak": "- **soak**",
-             "agent": "- **agent gateway", "lora": "- **LoRA / full", "engines": "- **vllm / hf engine"}
+             "agent": "- **agent gateway", "lora": "- **LoRA / full", "engines": "- **vllm / hf engine",
+             "stress": "- **stress"}
 
 
 def about(name: str) -> str:
@@ -109,6 +111,8 @@ def headlines(results: Path) -> list[str]:
             lines.append(f"- **agent gateway / Env, {name}** (the calculator task, one worker): "
                          f"{m['agent_over_env']:.2f}× samples/s ({s['agent']['samples_per_s']:.3g} vs "
                          f"{s['env']['samples_per_s']:.3g}; medians of {agent['repeats']})")
+    if stress := load("stress"):
+        lines.append(stress_headline(stress))
     if lora := load("lora"):
         push = ", ".join(f"{p['lora']['median_s']:.2f} vs {p['full']['median_s']:.2f} s into {engine}"
                          for engine, p in lora.get("push", {}).items())
@@ -143,6 +147,16 @@ def engines_headline(engines: dict) -> str:
             f"{engines['target']} {reached['vllm']} vs {reached['hf']}, held-out accuracy "
             f"{m['vllm']['held_out_final']:.3f} vs {m['hf']['held_out_final']:.3f} "
             f"(paired difference {points(engines['held_out_vllm_vs_hf'])})")
+
+
+def stress_headline(stress: dict) -> str:
+    s, (first, every, seconds) = stress["summary"], stress["pauses"]
+    return (f"{HEADLINES['stress']} (the toy's agentic workload, the learner stopped {seconds:.0f} s every {every} "
+            f"steps from step {first})**: held-out accuracy auto {s['auto']['held_out_final']:.3f} "
+            f"({points(s['auto']['vs_sync'])} from sync), fixed 8 {s['fixed 8']['held_out_final']:.3f} "
+            f"({points(s['fixed 8']['vs_sync'])}), sync {s['sync']['held_out_final']:.3f}; lowest ESS "
+            f"{s['auto']['ess_min']:.2f} vs {s['fixed 8']['ess_min']:.2f}; samples/s {s['auto']['samples_per_s']:.3g} "
+            f"vs {s['fixed 8']['samples_per_s']:.3g}; medians of {stress['repeats']}")
 
 
 def trl_headline(name: str, trl: dict) -> str:

@@ -316,13 +316,13 @@ def show_config(
 @app.command()
 def bench(
     suite: Annotated[str, typer.Argument(help="Study to run: queue, partition, generate, learner, weight-push, e2e, "
-                                                "ablation, trl, trl-tune, engines, simulate, agent, nodes, lora, "
-                                                "soak; or 'report' to gather results into docs/benchmarks.md.")],
+                                                "ablation, trl, trl-tune, engines, stress, simulate, agent, nodes, "
+                                                "lora, soak; or 'report' to gather results into docs/benchmarks.md.")],
     quick: Annotated[bool, typer.Option("--quick", help="A short run that still measures both sides.")] = False,
     out: Annotated[Path, typer.Option(help="Where JSON and PNG results go.")] = Path("benchmarks/results"),
     model: Annotated[Path | None, typer.Option(help="HF model directory, for studies that run a model.")] = None,
-    repeats: Annotated[int | None, typer.Option(help="Runs of each arm, for e2e, ablation, trl, engines, nodes "
-                                                   "and lora (default: the study's own).", min=1)] = None,
+    repeats: Annotated[int | None, typer.Option(help="Runs of each arm, for e2e, ablation, trl, engines, stress, "
+                                                   "nodes and lora (default: the study's own).", min=1)] = None,
     steps: Annotated[int | None, typer.Option(help="trl, trl-tune, engines and lora: learner steps of each "
                                                    "run (default: the study's own).", min=1)] = None,
     trl_generation: Annotated[str | None, typer.Option(help="trl: TRL's generation backend: hf (model.generate), "
@@ -340,11 +340,12 @@ def bench(
                                                          "with vLLM too).")] = None,
     lora: Annotated[bool | None, typer.Option("--lora", help="trl --trl-trainer async: both sides train the LoRA "
                                                              "recipe's adapter (configs/smollm2-lora.yaml).")] = None,
-    first_seed: Annotated[int | None, typer.Option(help="lora (its accuracy study), trl, engines and e2e: the first "
+    first_seed: Annotated[int | None, typer.Option(help="lora (its accuracy study), trl, engines, stress and e2e: the first "
                                                         "seed, to add seeds to an earlier run's results (default: 0).",
                                                    min=0)] = None,
     streamrl_set: Annotated[list[str] | None, typer.Option("--streamrl-set", help="trl: a config override for "
-                                                           "streamrl's side (repeatable), e.g. mode=sync.")] = None,
+                                                           "streamrl's side (repeatable), e.g. mode=sync; stress: for "
+                                                           "every arm.")] = None,
     real_model: Annotated[bool | None, typer.Option("--real-model", help="e2e: SmolLM2-135M's workloads "
                                                     "(configs/smollm2.yaml and configs/smollm2-agentic.yaml) instead "
                                                     "of the toy's.")] = None,
