@@ -69,8 +69,8 @@ class LearnerPauser(threading.Thread):
                 due += self.every
 
     def _step(self) -> int:
-        path = self.run_path / "metrics" / "learner.jsonl"
-        return max((r["step"] for r in read_records(path) if "loss" in r), default=0) if path.is_file() else 0
+        records = read_records(self.run_path / "metrics" / "learner.jsonl")
+        return max((r["step"] for r in records if "loss" in r), default=0)
 
     def _pause(self, step: int) -> None:
         try:
