@@ -15,7 +15,10 @@ With ``--real-model`` the same pair on SmolLM2-135M-Instruct's two-digit additio
 ``configs/smollm2.yaml`` (compute-bound: a 135M model generating and training on the same two cores) and
 ``configs/smollm2-agentic.yaml`` (its replies go to the ~1 s checker, a wrong one gets a second try paying
 half); 20 steps a run, 256 held-out questions, eval target 0.5, evaluated online at steps 0, 10 and 20 only
-(64 greedy two-turn episodes take the real model's server for over a minute, on the clock).
+(64 greedy two-turn episodes take the real model's server for over a minute, on the clock). On two CPU cores
+the learner is this pair's bottleneck: a step trains at about 45 tokens/s on its one core (20–50 s), longer than
+generating its data even behind the checker, so asynchrony can hide no more than generation's share of a
+synchronous step (a ceiling of about 1.4–1.5× here, from the sync runs' own wait and train times).
 
 Both modes train the same number of samples (``max_steps × groups_per_step × n``) from the same
 warm-started model. The clock starts when the rollout worker begins generating (its opening report) —
