@@ -18,7 +18,8 @@ half); 20 steps a run, 256 held-out questions, eval target 0.5, evaluated online
 (64 greedy two-turn episodes take the real model's server for over a minute, on the clock). On two CPU cores
 the learner is this pair's bottleneck: a step trains at about 45 tokens/s on its one core (20–50 s), longer than
 generating its data even behind the checker, so asynchrony can hide no more than generation's share of a
-synchronous step (a ceiling of about 1.4–1.5× here, from the sync runs' own wait and train times).
+synchronous step: by the sync runs' own wait and train times, a ceiling of about 1.4× single-turn and 1.9×
+agentic (less where the learner's step grows beside a busy server).
 
 Both modes train the same number of samples (``max_steps × groups_per_step × n``) from the same
 warm-started model. The clock starts when the rollout worker begins generating (its opening report) —

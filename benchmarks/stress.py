@@ -53,17 +53,20 @@ PAUSES, QUICK_PAUSES = (15, 15, 20.0), (6, 6, 8.0)  # first step, steps between,
 
 class LearnerPauser(threading.Thread):
     """Stops the run's learner (its process tree) for ``seconds`` at step ``first`` and every ``every`` steps
-    after, while ``streamrl up`` runs; records each pause as ``[step, seconds]``."""
+    after, before step ``last`` (the run's end, where a pause stales nothing), while ``streamrl up`` runs;
+    records each pause as ``[step, seconds]``."""
 
-    def __init__(self, run_path: Path, first: int, every: int, seconds: float):
+    def __init__(self, run_path: Path, first: int, every: int, seconds: float, last: int | None = None):
         super().__init__(daemon=True)
-        self.run_path, self.first, self.every, self.seconds = run_path, first, every, seconds
+        self.run_path, self.first, self.every, self.seconds, self.last = run_path, first, every, seconds, last
         self.pauses: list[list[float]] = []
         self.done = threading.Event()
 
     def run(self) -> None:
         due = self.first
         while not self.done.wait(0.2):
+            if self.last is not None and due >= self.last:
+                return
             if self._step() >= due:
                 self._pause(due)
                 due += self.every
@@ -100,7 +103,7 @@ def one_run(run_dir: Path, prepared: Path, arm: str, steps: int, pauses: tuple, 
     mode, bound = ARMS[arm]
     argv, name = up_argv(run_dir, prepared, "env-latency", mode, steps, bound, seed, overrides,
                          name=f"{arm.replace(' ', '-')}-{seed}")
-    pauser = LearnerPauser(run_dir / name, *pauses)
+    pauser = LearnerPauser(run_dir / name, *pauses, last=steps)
     pauser.start()
     try:
         out = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})

@@ -428,9 +428,9 @@ def test_stress_stops_the_learners_whole_process_tree_at_the_steps_due_and_lets_
         (tmp_path / "parts.json").write_text(json.dumps({"learner": {"pid": parent.pid}}))
         (tmp_path / "metrics").mkdir()
         lines = tmp_path / "metrics" / "learner.jsonl"
-        pauser = LearnerPauser(tmp_path, first=2, every=3, seconds=1.0)
+        pauser = LearnerPauser(tmp_path, first=2, every=3, seconds=1.0, last=8)  # steps 2, 5 (not 8: the end)
         pauser.start()
-        for step in range(1, 7):
+        for step in range(1, 9):
             with lines.open("a") as f:
                 f.write(json.dumps({"step": step, "loss": 0.0}) + "\n")
             time.sleep(0.5)
