@@ -36,13 +36,12 @@ from benchmarks.common import (
     join_seeds,
     median,
     new_figure,
-    paired_difference,
     points,
     print_table,
     save_figure,
     write_json,
 )
-from benchmarks.e2e import TOY, prepare_shared, summarise, up_argv
+from benchmarks.e2e import TOY, by_seed, prepare_shared, summarise, up_argv
 from streamrl.config import ConfigError, load_config
 from streamrl.rollout.evaluate import read_records
 
@@ -148,17 +147,14 @@ def run(quick: bool, repeats: int | None, first_seed: int, overrides: tuple[str,
 
 def summarise_arms(data: dict) -> dict:
     runs = data["runs"]
-    sync = {x["seed"]: x["held_out_final"] for x in runs["sync"]}
     summary = {}
     for arm, rows in runs.items():
-        paired = [x for x in rows if x["seed"] in sync]
         summary[arm] = {"samples_per_s": median([x["samples_per_s"] for x in rows]),
                         "held_out_final": median([x["held_out_final"] for x in rows]),
                         "ess_min": median([x["ess_min"] for x in rows if x["ess_min"] is not None]),
                         "staleness_max": median([max(int(k) for k in x["staleness"]) for x in rows]),
                         "changes": median([len(x["changes"]) for x in rows]),
-                        "vs_sync": paired_difference([x["held_out_final"] for x in paired],
-                                                     [sync[x["seed"]] for x in paired])}
+                        "vs_sync": by_seed(rows, runs["sync"], "held_out_final")}
     return {**data, "repeats": len(runs["sync"]), "summary": summary}
 
 
