@@ -200,6 +200,8 @@ def cli(main, doc: str) -> None:
         parser.add_argument("--real-model", action="store_true", help="SmolLM2-135M's workloads, not the toy's")
     if "staleness" in main.__code__.co_varnames:
         parser.add_argument("--staleness", action="append", default=[], help="an async arm's bound (repeatable)")
+    if "sync_only" in main.__code__.co_varnames:
+        parser.add_argument("--sync-only", action="store_true", help="the sync arm alone (replacing its seeds' runs)")
     args = vars(parser.parse_args())
     settings["quick"] = args["quick"]
     main(**args)

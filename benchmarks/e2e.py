@@ -41,9 +41,11 @@ Every run also records its stages' speeds (``stages``), from which ``streamrl be
 replays it to check the pipeline model.
 
 Seeds and arms can be run one session at a time: ``--first-seed S`` joins the runs of seeds S on to an earlier
-run's of the same study, and ``--staleness B`` (repeatable) runs sync and only those async arms.
+run's of the same study, ``--staleness B`` (repeatable) runs sync and only those async arms, and ``--sync-only``
+sync alone. The real model's sync arm runs with every core for each part (``Recipe.sync_overrides``): its
+generation and training take turns, and at 135M each phase ran faster with both cores (1.25× a step here).
 
-    python -m benchmarks.e2e [--quick] [--real-model] [--first-seed S] [--staleness B]   (or: streamrl bench e2e)
+    python -m benchmarks.e2e [--quick] [--real-model] [--first-seed S] [--staleness B] [--sync-only]
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ class Recipe:
     model: str  # as the table's title names it ("": the toy, the study's first)
     task: str  # as the plot's title names it
     evals: int = 4  # online evaluations after the first (each takes the server from the run's own generation)
+    sync_overrides: tuple[str, ...] = ()  # the sync arm's own settings, where its best differs from the launcher's
 
 
 RECIPES = {
@@ -101,7 +104,10 @@ RECIPES = {
                   steps=40, quick_steps=12, target=0.8, held_out=512, result="e2e", model="", task="quickstart task"),
     "smollm2": Recipe({"single-turn": "configs/smollm2.yaml", "env-latency": "configs/smollm2-agentic.yaml"},
                       steps=20, quick_steps=3, target=0.5, held_out=256, result="e2e_smollm2", model="SmolLM2-135M",
-                      task="SmolLM2-135M, two-digit addition", evals=2),
+                      task="SmolLM2-135M, two-digit addition", evals=2,
+                      # its generation and training take turns, and at 135M each gains from every core: its steps
+                      # ran 1.25x faster so on two cores (the toy's lose: the launcher's default is one each)
+                      sync_overrides=(f"supervise.threads={os.cpu_count() or 1}",)),
 }
 TOY = RECIPES["toy"]
 WORKLOADS, HELD_OUT = TOY.workloads, TOY.held_out  # the toy's, which bench ablation varies
@@ -173,7 +179,8 @@ def summarise(run_path: Path, recipe: Recipe = TOY) -> dict:
         staleness.update({int(k): v for k, v in r["staleness_hist"].items()})
     reached = [e for e in evals if e["eval/accuracy"] >= recipe.target]
     dropped = sum(r.get("dropped_stale", 0) for r in steps)
-    return {"wall_s": wall, "samples": samples, "samples_per_s": samples / wall, "steady_samples_per_s": steady,
+    return {"wall_s": wall, "threads": cfg.supervise.threads,  # None: the launcher's own share
+            "samples": samples, "samples_per_s": samples / wall, "steady_samples_per_s": steady,
             "time_to_target_s": reached[0]["time"] - start if reached else None,
             "eval_first": evals[0]["eval/accuracy"], "eval_final": evals[-1]["eval/accuracy"],
             "staleness": {str(k): staleness[k] for k in sorted(staleness)},
@@ -229,9 +236,10 @@ def async_mode(staleness: int | str) -> str:
 
 def run(quick: bool, repeats: int | None = None, recipe: Recipe = TOY, first_seed: int = 0,
         bounds: tuple[int | str, ...] | None = None) -> dict:
+    """``bounds``: the async arms run beside sync (None: the study's; empty: sync alone)."""
     default_repeats, steps, default_bounds = ((1, recipe.quick_steps, STALENESS[:1]) if quick
                                               else (3, recipe.steps, STALENESS))
-    repeats, bounds = repeats or default_repeats, bounds or default_bounds
+    repeats, bounds = repeats or default_repeats, default_bounds if bounds is None else bounds
     modes = {"sync": 0, **{async_mode(k): k for k in bounds}}  # mode -> max staleness
     results: dict[str, dict[str, list[dict]]] = {w: {m: [] for m in modes} for w in recipe.workloads}
     with tempfile.TemporaryDirectory() as tmp:
@@ -243,13 +251,14 @@ def run(quick: bool, repeats: int | None = None, recipe: Recipe = TOY, first_see
             for workload in recipe.workloads:
                 for mode in order[r % len(order):] + order[:r % len(order)]:  # who goes first rotates
                     system_mode = "sync" if mode == "sync" else "async"  # (sync ignores the staleness bound)
-                    row = one_run(tmp / "runs", prepared, workload, system_mode, steps, modes[mode] or bounds[0],
-                                  seed=r, recipe=recipe)
+                    row = one_run(tmp / "runs", prepared, workload, system_mode, steps, modes[mode] or STALENESS[0],
+                                  seed=r, recipe=recipe, overrides=recipe.sync_overrides if mode == "sync" else ())
                     results[workload][mode].append({**row, "seed": r})
                     console.log(f"{workload} {mode}: {row['samples_per_s']:.1f} samples/s, wall {row['wall_s']:.0f}s, "
                                 f"eval {row['eval_first']:.2f} → {row['eval_final']:.2f}, "
                                 f"held-out {row['held_out_final']:.2f}")
-    return {"study": "e2e", "max_steps": steps, "max_staleness": bounds[0],
+    return {"study": "e2e", "max_steps": steps, "max_staleness": (bounds or STALENESS)[0],
+            "sync_overrides": list(recipe.sync_overrides),
             "staleness_modes": {m: k for m, k in modes.items() if k}, "target": recipe.target,
             "held_out": recipe.held_out, "result": recipe.result, "model": recipe.model, "task": recipe.task,
             "config": next(iter(recipe.workloads.values())), "workloads": recipe.workloads, **summarise_modes(results)}
@@ -279,11 +288,14 @@ def by_seed(rows: list[dict], base: list[dict], key: str) -> dict:
 
 def more_seeds(earlier: dict, new: dict) -> dict:
     """New runs joined to an earlier run's of the same study (steps, workloads): new seeds, or new bounds on
-    seeds already run; a (bound, seed) run again replaces its earlier run. Other settings replace it."""
+    seeds already run; a (bound, seed) run again replaces its earlier run. Other settings replace it, and other
+    sync settings its sync runs."""
     if any(earlier.get(k) != new.get(k) for k in ("max_steps", "workloads")):
         return new
     if not all("seed" in x for by_mode in earlier["runs"].values() for rows in by_mode.values() for x in rows):
         return new  # written before runs recorded their seed
+    if earlier.get("sync_overrides", []) != new.get("sync_overrides", []):  # its sync runs measured another setting
+        earlier = {**earlier, "runs": {w: {**by_mode, "sync": []} for w, by_mode in earlier["runs"].items()}}
     runs = {w: {**earlier["runs"][w], **join_seeds(earlier["runs"][w], by_mode)} for w, by_mode in new["runs"].items()}
     modes = {**earlier.get("staleness_modes", {}), **new["staleness_modes"]}
     modes = {async_mode(b): b for b in STALENESS if async_mode(b) in modes}  # the table's order
@@ -332,21 +344,26 @@ def report(data: dict, out: Path) -> None:
     save_figure(fig, out, name, json_path)
 
 
-def bounds_of(staleness: tuple[str, ...]) -> tuple[int | str, ...]:
-    """``--staleness`` values as the study's bounds, refusing one it does not run."""
+def bounds_of(staleness: tuple[str, ...], sync_only: bool = False) -> tuple[int | str, ...] | None:
+    """``--staleness`` values as the study's bounds (None: all of them; empty: ``--sync-only``), refusing one it
+    does not run."""
     known = {str(b): b for b in STALENESS}
     if unknown := [s for s in staleness if s not in known]:
         raise SystemExit(f"--staleness {', '.join(unknown)}: the study's async arms are {', '.join(known)}")
-    return tuple(known[s] for s in staleness)
+    if sync_only and staleness:
+        raise SystemExit("--sync-only runs no async arm: leave out --staleness")
+    return () if sync_only else tuple(known[s] for s in staleness) or None
 
 
 def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None,
-         real_model: bool = False, first_seed: int = 0, staleness: tuple[str, ...] = ()) -> dict:
+         real_model: bool = False, first_seed: int = 0, staleness: tuple[str, ...] = (),
+         sync_only: bool = False) -> dict:
     """``real_model``: SmolLM2-135M's pair of workloads (``RECIPES["smollm2"]``) instead of the toy's;
     ``first_seed``: the first repeat's seed (runs of other seeds of the same study, in its results file, join);
-    ``staleness``: the async arms to run beside sync (default: all of ``STALENESS``; arms run later join)."""
+    ``staleness``: the async arms to run beside sync (default: all of ``STALENESS``; arms run later join);
+    ``sync_only``: the sync arm alone (its runs replace the same seeds' earlier sync runs, the async arms stay)."""
     recipe = RECIPES["smollm2" if real_model else "toy"]
-    data = run(quick, repeats, recipe, first_seed, bounds_of(staleness))
+    data = run(quick, repeats, recipe, first_seed, bounds_of(staleness, sync_only))
     earlier = out / f"{recipe.result}.json"
     if earlier.is_file():
         data = more_seeds(json.loads(earlier.read_text()), data)

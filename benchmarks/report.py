@@ -112,7 +112,7 @@ def headlines(results: Path) -> list[str]:
                          f"{m['agent_over_env']:.2f}× samples/s ({s['agent']['samples_per_s']:.3g} vs "
                          f"{s['env']['samples_per_s']:.3g}; medians of {agent['repeats']})")
     if stress := load("stress"):
-        lines.append(stress_headline(stress))
+        lines.extend(stress_headline(key, data) for key, data in stress["variants"].items())
     if lora := load("lora"):
         push = ", ".join(f"{p['lora']['median_s']:.2f} vs {p['full']['median_s']:.2f} s into {engine}"
                          for engine, p in lora.get("push", {}).items())
@@ -149,10 +149,11 @@ def engines_headline(engines: dict) -> str:
             f"(paired difference {points(engines['held_out_vllm_vs_hf'])})")
 
 
-def stress_headline(stress: dict) -> str:
+def stress_headline(key: str, stress: dict) -> str:
+    """One variant's line (``key``: its overrides, or "as shipped")."""
     s, (first, every, seconds) = stress["summary"], stress["pauses"]
-    return (f"{HEADLINES['stress']} (the toy's agentic workload, the learner stopped {seconds:.0f} s every {every} "
-            f"steps from step {first})**: held-out accuracy auto {s['auto']['held_out_final']:.3f} "
+    return (f"{HEADLINES['stress']}, {key} (the toy's agentic workload, the learner stopped {seconds:.0f} s every "
+            f"{every} steps from step {first})**: held-out accuracy auto {s['auto']['held_out_final']:.3f} "
             f"({points(s['auto']['vs_sync'])} from sync), fixed 8 {s['fixed 8']['held_out_final']:.3f} "
             f"({points(s['fixed 8']['vs_sync'])}), sync {s['sync']['held_out_final']:.3f}; lowest ESS "
             f"{s['auto']['ess_min']:.2f} vs {s['fixed 8']['ess_min']:.2f}; samples/s {s['auto']['samples_per_s']:.3g} "

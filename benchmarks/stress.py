@@ -14,13 +14,18 @@ off the clock, the final weights' greedy accuracy on 512 held-out prompts (paire
 each arm's online accuracy, bound and effective sample size against the step; each ``auto`` run's own
 ``plots.png`` is kept beside it.
 
-    python -m benchmarks.stress [--quick] [--repeats N] [--first-seed S]      (or: streamrl bench stress)
+A variant with config overrides for every arm (``--streamrl-set learner.lr=2e-4``: a policy that moves further
+each step, so that the same staleness is further off-policy) is kept beside the as-shipped one, with its own
+tables and plot.
+
+    python -m benchmarks.stress [--quick] [--repeats N] [--first-seed S] [--streamrl-set K=V]   (streamrl bench stress)
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -125,7 +130,8 @@ def trace(run_path: Path) -> dict:
             "ess_min": min((r["is_ess"] for r in steps if "is_ess" in r), default=None)}
 
 
-def run(quick: bool, repeats: int | None, first_seed: int, overrides: tuple[str, ...], out: Path) -> dict:
+def run(quick: bool, repeats: int | None, first_seed: int, overrides: tuple[str, ...], out: Path, plot: str) -> dict:
+    """Every arm on each seed; each auto run's own plots.png is kept as ``out/{plot}_auto_seed{seed}.png``."""
     steps, pauses = (QUICK_STEPS, QUICK_PAUSES) if quick else (STEPS, PAUSES)
     runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     with tempfile.TemporaryDirectory() as tmp:
@@ -139,7 +145,7 @@ def run(quick: bool, repeats: int | None, first_seed: int, overrides: tuple[str,
                 runs[arm].append(row)
                 if ARMS[arm][1] == "auto":  # its own curves: the bound and the signals it moved on
                     out.mkdir(parents=True, exist_ok=True)
-                    shutil.copy(tmp / "runs" / f"auto-{seed}" / "plots.png", out / f"stress_auto_seed{seed}.png")
+                    shutil.copy(tmp / "runs" / f"auto-{seed}" / "plots.png", out / f"{plot}_auto_seed{seed}.png")
                 console.log(f"{arm} seed {seed}: {row['samples_per_s']:.1f} samples/s, held-out "
                             f"{row['held_out_final']:.3f}, {len(row['changes'])} bound changes, pauses {row['pauses']}")
     return {"study": "stress", "max_steps": steps, "pauses": list(pauses), "overrides": list(overrides), "runs": runs}
@@ -158,19 +164,27 @@ def summarise_arms(data: dict) -> dict:
     return {**data, "repeats": len(runs["sync"]), "summary": summary}
 
 
-def report(data: dict, out: Path) -> None:
-    s = data["summary"]
-    print_table(f"Stress: the learner stopped {data['pauses'][2]:.0f} s every {data['pauses'][1]} steps from step "
-                f"{data['pauses'][0]}, {data['max_steps']} steps, medians of {data['repeats']}; held-out: difference "
-                "from sync over seed-paired runs",
-                ["arm", "samples/s", "max staleness trained", "lowest ESS", "bound changes",
-                 "held-out first try (512)", "vs sync"],
-                [[arm, m["samples_per_s"], m["staleness_max"], m["ess_min"], m["changes"], m["held_out_final"],
-                  "" if arm == "sync" else points(m["vs_sync"])] for arm, m in s.items()])
-    print_table("Each change of the auto bound, with its cause", ["seed", "change"],
-                [[x["seed"], c] for x in data["runs"]["auto"] for c in x["changes"]] or [["", "none"]])
-    json_path = write_json(out, "stress", data)
-    fig, (acc, bound, ess) = new_figure(3, "Stale data on purpose: the learner stopped "
+def report(variants: dict[str, dict], out: Path) -> None:
+    """Each variant's tables (all saved in one results file), then each one's plot."""
+    for key, data in variants.items():
+        s, (first, every, seconds) = data["summary"], data["pauses"]
+        print_table(f"Stress, {key}: the learner stopped {seconds:.0f} s every {every} steps from step {first}, "
+                    f"{data['max_steps']} steps, medians of {data['repeats']}; held-out: difference from sync over "
+                    "seed-paired runs",
+                    ["arm", "samples/s", "max staleness trained", "lowest ESS", "bound changes",
+                     "held-out first try (512)", "vs sync"],
+                    [[arm, m["samples_per_s"], m["staleness_max"], m["ess_min"], m["changes"], m["held_out_final"],
+                      "" if arm == "sync" else points(m["vs_sync"])] for arm, m in s.items()])
+        print_table(f"Stress, {key}: each change of the auto bound, with its cause", ["seed", "change"],
+                    [[x["seed"], c] for x in data["runs"]["auto"] for c in x["changes"]] or [["", "none"]])
+    json_path = write_json(out, "stress", {"study": "stress", "variants": variants})
+    for key, data in variants.items():
+        save_figure(figure(data, key), out, plot_name(key), json_path)
+
+
+def figure(data: dict, key: str):
+    """Each arm's online accuracy, bound and ESS against the step, the pauses dotted."""
+    fig, (acc, bound, ess) = new_figure(3, f"Stale data on purpose ({key}): the learner stopped "
                                            f"{data['pauses'][2]:.0f} s every {data['pauses'][1]} steps")
     for i, (arm, rows) in enumerate(data["runs"].items()):
         for j, x in enumerate(rows):
@@ -189,25 +203,41 @@ def report(data: dict, out: Path) -> None:
     for ax in (acc, bound, ess):
         ax.set_xlabel("learner step (dotted: the learner stopped)")
         ax.legend(fontsize=8)
-    save_figure(fig, out, "stress", json_path)
+    return fig
+
+
+def plot_name(key: str) -> str:
+    return "stress" if key == "as shipped" else "stress_" + re.sub(r"[^A-Za-z0-9.]+", "-", key).strip("-")
+
+
+def variant(overrides: tuple[str, ...], quick: bool) -> str:
+    """A run's key in the results file: its overrides, so that a harsher variant sits beside the as-shipped one."""
+    return (" ".join(overrides) or "as shipped") + (" (quick)" if quick else "")
 
 
 def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None,
          first_seed: int = 0, streamrl_set: tuple[str, ...] = ()) -> dict:
-    """``first_seed``: the first seed (runs of other seeds, in the study's results file, join);
-    ``streamrl_set``: config overrides for every arm, e.g. ``learner.lr=2e-4`` (a faster-moving policy)."""
+    """``first_seed``: the first seed (runs of other seeds of the same variant, in the results file, join);
+    ``streamrl_set``: config overrides for every arm, e.g. ``learner.lr=2e-4`` (a faster-moving policy): a
+    variant of its own, kept beside the others."""
     try:
         load_config(TOY.workloads["env-latency"], list(streamrl_set))  # a bad override fails here, before any run
     except ConfigError as e:
         raise SystemExit(f"--streamrl-set: {e}") from None
-    data = run(quick, repeats, first_seed, tuple(streamrl_set), out)
+    key = variant(tuple(streamrl_set), quick)
+    data = run(quick, repeats, first_seed, tuple(streamrl_set), out, plot_name(key))
     earlier = out / "stress.json"
-    if earlier.is_file() and (old := json.loads(earlier.read_text())).get("max_steps") == data["max_steps"] and \
-            old.get("pauses") == data["pauses"] and old.get("overrides") == data["overrides"]:
-        data["runs"] = join_seeds(old["runs"], data["runs"])
-    data = summarise_arms(data)
-    report(data, out)
-    return data
+    variants = keep(json.loads(earlier.read_text())["variants"] if earlier.is_file() else {}, key, data)
+    report(variants, out)
+    return variants[key]
+
+
+def keep(variants: dict[str, dict], key: str, data: dict) -> dict[str, dict]:
+    """The variants with ``data`` summarised as ``key``'s: joined to that variant's earlier seeds where it ran the
+    same steps and pauses, else in their place; the other variants as they were."""
+    if (old := variants.get(key)) and old["max_steps"] == data["max_steps"] and old["pauses"] == data["pauses"]:
+        data = {**data, "runs": join_seeds(old["runs"], data["runs"])}
+    return {**variants, key: summarise_arms(data)}
 
 
 if __name__ == "__main__":

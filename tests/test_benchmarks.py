@@ -338,28 +338,6 @@ def test_engines_study_times_the_first_evaluation_at_the_target_and_pairs_engine
     assert "time to 0.672 5.0 min (2/2 runs) vs 15.0 min (2/2 runs)" in line
 
 
-def test_the_real_model_e2e_study_has_its_own_section_and_headlines_beside_the_toys(tmp_path):
-    from benchmarks import report
-
-    page = tmp_path / "benchmarks.md"
-    page.write_text("# Benchmarks\n\n## Headlines\n\n- **async (max staleness 4) / sync, env-latency**: 3.78×\n")
-    results = tmp_path / "results"
-    results.mkdir()
-    machine = {"platform": "test", "cpu_count": 2, "torch": "x", "cuda": False, "time": "today"}
-    ratio = {"ratio": 3.1, "steady_ratio": 3.3, "held_out_final_vs_sync": {"mean": 0.01, "ci95": 0.02, "pairs": 3}}
-    summary = {"env-latency": {"sync": {"held_out_final": 0.5}, "async": {"held_out_final": 0.51},
-                               "ratios": {"async": ratio}}}
-    (results / "e2e_smollm2.json").write_text(json.dumps({
-        "machine": machine, "repeats": 3, "max_staleness": 4, "staleness_modes": {"async": 4}, "summary": summary,
-        "tables": [{"title": "smollm2 e2e", "columns": ["a"], "rows": [["1"]]}]}))
-    (results / "e2e_smollm2.png").write_bytes(b"png")
-    text = report.build(results, page).read_text()
-    assert "- **async (max staleness 4) / sync, env-latency**: 3.78×" in text  # the toy's, kept
-    assert "- **SmolLM2-135M: async (max staleness 4) / sync, env-latency**: 3.10× samples/s" in text
-    section = text[text.index("## End to end on SmolLM2-135M: async vs sync (`streamrl bench e2e --real-model`)"):]
-    assert "*smollm2 e2e*" in section and "benchmarks/e2e_smollm2.png" in section and "--real-model" in section
-
-
 def test_cpu_share_files_a_process_under_its_ancestors_earlier_role_before_its_own():
     """vLLM's engine processes are spawned by multiprocessing, as TRL's rollout worker is: under the server that
     started them they count as generating, not as the worker's role their own command lines also match."""
@@ -372,41 +350,3 @@ def test_cpu_share_files_a_process_under_its_ancestors_earlier_role_before_its_o
         subprocess.run([sys.executable, "-c", parent, spin, "server-role"], check=True)
     spent, _ = share.seconds()
     assert spent["generating"] >= 0.25 and spent["other"] == 0.0
-
-
-def test_e2e_seeds_join_an_earlier_run_of_the_same_study_and_pair_by_seed(tmp_path, monkeypatch):
-    from benchmarks import e2e
-
-    def row(seed: int, samples_per_s: float, held_out: float) -> dict:
-        return {"seed": seed, "samples_per_s": samples_per_s, "steady_samples_per_s": samples_per_s, "wall_s": 1.0,
-                "eval_final": 0.9, "held_out_final": held_out, "held_out_reward": held_out, "dropped_fraction": 0.0,
-                "time_to_target_s": None}
-
-    def study(seeds: dict[int, tuple]) -> dict:
-        runs = {"agentic": {"sync": [row(s, 1.0, a) for s, (a, _) in seeds.items()],
-                            "async": [row(s, 3.0, b) for s, (_, b) in seeds.items()]}}
-        return {"max_steps": 20, "staleness_modes": {"async": 4}, "workloads": {"agentic": "x.yaml"},
-                **e2e.summarise_modes(runs)}
-
-    earlier = study({0: (0.5, 0.6), 1: (0.5, 0.4)})
-    joined = e2e.more_seeds(earlier, study({1: (0.5, 0.5), 2: (0.6, 0.6)}))  # seed 1 again replaces it
-    assert joined["repeats"] == 3 and [x["seed"] for x in joined["runs"]["agentic"]["async"]] == [0, 1, 2]
-    assert joined["summary"]["agentic"]["held_out_final_vs_sync"]["mean"] == pytest.approx((0.1 + 0.0 + 0.0) / 3)
-    other = {**study({3: (0.5, 0.5)}), "max_steps": 40}
-    assert e2e.more_seeds(earlier, other) is other  # another study: not joined
-
-    # an arm run later on one of the seeds joins beside the others, paired with sync on that seed alone
-    auto = {"max_steps": 20, "staleness_modes": {"async-auto": "auto"}, "workloads": {"agentic": "x.yaml"},
-            **e2e.summarise_modes({"agentic": {"sync": [row(1, 1.2, 0.7)], "async-auto": [row(1, 2.4, 0.8)]}})}
-    both = e2e.more_seeds(joined, auto)
-    assert list(both["runs"]["agentic"]) == ["sync", "async", "async-auto"]
-    assert both["staleness_modes"] == {"async": 4, "async-auto": "auto"}
-    assert [x["samples_per_s"] for x in both["runs"]["agentic"]["sync"]] == [1.0, 1.2, 1.0]  # seed 1 rerun
-    s = both["summary"]["agentic"]
-    assert s["async-auto"]["runs"] == 1 and s["ratios"]["async-auto"]["ratio"] == pytest.approx(2.4 / 1.0)
-    assert s["ratios"]["async-auto"]["held_out_final_vs_sync"]["mean"] == pytest.approx(0.1)
-    assert s["ratios"]["async-auto"]["held_out_final_vs_sync"]["pairs"] == 1
-    with pytest.raises(SystemExit, match="--staleness 3"):
-        e2e.bounds_of(("auto", "3"))
-    assert e2e.bounds_of(("4", "auto")) == (4, "auto")
-

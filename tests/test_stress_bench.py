@@ -58,5 +58,33 @@ def test_stress_pairs_each_arm_with_sync_by_seed(tmp_path):
     assert data["repeats"] == 2 and s["fixed 8"]["staleness_max"] == 8 and s["auto"]["changes"] == 1
     assert s["fixed 8"]["vs_sync"]["mean"] == pytest.approx(((0.5 - 0.9) + (0.7 - 0.95)) / 2)
     assert s["auto"]["vs_sync"]["pairs"] == 1 and s["auto"]["vs_sync"]["mean"] == pytest.approx(-0.05)
-    line = report.stress_headline({**data, "pauses": [15, 15, 20.0]})
+    line = report.stress_headline("as shipped", {**data, "pauses": [15, 15, 20.0]})
     assert line.startswith(report.HEADLINES["stress"]) and "auto 0.900 (-5.0 pts (1 pair) from sync)" in line
+
+
+def test_stress_keeps_each_variant_apart_and_joins_a_variants_later_seeds(tmp_path):
+    from benchmarks import stress
+
+    def row(seed):
+        return {"seed": seed, "samples_per_s": 1.0, "held_out_final": 0.9, "ess_min": 0.8, "staleness": {"0": 1},
+                "changes": ["raised 1 -> 2 (waited)"], "eval_by_step": [[0, 0.5], [4, 0.9]], "pauses": [[2, 1.0]],
+                "by_step": {"staleness_bound": [[1, 1], [4, 2]], "is_ess": [[1, None], [4, 0.8]]}}
+
+    def study(*seeds, steps=60):
+        return {"study": "stress", "max_steps": steps, "pauses": [15, 15, 20.0],
+                "runs": {arm: [row(s) for s in seeds] for arm in stress.ARMS}}
+
+    shipped, harsh = stress.variant((), False), stress.variant(("learner.lr=2e-4",), False)
+    assert (shipped, harsh, stress.variant((), True)) == ("as shipped", "learner.lr=2e-4", "as shipped (quick)")
+    v = stress.keep({}, shipped, study(0, 1))
+    v = stress.keep(v, harsh, study(0))
+    assert v[shipped]["repeats"] == 2 and v[harsh]["repeats"] == 1  # a new variant leaves the others alone
+    v = stress.keep(v, harsh, study(1))
+    assert [x["seed"] for x in v[harsh]["runs"]["auto"]] == [0, 1]  # a later seed joins its own variant
+    assert stress.keep(v, harsh, study(2, steps=16))[harsh]["repeats"] == 1  # other settings replace it
+
+    stress.report(v, tmp_path)
+    saved = json.loads((tmp_path / "stress.json").read_text())
+    assert set(saved["variants"]) == {shipped, harsh}
+    assert sum(t["title"].startswith(f"Stress, {harsh}:") for t in saved["tables"]) == 2
+    assert {p.name for p in tmp_path.glob("*.png")} == {"stress.png", "stress_learner.lr-2e-4.png"}

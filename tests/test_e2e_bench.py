@@ -1,0 +1,94 @@
+"""``streamrl bench e2e``: how its seeds and arms join, pair and report."""
+
+import json
+
+import pytest
+
+
+def test_the_real_model_e2e_study_has_its_own_section_and_headlines_beside_the_toys(tmp_path):
+    from benchmarks import report
+
+    page = tmp_path / "benchmarks.md"
+    page.write_text("# Benchmarks\n\n## Headlines\n\n- **async (max staleness 4) / sync, env-latency**: 3.78×\n")
+    results = tmp_path / "results"
+    results.mkdir()
+    machine = {"platform": "test", "cpu_count": 2, "torch": "x", "cuda": False, "time": "today"}
+    ratio = {"ratio": 3.1, "steady_ratio": 3.3, "held_out_final_vs_sync": {"mean": 0.01, "ci95": 0.02, "pairs": 3}}
+    summary = {"env-latency": {"sync": {"held_out_final": 0.5}, "async": {"held_out_final": 0.51},
+                               "ratios": {"async": ratio}}}
+    (results / "e2e_smollm2.json").write_text(json.dumps({
+        "machine": machine, "repeats": 3, "max_staleness": 4, "staleness_modes": {"async": 4}, "summary": summary,
+        "tables": [{"title": "smollm2 e2e", "columns": ["a"], "rows": [["1"]]}]}))
+    (results / "e2e_smollm2.png").write_bytes(b"png")
+    text = report.build(results, page).read_text()
+    assert "- **async (max staleness 4) / sync, env-latency**: 3.78×" in text  # the toy's, kept
+    assert "- **SmolLM2-135M: async (max staleness 4) / sync, env-latency**: 3.10× samples/s" in text
+    section = text[text.index("## End to end on SmolLM2-135M: async vs sync (`streamrl bench e2e --real-model`)"):]
+    assert "*smollm2 e2e*" in section and "benchmarks/e2e_smollm2.png" in section and "--real-model" in section
+
+
+def test_e2e_seeds_join_an_earlier_run_of_the_same_study_and_pair_by_seed(tmp_path, monkeypatch):
+    from benchmarks import e2e
+
+    def row(seed: int, samples_per_s: float, held_out: float) -> dict:
+        return {"seed": seed, "samples_per_s": samples_per_s, "steady_samples_per_s": samples_per_s, "wall_s": 1.0,
+                "eval_final": 0.9, "held_out_final": held_out, "held_out_reward": held_out, "dropped_fraction": 0.0,
+                "time_to_target_s": None}
+
+    def study(seeds: dict[int, tuple]) -> dict:
+        runs = {"agentic": {"sync": [row(s, 1.0, a) for s, (a, _) in seeds.items()],
+                            "async": [row(s, 3.0, b) for s, (_, b) in seeds.items()]}}
+        return {"max_steps": 20, "staleness_modes": {"async": 4}, "workloads": {"agentic": "x.yaml"},
+                **e2e.summarise_modes(runs)}
+
+    earlier = study({0: (0.5, 0.6), 1: (0.5, 0.4)})
+    joined = e2e.more_seeds(earlier, study({1: (0.5, 0.5), 2: (0.6, 0.6)}))  # seed 1 again replaces it
+    assert joined["repeats"] == 3 and [x["seed"] for x in joined["runs"]["agentic"]["async"]] == [0, 1, 2]
+    assert joined["summary"]["agentic"]["held_out_final_vs_sync"]["mean"] == pytest.approx((0.1 + 0.0 + 0.0) / 3)
+    other = {**study({3: (0.5, 0.5)}), "max_steps": 40}
+    assert e2e.more_seeds(earlier, other) is other  # another study: not joined
+
+    # an arm run later on one of the seeds joins beside the others, paired with sync on that seed alone
+    auto = {"max_steps": 20, "staleness_modes": {"async-auto": "auto"}, "workloads": {"agentic": "x.yaml"},
+            **e2e.summarise_modes({"agentic": {"sync": [row(1, 1.2, 0.7)], "async-auto": [row(1, 2.4, 0.8)]}})}
+    both = e2e.more_seeds(joined, auto)
+    assert list(both["runs"]["agentic"]) == ["sync", "async", "async-auto"]
+    assert both["staleness_modes"] == {"async": 4, "async-auto": "auto"}
+    assert [x["samples_per_s"] for x in both["runs"]["agentic"]["sync"]] == [1.0, 1.2, 1.0]  # seed 1 rerun
+    s = both["summary"]["agentic"]
+    assert s["async-auto"]["runs"] == 1 and s["ratios"]["async-auto"]["ratio"] == pytest.approx(2.4 / 1.0)
+    assert s["ratios"]["async-auto"]["held_out_final_vs_sync"]["mean"] == pytest.approx(0.1)
+    assert s["ratios"]["async-auto"]["held_out_final_vs_sync"]["pairs"] == 1
+    with pytest.raises(SystemExit, match="--staleness 3"):
+        e2e.bounds_of(("auto", "3"))
+    assert e2e.bounds_of(("4", "auto")) == (4, "auto")
+
+
+def test_e2e_sync_arm_run_with_other_settings_replaces_the_earlier_sync_runs_and_keeps_the_async_ones():
+    from benchmarks import e2e
+
+    def row(seed: int, samples_per_s: float) -> dict:
+        return {"seed": seed, "samples_per_s": samples_per_s, "steady_samples_per_s": samples_per_s, "wall_s": 1.0,
+                "eval_final": 0.9, "held_out_final": 0.5, "held_out_reward": 0.5, "dropped_fraction": 0.0,
+                "time_to_target_s": None}
+
+    def study(runs: dict, sync_overrides: list[str], modes=None) -> dict:
+        return {"max_steps": 20, "staleness_modes": {"async": 4} if modes is None else modes,
+                "workloads": {"agentic": "x.yaml"}, "sync_overrides": sync_overrides,
+                **e2e.summarise_modes({"agentic": runs})}
+
+    earlier = study({"sync": [row(0, 1.0)], "async": [row(0, 3.0)]}, [])  # sync at the launcher's threads
+    both2 = ["supervise.threads=2"]
+    seed1 = e2e.more_seeds(earlier, study({"sync": [row(1, 1.5)], "async": [row(1, 3.0)]}, both2))
+    runs = seed1["runs"]["agentic"]
+    assert [x["seed"] for x in runs["sync"]] == [1] and [x["seed"] for x in runs["async"]] == [0, 1]
+    assert seed1["summary"]["agentic"]["ratios"]["async"]["held_out_final_vs_sync"]["pairs"] == 1
+    assert e2e.bounds_of((), sync_only=True) == () and e2e.bounds_of(()) is None
+    with pytest.raises(SystemExit, match="--sync-only"):
+        e2e.bounds_of(("4",), sync_only=True)
+    # sync alone, on seed 0 again with its new settings: it joins, and the async arms stay as they were
+    seed0 = e2e.more_seeds(seed1, study({"sync": [row(0, 1.4)]}, both2, modes={}))
+    runs = seed0["runs"]["agentic"]
+    assert [x["samples_per_s"] for x in runs["sync"]] == [1.4, 1.5] and len(runs["async"]) == 2
+    assert seed0["staleness_modes"] == {"async": 4}
+    assert seed0["summary"]["agentic"]["ratios"]["async"]["ratio"] == pytest.approx(3.0 / 1.45)  # medians
