@@ -15,11 +15,11 @@ With ``--real-model`` the same pair on SmolLM2-135M-Instruct's two-digit additio
 ``configs/smollm2.yaml`` (compute-bound: a 135M model generating and training on the same two cores) and
 ``configs/smollm2-agentic.yaml`` (its replies go to the ~1 s checker, a wrong one gets a second try paying
 half); 20 steps a run, 256 held-out questions, eval target 0.5, evaluated online at steps 0, 10 and 20 only
-(64 greedy two-turn episodes take the real model's server for over a minute, on the clock). On two CPU cores
-the learner is this pair's bottleneck: a step trains at about 45 tokens/s on its one core (20–50 s), longer than
-generating its data even behind the checker, so asynchrony can hide no more than generation's share of a
-synchronous step: by the sync runs' own wait and train times, a ceiling of about 1.4× single-turn and 1.9×
-agentic (less where the learner's step grows beside a busy server).
+(64 greedy two-turn episodes take the real model's server for over a minute, on the clock). Its sync arm
+gives the server and the learner every core each (``Recipe.sync_overrides``): they take turns, and at 135M
+each phase runs faster so (the toy's do not). Async runs them side by side on a core each. On two CPU cores the
+learner is this pair's bottleneck, and its step on one core takes about 1.7× its step on two (19–49 s against
+12–27 s), which is more than asynchrony wins back by overlapping generation with training.
 
 Both modes train the same number of samples (``max_steps × groups_per_step × n``) from the same
 warm-started model. The clock starts when the rollout worker begins generating (its opening report) —
@@ -42,8 +42,7 @@ replays it to check the pipeline model.
 
 Seeds and arms can be run one session at a time: ``--first-seed S`` joins the runs of seeds S on to an earlier
 run's of the same study, ``--staleness B`` (repeatable) runs sync and only those async arms, and ``--sync-only``
-sync alone. The real model's sync arm runs with every core for each part (``Recipe.sync_overrides``): its
-generation and training take turns, and at 135M each phase ran faster with both cores (1.25× a step here).
+sync alone (after its settings changed: its runs replace the same seeds' earlier sync runs).
 
     python -m benchmarks.e2e [--quick] [--real-model] [--first-seed S] [--staleness B] [--sync-only]
 """
