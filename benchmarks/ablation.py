@@ -31,7 +31,6 @@ of median samples/s, and the seed-paired held-out difference ± its 95% t interv
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 
@@ -39,6 +38,7 @@ from benchmarks import e2e
 from benchmarks.common import (
     cli,
     console,
+    earlier_results,
     median,
     new_figure,
     paired_difference,
@@ -169,8 +169,8 @@ def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: i
     if study is not None and study not in STUDIES:
         raise SystemExit(f"unknown study {study!r}; available: {', '.join(STUDIES)}")
     repeats = repeats or (1 if quick else 5)
-    path = out / "ablation.json"  # a study run alone keeps the others' results
-    data = {"study": "ablation", "studies": json.loads(path.read_text())["studies"] if path.is_file() else {}}
+    earlier = earlier_results(out, "ablation")  # a study run alone keeps the others' results
+    data = {"study": "ablation", "studies": earlier["studies"] if earlier else {}}
     with tempfile.TemporaryDirectory() as tmp:
         console.log("warm start (once, shared by every run)")
         _, prepared = e2e.prepare_shared(Path(tmp))

@@ -67,6 +67,7 @@ from benchmarks.common import (
     chat_prompt_ids,
     cli,
     console,
+    earlier_results,
     join_seeds,
     matmul_flops,
     median,
@@ -326,9 +327,8 @@ def more_seeds(earlier: dict, new: dict) -> dict:
 
 
 def report(data: dict, out: Path) -> None:
-    earlier = out / f"{result_name(data)}.json"
-    if earlier.is_file():
-        data = more_seeds(json.loads(earlier.read_text()), data)
+    if earlier := earlier_results(out, result_name(data)):
+        data = more_seeds(earlier, data)
     m = data["median"]
     precision = data.get("precision", {"streamrl": "fp32", "trl": "fp32"})
     bf16_share = data["bound"]["matmul_flops"] / data["bound"]["matmul_flops_bf16"]  # the bound at the bf16 rate

@@ -117,6 +117,19 @@ def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     _printed.append({"title": title, "columns": columns, "rows": cells})
 
 
+RESULTS = Path("benchmarks/results")  # where studies write (git-ignored)
+PUBLISHED = Path("docs/benchmarks")  # where ``bench report`` copies each study's results beside its plots
+
+
+def earlier_results(out: Path, name: str) -> dict | None:
+    """A study's earlier results, for its new runs to join: ``out``'s, else (writing to the default folder) the
+    published copy, so a checkout without the runs of earlier sessions still adds seeds to them."""
+    path = out / f"{name}.json"
+    if not path.is_file() and out.resolve() == RESULTS.resolve():
+        path = PUBLISHED / f"{name}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def write_json(out: Path, name: str, data: dict[str, Any]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"

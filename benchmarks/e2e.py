@@ -62,6 +62,7 @@ from pathlib import Path
 from benchmarks.common import (
     cli,
     console,
+    earlier_results,
     join_seeds,
     median,
     new_figure,
@@ -363,9 +364,8 @@ def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: i
     ``sync_only``: the sync arm alone (its runs replace the same seeds' earlier sync runs, the async arms stay)."""
     recipe = RECIPES["smollm2" if real_model else "toy"]
     data = run(quick, repeats, recipe, first_seed, bounds_of(staleness, sync_only))
-    earlier = out / f"{recipe.result}.json"
-    if earlier.is_file():
-        data = more_seeds(json.loads(earlier.read_text()), data)
+    if earlier := earlier_results(out, recipe.result):
+        data = more_seeds(earlier, data)
     report(data, out)
     return data
 

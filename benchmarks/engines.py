@@ -16,7 +16,6 @@ beside the plot. Seeds can be added one session at a time (``--first-seed``).
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from benchmarks.against_trl import prepare_shared, streamrl_run
 from benchmarks.common import (
     cli,
     console,
+    earlier_results,
     join_seeds,
     median,
     new_figure,
@@ -128,9 +128,9 @@ def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: i
     repeats, steps = repeats or (1 if quick else 3), steps or (EVAL_EVERY if quick else 60)
     settings.update(steps=steps)
     runs = run(range(first_seed, first_seed + repeats), steps)
-    earlier = out / "engines.json"
-    if earlier.is_file() and json.loads(earlier.read_text()).get("steps") == steps:
-        runs = join_seeds(json.loads(earlier.read_text())["runs"], runs)
+    earlier = earlier_results(out, "engines")
+    if earlier and earlier.get("steps") == steps:
+        runs = join_seeds(earlier["runs"], runs)
     data = {"study": "engines", "steps": steps, "target": TARGET, **summary(runs)}
     report(data, out)
     return data

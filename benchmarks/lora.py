@@ -37,6 +37,7 @@ from benchmarks.against_trl import prepare_shared, score_final, streamrl_run
 from benchmarks.common import (
     cli,
     console,
+    earlier_results,
     join_seeds,
     machine_info,
     median,
@@ -261,9 +262,7 @@ def learner_rows(figures: dict, where: str) -> list[list]:
 
 def report(data: dict, out: Path) -> None:
     """The studies' figures side by side, merged into what an earlier run of the other studies wrote."""
-    earlier = out / "lora.json"
-    if earlier.is_file():
-        before = json.loads(earlier.read_text())
+    if before := earlier_results(out, "lora"):
         if "accuracy" in data and "accuracy" in before:
             data["accuracy"] = more_seeds(before, data)
         if not set(STUDIES) <= set(data):  # a study run alone joins the others, whose machine the file keeps

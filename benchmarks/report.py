@@ -201,6 +201,7 @@ def build(results: Path, page: Path) -> Path:
                 parts.append(kept[name])
             continue
         data = json.loads((results / f"{name}.json").read_text())
+        shutil.copy(results / f"{name}.json", plots / f"{name}.json")  # the runs themselves, for later seeds to join
         parts.append(heading(name) + "\n")
         m = data["machine"]
         parts.append(f"Run {m['time']} on {m['cpu_count']} CPU cores" + (f" ({m['cpu']})" if "cpu" in m else "")

@@ -37,13 +37,12 @@ the CPU: the replay takes each stage's speed as measured under that sharing).
 from __future__ import annotations
 
 import heapq
-import json
 import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import cli, console, median, new_figure, print_table, save_figure, write_json
+from benchmarks.common import cli, console, earlier_results, median, new_figure, print_table, save_figure, write_json
 
 
 @dataclass
@@ -148,11 +147,10 @@ def replay(stages: dict, steps: int) -> dict:
                     keep_late=stages.get("stale") == "keep")
 
 
-def check_against(e2e_path: Path) -> list[dict]:
+def check_against(e2e: dict | None) -> list[dict]:
     """Model vs measurement for every workload and mode of a saved e2e study (empty if there is none)."""
-    if not e2e_path.is_file():
+    if not e2e:
         return []
-    e2e = json.loads(e2e_path.read_text())
     rows = []
     for workload, by_mode in e2e["runs"].items():
         for mode, runs in by_mode.items():
@@ -195,7 +193,7 @@ def run(quick: bool, out: Path) -> dict:
                       "ratio": a["samples_per_s"] / s["samples_per_s"]})
     return {"study": "simulate", "steps": steps, "split": "half the GPUs generate, half train",
             "assumptions": Fleet(engines=0, ranks=0).__dict__, "rows": rows, "splits": split,
-            "check": check_against(out / "e2e.json")}
+            "check": check_against(earlier_results(out, "e2e"))}
 
 
 def report(data: dict, out: Path) -> None:

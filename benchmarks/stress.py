@@ -38,6 +38,7 @@ import psutil
 from benchmarks.common import (
     cli,
     console,
+    earlier_results,
     join_seeds,
     median,
     new_figure,
@@ -226,8 +227,8 @@ def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: i
         raise SystemExit(f"--streamrl-set: {e}") from None
     key = variant(tuple(streamrl_set), quick)
     data = run(quick, repeats, first_seed, tuple(streamrl_set), out, plot_name(key))
-    earlier = out / "stress.json"
-    variants = keep(json.loads(earlier.read_text())["variants"] if earlier.is_file() else {}, key, data)
+    earlier = earlier_results(out, "stress")
+    variants = keep(earlier["variants"] if earlier else {}, key, data)
     report(variants, out)
     return variants[key]
 

@@ -20,12 +20,11 @@ run's file by name, and each is saved as it finishes: they can be added one at a
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 
 from benchmarks.against_trl import CONFIG, prepare_shared
-from benchmarks.common import cli, console, new_figure, print_table, save_figure, settings, write_json
+from benchmarks.common import cli, console, earlier_results, new_figure, print_table, save_figure, settings, write_json
 from benchmarks.trl_async import require_trl_version, trl_async_run, tuning
 from streamrl.config import load_config
 
@@ -89,9 +88,8 @@ def main(quick: bool = False, out: Path = Path("benchmarks/results"), steps: int
     data = {}
     for name in [study] if study else CANDIDATES:  # each saved as it finishes: a stopped study keeps the others
         new = run_candidate(name, steps)
-        earlier = out / "trl_tune.json"
-        kept = [r for r in json.loads(earlier.read_text())["runs"]
-                if r["candidate"] != name and r["steps"] == steps] if earlier.is_file() else []
+        earlier = earlier_results(out, "trl_tune")
+        kept = [r for r in earlier["runs"] if r["candidate"] != name and r["steps"] == steps] if earlier else []
         data = report(kept + [new], out)
     return data
 

@@ -2,6 +2,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -163,6 +164,25 @@ def test_the_report_keeps_the_sections_and_headlines_of_studies_not_rerun(tmp_pa
     assert "## Against TRL's AsyncGRPOTrainer (`streamrl bench trl --trl-trainer async`)" in text
     assert "*async trl*" in text and "benchmarks/trl_async.png" in text
     assert report.build(results, page).read_text() == text  # a page rebuilt from itself is the same
+
+
+def test_published_results_are_what_later_seeds_join_where_the_results_folder_is_empty(tmp_path, monkeypatch):
+    from benchmarks import report
+    from benchmarks.common import RESULTS, earlier_results
+
+    monkeypatch.chdir(tmp_path)  # a fresh checkout: the page and its published results, no benchmarks/results
+    RESULTS.mkdir(parents=True)
+    machine = {"platform": "test", "cpu_count": 2, "torch": "x", "cuda": False, "time": "today"}
+    ran = {"machine": machine, "repeats": 1, "ratio": 1.3, "runs": {"x": [{"seed": 0}]},
+           "median": {"streamrl": {"samples_per_s": 2.6}, "trl": {"samples_per_s": 2.0}}}
+    (RESULTS / "trl.json").write_text(json.dumps(ran))
+    report.build(RESULTS, Path("docs/benchmarks.md"))
+    assert json.loads(Path("docs/benchmarks/trl.json").read_text()) == ran  # published beside the page
+    (RESULTS / "trl.json").unlink()
+    assert earlier_results(RESULTS, "trl") == ran  # the study's own folder empty: the published runs
+    assert earlier_results(tmp_path / "elsewhere", "trl") is None  # another folder is a study of its own
+    (RESULTS / "trl.json").write_text(json.dumps({**ran, "ratio": 2.0}))
+    assert earlier_results(RESULTS, "trl")["ratio"] == 2.0  # runs not yet published come first
 
 
 def test_trl_study_gives_trl_the_envs_prompts_and_rewards_and_counts_the_bound(tmp_path):

@@ -1,6 +1,5 @@
 """The discrete-event model against hand-computed pipelines (no timing: the model's clock is virtual)."""
 
-import json
 
 import pytest
 
@@ -63,8 +62,7 @@ def test_replay_turns_a_runs_stage_speeds_into_the_model():
 def test_check_against_compares_model_and_measurement_per_mode(tmp_path):
     run = {"steady_samples_per_s": 50.0, "staleness": {"0": 1280}, "stages": stages("sync")}
     old = {"steady_samples_per_s": 60.0}  # a run from before stage speeds were recorded: skipped
-    (tmp_path / "e2e.json").write_text(json.dumps({"max_steps": 10, "runs": {"agentic": {"sync": [run, run, old]}}}))
-    (row,) = check_against(tmp_path / "e2e.json")
+    (row,) = check_against({"max_steps": 10, "runs": {"agentic": {"sync": [run, run, old]}}})
     assert row["runs"] == 2 and row["measured"] == 50.0
     assert row["predicted"] == pytest.approx(128 / 2.6) and row["measured_staleness"] == row["predicted_staleness"] == 0
-    assert check_against(tmp_path / "missing.json") == []
+    assert check_against(None) == []
