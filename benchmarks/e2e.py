@@ -17,9 +17,9 @@ With ``--real-model`` the same pair on SmolLM2-135M-Instruct's two-digit additio
 half); 20 steps a run, 256 held-out questions, eval target 0.5, evaluated online at steps 0, 10 and 20 only
 (64 greedy two-turn episodes take the real model's server for over a minute, on the clock). Its sync arm
 gives the server and the learner every core each (``Recipe.sync_overrides``): they take turns, and at 135M
-each phase runs faster so (the toy's do not). Async runs them side by side on a core each. On two CPU cores the
-learner is this pair's bottleneck, and its step on one core takes about 1.7× its step on two (19–49 s against
-12–27 s), which is more than asynchrony wins back by overlapping generation with training.
+each phase runs faster so (the toy's do not). Async runs them side by side, and gives its learner, this pair's
+bottleneck, every core too (``Recipe.async_overrides``): on two CPU cores its step on one core took about 1.7×
+its step on two, more than overlapping generation with training wins back. Each run records its threads.
 
 Both modes train the same number of samples (``max_steps × groups_per_step × n``) from the same
 warm-started model. The clock starts when the rollout worker begins generating (its opening report) —
@@ -97,6 +97,10 @@ class Recipe:
     task: str  # as the plot's title names it
     evals: int = 4  # online evaluations after the first (each takes the server from the run's own generation)
     sync_overrides: tuple[str, ...] = ()  # the sync arm's own settings, where its best differs from the launcher's
+    async_overrides: tuple[str, ...] = ()  # and the async arms'
+
+    def overrides(self, mode: str) -> tuple[str, ...]:
+        return self.sync_overrides if mode == "sync" else self.async_overrides
 
 
 RECIPES = {
@@ -107,7 +111,9 @@ RECIPES = {
                       task="SmolLM2-135M, two-digit addition", evals=2,
                       # its generation and training take turns, and at 135M each gains from every core: its steps
                       # ran 1.25x faster so on two cores (the toy's lose: the launcher's default is one each)
-                      sync_overrides=(f"supervise.threads={os.cpu_count() or 1}",)),
+                      sync_overrides=(f"supervise.threads={os.cpu_count() or 1}",),
+                      # the learner is async's bottleneck here: on every core it ran 1.14x the samples/s (agentic)
+                      async_overrides=(f"supervise.learner_threads={os.cpu_count() or 1}",)),
 }
 TOY = RECIPES["toy"]
 WORKLOADS, HELD_OUT = TOY.workloads, TOY.held_out  # the toy's, which bench ablation varies
@@ -180,6 +186,7 @@ def summarise(run_path: Path, recipe: Recipe = TOY) -> dict:
     reached = [e for e in evals if e["eval/accuracy"] >= recipe.target]
     dropped = sum(r.get("dropped_stale", 0) for r in steps)
     return {"wall_s": wall, "threads": cfg.supervise.threads,  # None: the launcher's own share
+            "learner_threads": cfg.supervise.learner_threads,
             "samples": samples, "samples_per_s": samples / wall, "steady_samples_per_s": steady,
             "time_to_target_s": reached[0]["time"] - start if reached else None,
             "eval_first": evals[0]["eval/accuracy"], "eval_final": evals[-1]["eval/accuracy"],
@@ -252,13 +259,13 @@ def run(quick: bool, repeats: int | None = None, recipe: Recipe = TOY, first_see
                 for mode in order[r % len(order):] + order[:r % len(order)]:  # who goes first rotates
                     system_mode = "sync" if mode == "sync" else "async"  # (sync ignores the staleness bound)
                     row = one_run(tmp / "runs", prepared, workload, system_mode, steps, modes[mode] or STALENESS[0],
-                                  seed=r, recipe=recipe, overrides=recipe.sync_overrides if mode == "sync" else ())
+                                  seed=r, recipe=recipe, overrides=recipe.overrides(system_mode))
                     results[workload][mode].append({**row, "seed": r})
                     console.log(f"{workload} {mode}: {row['samples_per_s']:.1f} samples/s, wall {row['wall_s']:.0f}s, "
                                 f"eval {row['eval_first']:.2f} → {row['eval_final']:.2f}, "
                                 f"held-out {row['held_out_final']:.2f}")
     return {"study": "e2e", "max_steps": steps, "max_staleness": (bounds or STALENESS)[0],
-            "sync_overrides": list(recipe.sync_overrides),
+            "sync_overrides": list(recipe.sync_overrides), "async_overrides": list(recipe.async_overrides),
             "staleness_modes": {m: k for m, k in modes.items() if k}, "target": recipe.target,
             "held_out": recipe.held_out, "result": recipe.result, "model": recipe.model, "task": recipe.task,
             "config": next(iter(recipe.workloads.values())), "workloads": recipe.workloads, **summarise_modes(results)}
@@ -288,14 +295,17 @@ def by_seed(rows: list[dict], base: list[dict], key: str) -> dict:
 
 def more_seeds(earlier: dict, new: dict) -> dict:
     """New runs joined to an earlier run's of the same study (steps, workloads): new seeds, or new bounds on
-    seeds already run; a (bound, seed) run again replaces its earlier run. Other settings replace it, and other
-    sync settings its sync runs."""
+    seeds already run; a (bound, seed) run again replaces its earlier run. Other settings replace it, and an
+    arm's other settings (``sync_overrides``, ``async_overrides``) that arm's runs."""
     if any(earlier.get(k) != new.get(k) for k in ("max_steps", "workloads")):
         return new
     if not all("seed" in x for by_mode in earlier["runs"].values() for rows in by_mode.values() for x in rows):
         return new  # written before runs recorded their seed
-    if earlier.get("sync_overrides", []) != new.get("sync_overrides", []):  # its sync runs measured another setting
-        earlier = {**earlier, "runs": {w: {**by_mode, "sync": []} for w, by_mode in earlier["runs"].items()}}
+    for arm in ("sync", "async"):  # runs that measured another setting of their arm's are dropped
+        if earlier.get(f"{arm}_overrides", []) != new.get(f"{arm}_overrides", []):
+            earlier = {**earlier, "runs": {w: {m: [] if (m == "sync") == (arm == "sync") else rows
+                                               for m, rows in by_mode.items()}
+                                           for w, by_mode in earlier["runs"].items()}}
     runs = {w: {**earlier["runs"][w], **join_seeds(earlier["runs"][w], by_mode)} for w, by_mode in new["runs"].items()}
     modes = {**earlier.get("staleness_modes", {}), **new["staleness_modes"]}
     modes = {async_mode(b): b for b in STALENESS if async_mode(b) in modes}  # the table's order

@@ -92,3 +92,10 @@ def test_e2e_sync_arm_run_with_other_settings_replaces_the_earlier_sync_runs_and
     assert [x["samples_per_s"] for x in runs["sync"]] == [1.4, 1.5] and len(runs["async"]) == 2
     assert seed0["staleness_modes"] == {"async": 4}
     assert seed0["summary"]["agentic"]["ratios"]["async"]["ratio"] == pytest.approx(3.0 / 1.45)  # medians
+    # seed 0 again with the async arms' settings changed: their other seeds' runs go, sync's stay
+    rethreaded = {**study({"sync": [row(0, 1.3)], "async": [row(0, 2.0)]}, both2),
+                  "async_overrides": ["supervise.learner_threads=2"]}
+    runs = e2e.more_seeds(seed0, rethreaded)["runs"]["agentic"]
+    assert [x["samples_per_s"] for x in runs["async"]] == [2.0] and [x["samples_per_s"] for x in runs["sync"]] == [1.3, 1.5]
+    assert e2e.RECIPES["smollm2"].overrides("async") == e2e.RECIPES["smollm2"].async_overrides != ()
+    assert e2e.RECIPES["toy"].overrides("async") == e2e.RECIPES["toy"].overrides("sync") == ()
