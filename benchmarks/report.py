@@ -1,7 +1,8 @@
 """``streamrl bench report``: every study's results as one Markdown page with its plots.
 
 Reads ``benchmarks/results/NAME.json`` (the tables each study printed are saved in it) and
-``NAME.png``, copies the plots next to the page, and writes ``docs/benchmarks.md``. A study with no
+``NAME.png``, copies both next to the page (where a study's later seeds find its runs), and writes
+``docs/benchmarks.md``. A study with no
 results file keeps its section and headlines from the page as it was (each section states the date
 it ran), so the studies can be rerun one at a time.
 """
@@ -189,7 +190,8 @@ def build(results: Path, page: Path) -> Path:
              f"Measured on {machine['platform']}, {machine['cpu_count']} CPU cores, torch {machine['torch']} "
              f"({'CUDA' if machine['cuda'] else 'no GPU'}). Every figure stands beside a baseline measured in the "
              "same run on the same machine; figures are medians of the repeats each table names. "
-             "Regenerate with `streamrl bench NAME` for each study, then `streamrl bench report`.\n"]
+             "Regenerate with `streamrl bench NAME` for each study, then `streamrl bench report`. Each study's "
+             "runs, figure by figure, are in `docs/benchmarks/NAME.json`, beside its plot.\n"]
     new_headlines = headlines(results)
     lines = [line for name, prefix in HEADLINES.items() for line in (new_headlines if name in rerun else old_headlines)
              if line.startswith(prefix)]

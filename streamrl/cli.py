@@ -341,7 +341,8 @@ def bench(
     lora: Annotated[bool | None, typer.Option("--lora", help="trl --trl-trainer async: both sides train the LoRA "
                                                              "recipe's adapter (configs/smollm2-lora.yaml).")] = None,
     first_seed: Annotated[int | None, typer.Option(help="lora (its accuracy study), trl, engines, stress and e2e: the first "
-                                                        "seed, to add seeds to an earlier run's results (default: 0).",
+                                                        "seed, to add seeds to an earlier run's results: --out's, else the "
+                                                        "published docs/benchmarks/NAME.json (default: 0).",
                                                    min=0)] = None,
     streamrl_set: Annotated[list[str] | None, typer.Option("--streamrl-set", help="trl: a config override for "
                                                            "streamrl's side (repeatable), e.g. mode=sync; stress: for "
