@@ -338,7 +338,9 @@ def report(data: dict, out: Path) -> None:
     fig, (ax1, ax2) = new_figure(2, f"Async vs sync, same samples ({data.get('task', TOY.task)})")
     names = list(data["summary"])
     width = 0.8 / len(modes)
-    labels = {m: m if m == "sync" else f"async, staleness ≤ {data['staleness_modes'][m]}" for m in modes}
+    bound = {m: data["staleness_modes"].get(m) for m in modes}
+    labels = {m: m if m == "sync" else "async, auto staleness" if bound[m] == "auto" else f"async, staleness ≤ {bound[m]}"
+              for m in modes}
     for i, mode in enumerate(modes):
         ax1.bar([j + width * i for j in range(len(names))], [data["summary"][w][mode]["samples_per_s"] for w in names],
                 width=width, label=labels[mode])
