@@ -151,26 +151,32 @@ def test_waiting_requests_join_by_priority_then_arrival(model):
         one.shutdown()
 
 
+def wait_for_first_tokens(engine: HFEngine) -> None:
+    """Until a running request has tokens: long before the last of a 1000-token one (a fixed sleep let a fast
+    machine finish a 300-token request first)."""
+    while not any(seq.out.output_ids for seq in engine._rows):
+        time.sleep(0.001)
+
+
 def test_weight_swap_between_steps_tags_later_tokens_with_the_new_version(model, engine):
-    future = engine.submit("long", [1, 2, 3], SamplingParams(max_new_tokens=400, temperature=1.0, ignore_eos=True))
-    time.sleep(0.2)
+    future = engine.submit("long", [1, 2, 3], SamplingParams(max_new_tokens=1000, temperature=1.0, ignore_eos=True))
     new = [(name, p.detach() * 1.01) for name, p in model.named_parameters()]
+    wait_for_first_tokens(engine)
     engine.swap_weights(new, version=1).result(10)
     out = future.result(60)
     spans = out.version_spans()
     assert [s["version"] for s in spans] == [0, 1]
-    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 400
+    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 1000
     name, tensor = new[0]
     assert torch.equal(dict(model.named_parameters())[name], tensor)
 
 
 def test_pause_holds_generation_and_weights_can_be_swapped_meanwhile(model, engine):
-    running = engine.submit("r", [1, 2], SamplingParams(max_new_tokens=300, ignore_eos=True))
-    time.sleep(0.2)
+    running = engine.submit("r", [1, 2], SamplingParams(max_new_tokens=1000, ignore_eos=True))
+    wait_for_first_tokens(engine)
     engine.pause()
     waiting = engine.submit("p", [1, 2], SamplingParams(max_new_tokens=5, ignore_eos=True))
-    time.sleep(0.1)
-    time.sleep(0.3)
+    time.sleep(0.4)  # unpaused, the 5-token request would have finished by now
     assert not waiting.done() and not running.done()
     engine.swap_weights([(n, p.detach().clone()) for n, p in model.named_parameters()], version=2).result(5)
     engine.resume()
