@@ -169,9 +169,8 @@ class RewardConfig(Section):
 
 
 class AutoStalenessConfig(Section):
-    """With `off_policy.max_staleness: auto`, how the learner moves the bound (docs/concepts.md): up while it waits
-    for data on healthy off-policy data (doubled until the first lowering, then by one), halved when that data
-    degrades."""
+    """With `off_policy.max_staleness: auto`, how the learner moves the bound (docs/concepts.md): up by one while
+    it waits for data on healthy off-policy data, halved when that data degrades."""
 
     low: int = Field(1, ge=0, description="smallest bound (and the first)")
     high: int = Field(8, ge=1, description="largest bound")

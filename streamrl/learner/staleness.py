@@ -1,17 +1,15 @@
 """The staleness bound chosen from what the learner measures (``off_policy.max_staleness: auto``).
 
 After each step the controller reads the step's signals and may move the admission bound ``k`` within
-``[low, high]``, as TCP moves its window: doubling up until the data first degrades (its slow start, so a short
-run does not spend its first dozen steps climbing), then additive up and multiplicative down:
+``[low, high]``, additive up and multiplicative down (as TCP does with its window):
 
 - **down**, to ``max(low, floor(k / 2))``, as soon as the off-policy data degrades: the normalised effective sample
   size of the importance weights ``ESS = (sum w)^2 / (n sum w^2)`` falls under ``ess_floor``, their second moment
   ``E[w^2]`` (M2PO's quantity) passes ``m2_ceiling``, the clip fraction passes ``clip_ceiling``, or the gradient
   norm passes ``spike`` times its running mean (an exponential mean of the norms that were not spikes);
-- **up**, to ``2k`` (at least 1) until the bound's first lowering and to ``k + 1`` after it, when the learner
-  waited for data for more than ``wait_share`` of each of the last ``patience`` steps and the data was healthy
-  throughout, with margin: ESS at least ``ess_raise`` (above ``ess_floor``) and the clip fraction at most half
-  its ceiling.
+- **up**, to ``k + 1``, when the learner waited for data for more than ``wait_share`` of each of the last
+  ``patience`` steps and the data was healthy throughout, with margin: ESS at least ``ess_raise`` (above
+  ``ess_floor``) and the clip fraction at most half its ceiling.
 
 It does not oscillate: the margin between the thresholds that lower and raise it, the ``patience`` steps a raise
 waits for, and the ``cooldown`` steps after any change (the data admitted under the old bound drains meanwhile,
@@ -66,7 +64,6 @@ class StalenessController:
         self._grad_mean: float | None = None
         self._healthy_waits = 0  # consecutive steps that waited for data on healthy data
         self._last_change = -(10**9)
-        self._slow_start = True  # raises double until the first lowering
 
     def observe(self, step: int, s: Signals) -> Change | None:
         """Take a step's signals; the change of the bound they call for, if any (already applied)."""
@@ -81,8 +78,7 @@ class StalenessController:
         healthy = s.ess >= r.ess_raise and s.clip_frac <= r.clip_ceiling / 2
         self._healthy_waits = self._healthy_waits + 1 if healthy and s.wait_share > r.wait_share else 0
         if self._healthy_waits >= r.patience and settled and self.bound < r.high:
-            raised = max(2 * self.bound, 1) if self._slow_start else self.bound + 1
-            return self._move(step, min(raised, r.high), f"the learner waited {s.wait_share:.0%} of its step for data "
+            return self._move(step, self.bound + 1, f"the learner waited {s.wait_share:.0%} of its step for data "
                                                     f"{r.patience} steps running, ESS {s.ess:.2f}")
         return None
 
@@ -106,7 +102,6 @@ class StalenessController:
 
     def _move(self, step: int, new: int, cause: str) -> Change:
         change = Change(step, self.bound, new, cause)
-        self._slow_start = self._slow_start and new > self.bound
         self.bound, self._last_change, self._healthy_waits = new, step, 0
         return change
 
