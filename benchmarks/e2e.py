@@ -301,11 +301,11 @@ def more_seeds(earlier: dict, new: dict) -> dict:
         return new
     if not all("seed" in x for by_mode in earlier["runs"].values() for rows in by_mode.values() for x in rows):
         return new  # written before runs recorded their seed
-    for arm in ("sync", "async"):  # runs that measured another setting of their arm's are dropped
-        if earlier.get(f"{arm}_overrides", []) != new.get(f"{arm}_overrides", []):
-            earlier = {**earlier, "runs": {w: {m: [] if (m == "sync") == (arm == "sync") else rows
-                                               for m, rows in by_mode.items()}
-                                           for w, by_mode in earlier["runs"].items()}}
+    # runs that measured another setting of their arm's are dropped
+    changed = {arm for arm in ("sync", "async") if earlier.get(f"{arm}_overrides", []) != new.get(f"{arm}_overrides", [])}
+    arm_of = {m: "sync" if m == "sync" else "async" for by_mode in earlier["runs"].values() for m in by_mode}
+    earlier = {**earlier, "runs": {w: {m: [] if arm_of[m] in changed else rows for m, rows in by_mode.items()}
+                                   for w, by_mode in earlier["runs"].items()}}
     runs = {w: {**earlier["runs"][w], **join_seeds(earlier["runs"][w], by_mode)} for w, by_mode in new["runs"].items()}
     modes = {**earlier.get("staleness_modes", {}), **new["staleness_modes"]}
     modes = {async_mode(b): b for b in STALENESS if async_mode(b) in modes}  # the table's order
