@@ -130,7 +130,7 @@ class RolloutWorker:
         reporter = asyncio.create_task(self._report_every(rollout.metrics_every_s))
         self.running: dict[str, int] = {}  # group id -> its prompt index, while the group runs
         keeper = asyncio.create_task(self._keep_leases(min(rollout.group_lease_s, rollout.prompt_lease_s) / 3))
-        if reclaimed := await asyncio.to_thread(self.admission.reclaim, self.name, self.life):
+        if reclaimed := await self._redis(self.admission.reclaim, self.name, self.life):
             log.info("%s: gave back %d admission slots of its earlier life (its groups died with it)", self.name,
                      reclaimed)
         # a request may take the router its whole timeout, then the client hears why
@@ -147,7 +147,7 @@ class RolloutWorker:
                 if not await self._admit(group_id):
                     groups_in_flight.release()
                     break
-                index = await asyncio.to_thread(self.claims.claim)
+                index = await self._redis(self.claims.claim)
                 self.running[group_id] = index
                 task = asyncio.create_task(self._group(group_id, index))
                 task.add_done_callback(lambda t, g=group_id: self.running.pop(g))
@@ -174,7 +174,7 @@ class RolloutWorker:
         on every step). The wait is bounded for slots freed otherwise (abandoned or dropped groups).
         """
         while not self.stopping.is_set():
-            if await asyncio.to_thread(self.admission.try_admit, group_id):
+            if await self._redis(self.admission.try_admit, group_id):
                 return True
             self.metrics.count("admission_waits")
             await asyncio.to_thread(self.version_watch.wait, 0.5)
@@ -258,7 +258,7 @@ class RolloutWorker:
             await self._report()
 
     async def _report(self) -> None:
-        self.metrics.write(await asyncio.to_thread(self.admission.counters))
+        self.metrics.write(await self._redis(self.admission.counters))
 
 
 def episode_player(cfg: Config, renderer: ChatRenderer) -> tuple[Callable[[], Env] | None, AgentRunner | None]:
