@@ -171,7 +171,6 @@ def test_rlhf_groups_are_scored_by_a_reward_model_server(fleet, reward_dir, tmp_
     assert len(set(rewards)) > 1  # real scores of different replies, not a constant
 
 
-
 def test_a_worker_outlasts_a_redis_outage_longer_than_its_clients_retries(fleet, tmp_path):
     """Redis dies while the worker waits at the staleness bound, and comes back (from its AOF) after the client's
     own retries (~7 s) are spent: the worker waits it out, takes the slots the next version frees, loses nothing."""
