@@ -117,7 +117,7 @@ class Flaky(Arithmetic):
 
 
 class Slow(Arithmetic):
-    """Arithmetic whose every episode takes at least two seconds: for tests of leases."""
+    """Arithmetic whose every episode takes at least two seconds: for tests of leases and of restarts mid-run."""
 
     async def reset(self, item):
         await asyncio.sleep(2.0)

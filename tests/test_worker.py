@@ -66,8 +66,10 @@ def test_groups_of_the_builtin_envs_land_with_masks_logprobs_and_versions(fleet,
 
 def test_a_killed_worker_restarts_without_losing_or_repeating_a_prompt(fleet):
     # Admission bounds the run: (max_staleness 0 + version 0 + 1) * 12 groups, then the worker waits. The
-    # restarted worker takes back the slots of the groups that died with it at once: leases of 600 s never lapse
-    args = ["off_policy.max_staleness=0", "learner.groups_per_step=12"]
+    # restarted worker takes back the slots of the groups that died with it at once: leases of 600 s never lapse.
+    # Episodes take 2 s, so groups land in waves of 4 and the kill lands mid-run (unpaced, the first worker could
+    # land all 12 before it, and the restarted one be stopped before it has set up its signal handlers)
+    args = ["off_policy.max_staleness=0", "learner.groups_per_step=12", "rollout.env=streamrl.testing:Slow"]
     proc = _worker(fleet, *args)
     _until(lambda: len(_groups(fleet)) >= 3)
     proc.send_signal(signal.SIGKILL)
@@ -78,6 +80,7 @@ def test_a_killed_worker_restarts_without_losing_or_repeating_a_prompt(fleet):
     restarted.send_signal(signal.SIGTERM)
     assert restarted.wait(60) == 0
     groups = _groups(fleet)
+    assert len({g.group_id.split("/")[1] for g in groups}) == 2  # both lives landed groups
     prompts = [int(g.prompt_id) for g in groups]
     assert len(groups) == 12 and len(set(g.group_id for g in groups)) == 12
     assert len(set(prompts)) == 12  # no prompt twice ...
