@@ -72,8 +72,10 @@ def test_signals_wavering_at_a_threshold_do_not_make_the_bound_oscillate():
 
 
 def test_settings_that_cannot_work_are_refused():
+    with pytest.raises(ValueError, match=r"off_policy.auto.start 2 is outside \[low 3, high 8\]"):
+        AutoStalenessConfig(low=3, high=8)
     with pytest.raises(ValueError, match="low 3 <= start 2"):
-        controller(low=3, high=8, bound=2)
+        controller(low=3, high=8, start=3, bound=2)
     with pytest.raises(ValueError, match="ess_floor 0.9 must be under ess_raise 0.8"):
         controller(ess_floor=0.9, ess_raise=0.8)
 
@@ -84,10 +86,10 @@ def test_the_learners_auto_bound_is_published_where_admission_reads_it_and_survi
     from streamrl.learner.staleness import AutoBound
 
     cfg = load_config(None, ["off_policy.max_staleness=auto", "off_policy.auto.low=1", "off_policy.auto.high=4",
-                             "off_policy.auto.patience=1", "off_policy.auto.cooldown=1"])
+                             "off_policy.auto.start=1", "off_policy.auto.patience=1", "off_policy.auto.cooldown=1"])
     worker = Admission(ns, max_staleness=cfg.staleness_bound, groups_per_step=2)
     auto = AutoBound(cfg.off_policy.auto, Admission(ns, max_staleness=cfg.staleness_bound, groups_per_step=2))
-    assert auto.bound == 1 and worker.bound() == 1  # it starts low, not at the ceiling the workers were given
+    assert auto.bound == 1 and worker.bound() == 1  # it starts at start, not at the ceiling the workers were given
     waited = {"wait_s": 3.0, "train_s": 1.0, "is_ess": 0.99, "is_second_moment": 1.0, "clip_frac": 0.0,
               "grad_norm": 1.0}
     assert "raised 1 -> 2 at step 1" in auto.after_step(1, waited)["staleness_change"]
@@ -105,7 +107,7 @@ def test_the_learners_bound_is_published_where_admission_reads_it_and_a_resumed_
     from streamrl.learner.staleness import AutoBound
 
     admission = Admission(ns, max_staleness=8, groups_per_step=1)  # the ceiling; the published bound rules
-    rules = AutoStalenessConfig(low=1, high=4, patience=1, cooldown=1)
+    rules = AutoStalenessConfig(low=1, high=4, start=1, patience=1, cooldown=1)
     auto = AutoBound(rules, admission)
     assert auto.bound == 1 and admission.published() == 1
     waiting = {"wait_s": 1.0, "train_s": 1.0, "is_ess": 0.99, "clip_frac": 0.0, "grad_norm": 1.0}
@@ -114,3 +116,8 @@ def test_the_learners_bound_is_published_where_admission_reads_it_and_a_resumed_
     assert AutoBound(rules, admission).bound == 2  # a restarted learner
     assert "lowered 2 -> 1" in auto.after_step(2, {**waiting, "is_ess": 0.5})["staleness_change"]
     assert admission.published() == 1
+
+
+def test_the_bound_starts_at_start_the_fixed_bounds_default_unless_set():
+    assert controller().bound == 2 == AutoStalenessConfig().start
+    assert controller(low=3, high=8, start=5).bound == 5

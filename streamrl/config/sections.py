@@ -172,8 +172,9 @@ class AutoStalenessConfig(Section):
     """With `off_policy.max_staleness: auto`, how the learner moves the bound (docs/concepts.md): up by one while
     it waits for data on healthy off-policy data, halved when that data degrades."""
 
-    low: int = Field(1, ge=0, description="smallest bound (and the first)")
+    low: int = Field(1, ge=0, description="smallest bound")
     high: int = Field(8, ge=1, description="largest bound")
+    start: int = Field(2, ge=0, description="first bound (a fixed max_staleness's default)")
     wait_share: float = Field(0.1, ge=0, lt=1, description="a step that waited for data longer than this share "
                               "of it counts towards a raise")
     ess_floor: float = Field(0.8, gt=0, lt=1, description="lower when the importance weights' effective sample "
@@ -189,6 +190,9 @@ class AutoStalenessConfig(Section):
     def _ordered(self) -> AutoStalenessConfig:
         if self.low > self.high:
             raise ValueError(f"off_policy.auto.low {self.low} > high {self.high}")
+        if not self.low <= self.start <= self.high:
+            raise ValueError(f"off_policy.auto.start {self.start} is outside [low {self.low}, high {self.high}]: "
+                             "set off_policy.auto.start within them")
         if self.ess_floor >= self.ess_raise:
             raise ValueError(f"off_policy.auto.ess_floor {self.ess_floor} must be under ess_raise {self.ess_raise}")
         return self

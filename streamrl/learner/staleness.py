@@ -52,13 +52,13 @@ class Change:
 
 class StalenessController:
     """Moves the bound by ``rules`` (the ``off_policy.auto`` settings: their defaults when not given), from
-    ``bound`` (default: ``rules.low``)."""
+    ``bound`` (default: ``rules.start``)."""
 
     smoothing = 0.9  # of the gradient norm's running mean
 
     def __init__(self, rules: AutoStalenessConfig | None = None, bound: int | None = None):
         self.rules = r = rules or AutoStalenessConfig()
-        self.bound = r.low if bound is None else bound
+        self.bound = r.start if bound is None else bound
         if not r.low <= self.bound <= r.high:
             raise ValueError(f"staleness bounds: need low {r.low} <= start {self.bound} <= high {r.high}")
         self._grad_mean: float | None = None
@@ -121,7 +121,7 @@ class AutoBound:
     def __init__(self, auto: Any, admission: Any):
         self.admission = admission
         published = admission.published()
-        published = auto.low if published is None else published
+        published = auto.start if published is None else published
         self.controller = StalenessController(auto, bound=min(max(published, auto.low), auto.high))
         admission.set_bound(self.controller.bound)
 
