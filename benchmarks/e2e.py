@@ -35,7 +35,8 @@ workload a right second try counts at its discount; on single-turn the two are t
 The ratio is async samples/s over sync samples/s; who goes first rotates per repeat. Async runs at
 max staleness 4 (the headline), 2 and 1: staleness buys throughput and, on a task learnt in a few
 dozen steps, can cost final reward — both sides of the trade are in the table — and at ``auto``, where the
-learner sets the bound from what it measures (docs/concepts.md). Runs are 40 steps,
+learner sets the bound from what it measures (docs/concepts.md); a row gives ``auto``'s samples/s over
+the fastest fixed bound's, what letting the learner choose cost. Runs are 40 steps,
 the quickstart's length, by which the synchronous run has converged (held-out ≈ 0.95).
 Every run also records its stages' speeds (``stages``), from which ``streamrl bench simulate``
 replays it to check the pipeline model.
@@ -282,8 +283,18 @@ def summarise_modes(results: dict[str, dict[str, list[dict]]]) -> dict:
                       **{f"{k}_vs_sync": by_seed(by_mode[m], by_mode["sync"], k)
                          for k in ("held_out_final", "held_out_reward")}}
                   for m in med if m != "sync"}
-        summary[workload] = {**med, **ratios.get("async", {}), "ratios": ratios}
+        summary[workload] = {**med, **ratios.get("async", {}), "ratios": ratios, **auto_vs_best_fixed(med)}
     return {"repeats": len(next(iter(results.values()))["sync"]), "runs": results, "summary": summary}
+
+
+def auto_vs_best_fixed(med: dict[str, dict]) -> dict:
+    """``auto``'s samples/s over the fastest fixed bound's: what choosing the bound cost against the best
+    hand-picked one (empty unless both ran)."""
+    auto, fixed = async_mode("auto"), [m for m in med if m not in ("sync", async_mode("auto"))]
+    if auto not in med or not fixed:
+        return {}
+    best = max(fixed, key=lambda m: med[m]["samples_per_s"])
+    return {"auto_vs_best_fixed": {"best": best, "ratio": med[auto]["samples_per_s"] / med[best]["samples_per_s"]}}
 
 
 def by_seed(rows: list[dict], base: list[dict], key: str) -> dict:
@@ -328,6 +339,9 @@ def report(data: dict, out: Path) -> None:
         for mode, r in s["ratios"].items():
             rows.append([f"{workload}: {mode} / sync", r["ratio"], r["steady_ratio"], "", "", "",
                          points(r["held_out_final_vs_sync"]), points(r["held_out_reward_vs_sync"]), ""])
+        if best := s.get("auto_vs_best_fixed"):
+            rows.append([f"{workload}: {async_mode('auto')} / {best['best']} (the fastest fixed bound)", best["ratio"],
+                         "", "", "", "", "", "", ""])
     model = f"{data['model']}, " if data.get("model") else ""
     held_out, name = data.get("held_out", HELD_OUT), data.get("result", "e2e")
     print_table(f"End to end, {model}{data['max_steps']} steps, medians of {data['repeats']}; held-out of a ratio row: "

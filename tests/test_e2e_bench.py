@@ -59,6 +59,8 @@ def test_e2e_seeds_join_an_earlier_run_of_the_same_study_and_pair_by_seed(tmp_pa
     assert s["async-auto"]["runs"] == 1 and s["ratios"]["async-auto"]["ratio"] == pytest.approx(2.4 / 1.0)
     assert s["ratios"]["async-auto"]["held_out_final_vs_sync"]["mean"] == pytest.approx(0.1)
     assert s["ratios"]["async-auto"]["held_out_final_vs_sync"]["pairs"] == 1
+    assert s["auto_vs_best_fixed"] == {"best": "async", "ratio": pytest.approx(2.4 / 3.0)}  # the measure
+    assert "auto_vs_best_fixed" not in joined["summary"]["agentic"]  # no auto arm: nothing to compare
     with pytest.raises(SystemExit, match="--staleness 3"):
         e2e.bounds_of(("auto", "3"))
     assert e2e.bounds_of(("4", "auto")) == (4, "auto")
