@@ -42,10 +42,12 @@ Every run also records its stages' speeds (``stages``), from which ``streamrl be
 replays it to check the pipeline model.
 
 Seeds and arms can be run one session at a time: ``--first-seed S`` joins the runs of seeds S on to an earlier
-run's of the same study, ``--staleness B`` (repeatable) runs sync and only those async arms, and ``--sync-only``
-sync alone (after its settings changed: its runs replace the same seeds' earlier sync runs).
+run's of the same study, ``--staleness B`` (repeatable) runs sync and only those async arms, ``--sync-only``
+sync alone (after its settings changed: its runs replace the same seeds' earlier sync runs), and ``--async-only``
+the async arms alone, paired with the sync runs of the same seeds already in the results (on a real model an arm
+of 3 seeds takes an hour; sync's runs do not depend on the async arms', so they need not run again).
 
-    python -m benchmarks.e2e [--quick] [--real-model] [--first-seed S] [--staleness B] [--sync-only]
+    python -m benchmarks.e2e [--quick] [--real-model] [--first-seed S] [--staleness B] [--sync-only | --async-only]
 """
 
 from __future__ import annotations
@@ -243,12 +245,13 @@ def async_mode(staleness: int | str) -> str:
 
 
 def run(quick: bool, repeats: int | None = None, recipe: Recipe = TOY, first_seed: int = 0,
-        bounds: tuple[int | str, ...] | None = None) -> dict:
-    """``bounds``: the async arms run beside sync (None: the study's; empty: sync alone)."""
+        bounds: tuple[int | str, ...] | None = None, with_sync: bool = True) -> dict:
+    """``bounds``: the async arms run beside sync (None: the study's; empty: sync alone); without sync the runs
+    are returned unsummarised, for ``more_seeds`` to pair with an earlier run's sync."""
     default_repeats, steps, default_bounds = ((1, recipe.quick_steps, STALENESS[:1]) if quick
                                               else (3, recipe.steps, STALENESS))
     repeats, bounds = repeats or default_repeats, default_bounds if bounds is None else bounds
-    modes = {"sync": 0, **{async_mode(k): k for k in bounds}}  # mode -> max staleness
+    modes = {**({"sync": 0} if with_sync else {}), **{async_mode(k): k for k in bounds}}  # mode -> max staleness
     results: dict[str, dict[str, list[dict]]] = {w: {m: [] for m in modes} for w in recipe.workloads}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -269,7 +272,8 @@ def run(quick: bool, repeats: int | None = None, recipe: Recipe = TOY, first_see
             "sync_overrides": list(recipe.sync_overrides), "async_overrides": list(recipe.async_overrides),
             "staleness_modes": {m: k for m, k in modes.items() if k}, "target": recipe.target,
             "held_out": recipe.held_out, "result": recipe.result, "model": recipe.model, "task": recipe.task,
-            "config": next(iter(recipe.workloads.values())), "workloads": recipe.workloads, **summarise_modes(results)}
+            "config": next(iter(recipe.workloads.values())), "workloads": recipe.workloads,
+            **(summarise_modes(results) if with_sync else {"runs": results})}
 
 
 def summarise_modes(results: dict[str, dict[str, list[dict]]]) -> dict:
@@ -381,16 +385,30 @@ def bounds_of(staleness: tuple[str, ...], sync_only: bool = False) -> tuple[int 
     return () if sync_only else tuple(known[s] for s in staleness) or None
 
 
+def sync_to_pair(earlier: dict | None, recipe: Recipe, steps: int) -> None:
+    """Refuses ``--async-only`` unless the results hold sync runs of the same study for its runs to pair with."""
+    same = earlier and earlier.get("max_steps") == steps and earlier.get("workloads") == recipe.workloads
+    if not (same and all(by_mode.get("sync") for by_mode in earlier["runs"].values())):
+        raise SystemExit(f"--async-only pairs its runs with the sync runs of an earlier {recipe.result}.json of "
+                         f"{steps} steps, and there is none: run sync too (leave out --async-only)")
+
+
 def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None,
          real_model: bool = False, first_seed: int = 0, staleness: tuple[str, ...] = (),
-         sync_only: bool = False) -> dict:
+         sync_only: bool = False, async_only: bool = False) -> dict:
     """``real_model``: SmolLM2-135M's pair of workloads (``RECIPES["smollm2"]``) instead of the toy's;
     ``first_seed``: the first repeat's seed (runs of other seeds of the same study, in its results file, join);
     ``staleness``: the async arms to run beside sync (default: all of ``STALENESS``; arms run later join);
-    ``sync_only``: the sync arm alone (its runs replace the same seeds' earlier sync runs, the async arms stay)."""
+    ``sync_only``: the sync arm alone (its runs replace the same seeds' earlier sync runs, the async arms stay);
+    ``async_only``: the async arms alone, paired with the earlier sync runs of the same seeds."""
+    if sync_only and async_only:
+        raise SystemExit("--sync-only and --async-only: choose one")
     recipe = RECIPES["smollm2" if real_model else "toy"]
-    data = run(quick, repeats, recipe, first_seed, bounds_of(staleness, sync_only))
-    if earlier := earlier_results(out, recipe.result):
+    earlier = earlier_results(out, recipe.result)
+    if async_only:
+        sync_to_pair(earlier, recipe, recipe.quick_steps if quick else recipe.steps)
+    data = run(quick, repeats, recipe, first_seed, bounds_of(staleness, sync_only), with_sync=not async_only)
+    if earlier:
         data = more_seeds(earlier, data)
     report(data, out)
     return data

@@ -355,6 +355,9 @@ def bench(
                                                       "join the study's earlier ones.")] = None,
     sync_only: Annotated[bool | None, typer.Option("--sync-only", help="e2e: the sync arm alone; its runs replace "
                                                    "the same seeds' earlier sync runs, the async arms stay.")] = None,
+    async_only: Annotated[bool | None, typer.Option("--async-only", help="e2e: the async arms alone, paired with "
+                                                    "the sync runs of the same seeds in the study's earlier "
+                                                    "results.")] = None,
     trl_set: Annotated[list[str] | None, typer.Option("--trl-set", help="trl --trl-trainer async: a setting of "
                                                       "TRL's side (repeatable): max_inflight_tasks, trainer_threads "
                                                       "or server_threads, e.g. server_threads=2.")] = None,
@@ -378,7 +381,8 @@ def bench(
         ("trl_generation", trl_generation), ("precision", precision), ("trl_precision", trl_precision),
         ("study", study), ("trl_trainer", trl_trainer), ("lora", lora), ("first_seed", first_seed), ("streamrl_set", tuple(streamrl_set or ()) or None),
         ("trl_set", tuple(trl_set or ()) or None), ("real_model", real_model),
-        ("staleness", tuple(staleness or ()) or None), ("sync_only", sync_only))
+        ("staleness", tuple(staleness or ()) or None), ("sync_only", sync_only),
+        ("async_only", async_only))
         if value is not None}
     takes = inspect.signature(importlib.import_module(MODULES[suite]).main).parameters  # the study's own options
     for name in options.keys() - takes.keys():

@@ -101,3 +101,33 @@ def test_e2e_sync_arm_run_with_other_settings_replaces_the_earlier_sync_runs_and
     assert [x["samples_per_s"] for x in runs["async"]] == [2.0] and [x["samples_per_s"] for x in runs["sync"]] == [1.3, 1.5]
     assert e2e.RECIPES["smollm2"].overrides("async") == e2e.RECIPES["smollm2"].async_overrides != ()
     assert e2e.RECIPES["toy"].overrides("async") == e2e.RECIPES["toy"].overrides("sync") == ()
+
+
+def test_e2e_async_arms_alone_pair_with_the_earlier_sync_runs_and_are_refused_without_them():
+    from benchmarks import e2e
+
+    def row(seed: int, samples_per_s: float, held_out: float) -> dict:
+        return {"seed": seed, "samples_per_s": samples_per_s, "steady_samples_per_s": samples_per_s, "wall_s": 1.0,
+                "eval_final": 0.9, "held_out_final": held_out, "held_out_reward": held_out, "dropped_fraction": 0.0,
+                "time_to_target_s": None}
+
+    recipe, workloads = e2e.RECIPES["smollm2"], e2e.RECIPES["smollm2"].workloads
+    w = next(iter(workloads))
+    earlier = {"max_steps": recipe.steps, "staleness_modes": {"async": 4}, "workloads": workloads,
+               **e2e.summarise_modes({w: {"sync": [row(0, 1.0, 0.6), row(1, 2.0, 0.7)], "async": [row(0, 3.0, 0.6)]}})}
+    e2e.sync_to_pair(earlier, recipe, recipe.steps)  # sync runs of the same study: accepted
+    for wrong, why in ((None, "no results"), (earlier, "other steps"), ({**earlier, "workloads": {}}, "other workloads")):
+        with pytest.raises(SystemExit, match="--async-only pairs its runs with the sync runs of an earlier "
+                                             f"e2e_smollm2.json of {recipe.steps + (why == 'other steps')} steps"):
+            e2e.sync_to_pair(wrong, recipe, recipe.steps + (why == "other steps"))
+    auto = {"max_steps": recipe.steps, "staleness_modes": {"async-auto": "auto"}, "workloads": workloads,
+            "runs": {w: {"async-auto": [row(0, 2.4, 0.65), row(1, 2.2, 0.6)]}}}  # as run() returns it without sync
+    joined = e2e.more_seeds(earlier, auto)
+    runs, s = joined["runs"][w], joined["summary"][w]
+    assert [x["samples_per_s"] for x in runs["sync"]] == [1.0, 2.0] and len(runs["async"]) == 1  # both stay
+    assert s["ratios"]["async-auto"]["ratio"] == pytest.approx(2.3 / 1.5)  # medians against the earlier sync
+    pairs = s["ratios"]["async-auto"]["held_out_final_vs_sync"]
+    assert pairs["pairs"] == 2 and pairs["mean"] == pytest.approx(((0.65 - 0.6) + (0.6 - 0.7)) / 2)
+    assert s["auto_vs_best_fixed"] == {"best": "async", "ratio": pytest.approx(2.3 / 3.0)}
+    with pytest.raises(SystemExit, match="choose one"):
+        e2e.main(sync_only=True, async_only=True)
