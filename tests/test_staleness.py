@@ -45,12 +45,26 @@ def test_degraded_off_policy_data_halves_the_bound_at_once_with_its_cause(bad, c
     assert run(c, [bad] * 10, first_step=9) == [] and c.bound == 1  # never under low
 
 
-def test_a_gradient_spike_lowers_the_bound_and_stays_out_of_the_mean_it_is_judged_by():
-    c = controller(bound=4, spike=3.0, cooldown=1)
+def test_a_gradient_spike_lowers_the_bound_once_and_a_norm_that_stays_up_becomes_the_level():
+    c = controller(bound=4, spike=3.0, cooldown=1, patience=2)
     assert run(c, [calm(grad_norm=1.0, wait_share=0.0)] * 5) == []
-    changes = run(c, [calm(grad_norm=10.0)] * 2, first_step=5)  # both spikes: the mean stays 1
-    assert [(ch.old, ch.new) for _, ch in changes] == [(4, 2), (2, 1)]
+    changes = run(c, [calm(grad_norm=10.0)] * 4, first_step=5)  # a jump, then the norm stays up
+    assert [(ch.old, ch.new) for _, ch in changes] == [(4, 2), (2, 3)]  # the mean follows: waiting raises again
     assert "gradient norm 10 > 3.0 x its running mean 1" in changes[0][1].cause
+    assert c._grad_mean == pytest.approx(10 - 9 * StalenessController.smoothing**4)
+
+
+def test_the_gradient_norm_of_a_policy_starting_to_learn_is_not_a_spike():
+    """The norms of SmolLM2-135M's first 20 agentic steps (measured): near 0 while few groups had a signal, then
+    growing 30x as it learnt. Against a mean of the first two norms step 3 read as a spike, and with spikes
+    kept out of the mean every later step did, pinning the bound at its floor."""
+    norms = [0.047, 0.005, 0.237, 0.081, 0.277, 0.253, 0.299, 0.263, 0.387, 0.493, 0.75, 0.643, 0.711, 0.65, 0.801,
+             0.967, 0.821, 0.39, 0.943, 1.579]
+    c = controller(low=1, high=8, bound=2, patience=3, cooldown=4)
+    changes = run(c, [calm(grad_norm=g) for g in norms])
+    assert [(step, ch.new) for step, ch in changes] == [(2, 3), (6, 4), (10, 5), (14, 6), (18, 7)]
+    jump = run(controller(bound=2), [calm(grad_norm=g, wait_share=0.0) for g in [0.05, 0.06, 0.05, 0.06, 0.05, 0.3]])
+    assert [(step, ch.new) for step, ch in jump] == [(5, 1)]  # a jump after the warm-up still is one
 
 
 def test_a_raise_waits_for_patience_and_the_cooldown_after_a_cut():

@@ -182,7 +182,8 @@ class AutoStalenessConfig(Section):
     ess_raise: float = Field(0.9, gt=0, le=1, description="raise only while the effective sample size is at least this")
     m2_ceiling: float = Field(1.5, gt=1, description="lower when the importance weights' second moment passes this")
     clip_ceiling: float = Field(0.1, gt=0, lt=1, description="lower when the clip fraction passes this")
-    spike: float = Field(3.0, gt=1, description="lower when the gradient norm passes this many times its running mean")
+    spike: float = Field(3.0, gt=1, description="lower when the gradient norm passes this many times its running "
+                         "mean (of about the last 3 steps, judged from the 6th)")
     patience: int = Field(3, ge=1, description="steps in a row that must call for a raise")
     cooldown: int = Field(4, ge=1, description="steps after a change before the next")
 

@@ -6,7 +6,8 @@ After each step the controller reads the step's signals and may move the admissi
 - **down**, to ``max(low, floor(k / 2))``, as soon as the off-policy data degrades: the normalised effective sample
   size of the importance weights ``ESS = (sum w)^2 / (n sum w^2)`` falls under ``ess_floor``, their second moment
   ``E[w^2]`` (M2PO's quantity) passes ``m2_ceiling``, the clip fraction passes ``clip_ceiling``, or the gradient
-  norm passes ``spike`` times its running mean (an exponential mean of the norms that were not spikes);
+  norm passes ``spike`` times its running mean (an exponential mean of every step's norm, judged from the
+  ``StalenessController.warmup``-th step on);
 - **up**, to ``k + 1``, when the learner waited for data for more than ``wait_share`` of each of the last
   ``patience`` steps and the data was healthy throughout, with margin: ESS at least ``ess_raise`` (above
   ``ess_floor``) and the clip fraction at most half its ceiling.
@@ -54,7 +55,10 @@ class StalenessController:
     """Moves the bound by ``rules`` (the ``off_policy.auto`` settings: their defaults when not given), from
     ``bound`` (default: ``rules.start``)."""
 
-    smoothing = 0.9  # of the gradient norm's running mean
+    # The gradient norm's running mean: a memory of about 3 steps, so that a spike is a jump from the last few
+    # norms, not the growth a learning policy's norm shows over a run (SmolLM2's grew 30x in 20 steps, from
+    # near 0 while few groups had any signal), judged once it holds `warmup` norms.
+    smoothing, warmup = 0.7, 5
 
     def __init__(self, rules: AutoStalenessConfig | None = None, bound: int | None = None):
         self.rules = r = rules or AutoStalenessConfig()
@@ -62,13 +66,14 @@ class StalenessController:
         if not r.low <= self.bound <= r.high:
             raise ValueError(f"staleness bounds: need low {r.low} <= start {self.bound} <= high {r.high}")
         self._grad_mean: float | None = None
+        self._grad_norms = 0  # how many the mean holds
         self._healthy_waits = 0  # consecutive steps that waited for data on healthy data
         self._last_change = -(10**9)
 
     def observe(self, step: int, s: Signals) -> Change | None:
         """Take a step's signals; the change of the bound they call for, if any (already applied)."""
         r, cause = self.rules, self._degraded(s)
-        self._track_grad_norm(s.grad_norm, spiked=cause is not None and cause.startswith("gradient"))
+        self._track_grad_norm(s.grad_norm)
         settled = step - self._last_change >= r.cooldown
         if cause is not None:
             self._healthy_waits = 0
@@ -90,15 +95,15 @@ class StalenessController:
             return f"E[w^2] {s.second_moment:.2f} > {r.m2_ceiling}"
         if s.clip_frac > r.clip_ceiling:
             return f"clip fraction {s.clip_frac:.2f} > {r.clip_ceiling}"
-        if self._grad_mean is not None and s.grad_norm > r.spike * self._grad_mean:
+        if self._grad_norms >= self.warmup and s.grad_norm > r.spike * self._grad_mean:
             return f"gradient norm {s.grad_norm:.3g} > {r.spike} x its running mean {self._grad_mean:.3g}"
         return None
 
-    def _track_grad_norm(self, norm: float, spiked: bool) -> None:
-        if spiked:  # a spike stays out of the mean it is judged against
-            return
+    def _track_grad_norm(self, norm: float) -> None:
+        # a spike enters the mean too: a norm that stays up is the new level, not a spike on every later step
         self._grad_mean = norm if self._grad_mean is None else (
             self.smoothing * self._grad_mean + (1 - self.smoothing) * norm)
+        self._grad_norms += 1
 
     def _move(self, step: int, new: int, cause: str) -> Change:
         change = Change(step, self.bound, new, cause)
