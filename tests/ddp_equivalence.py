@@ -1,7 +1,8 @@
 """Run under torchrun: a Policy step skipped for a non-finite loss on one rank, then one step on a fixed
 batch split unevenly over the ranks (with KL to the reference in the loss when kl > 0: under ZeRO-3 the
 reference is sharded too, and rank 0's empty micro-batch runs its stand-in forward; with lora 1 the policy is a
-LoRA adapter and the reference its base); rank 0 saves the weights."""
+LoRA adapter and the reference its base; with ess 1 the learning rate is scaled by the effective sample size of
+every rank's importance weights); rank 0 saves the weights."""
 
 import sys
 from dataclasses import replace
@@ -16,12 +17,12 @@ from streamrl.learner import batch as batching
 from streamrl.learner.policy import Policy
 from streamrl.protocol import Group, Sample
 
-model_dir, out, agg, zero, kl, lora = sys.argv[1:7]
+model_dir, out, agg, zero, kl, lora, ess = sys.argv[1:8]
 deepspeed.init_distributed(dist_backend="gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 cfg = load_config(None, [f"model.path={model_dir}", "learner.optimizer=sgd", "learner.lr=1.0", "learner.grad_clip=1e9",
                          "off_policy.correction=none", f"learner.loss_agg={agg}", f"learner.zero_stage={zero}",
-                         f"learner.kl_coef={kl}",
+                         f"learner.kl_coef={kl}", f"off_policy.ess_lr={ess == '1'}",
                          *(["learner.kl_estimator=k1"] if float(kl) > 0 else []),  # k1: a gradient at the reference too
                          *(["learner.lora.rank=4", "learner.lora.target_modules=[q_proj,v_proj,up_proj]"]
                            if lora == "1" else [])])  # the reference: the base under the adapter
@@ -48,6 +49,7 @@ poisoned = [[replace(s, advantages=np.full_like(s.advantages, np.nan)) if i == 6
 assert engine.step(poisoned, global_tokens, global_sequences=len(seqs))["skipped"] == 1.0
 stats = engine.step(shard, global_tokens, global_sequences=len(seqs))
 assert stats["skipped"] == 0.0
+assert (stats.get("lr_scale", 1.0) < 0.9) == (ess == "1")  # the behaviour logprobs are far off the policy's
 with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=zero == "3"):  # every rank
     weights = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
 if rank == 0:

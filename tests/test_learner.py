@@ -235,10 +235,11 @@ def test_kl_in_the_reward_is_the_behaviour_minus_reference_logprob_sum(tiny_mode
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("agg, zero, kl, lora", [("token", 0, 0, 0), ("sequence", 0, 0, 0), ("token", 3, 0.5, 0),
-                                                  ("token", 3, 0.5, 1)])  # ZeRO-3 with KL runs its path without too
+@pytest.mark.parametrize("agg, zero, kl, lora, ess", [("token", 0, 0, 0, 0), ("sequence", 0, 0, 0, 0),
+                                                       ("token", 3, 0.5, 0, 0), ("token", 3, 0.5, 1, 0),
+                                                       ("token", 0, 0, 0, 1)])  # ZeRO-3 with KL runs its path without too
 def test_the_deepspeed_step_on_an_uneven_two_rank_split_equals_one_rank_on_the_whole_batch(tiny_model_dir, tmp_path,
-                                                                                          agg, zero, kl, lora):
+                                                                                          agg, zero, kl, lora, ess):
     # Rank 1 gets five short sequences that share a prompt worth forwarding once, then one more; rank 0 one
     # long one, then nothing; one rank alone the seven (not worth sharing beside the long reply): shared
     # against plain forwards. Under ZeRO-3 the ranks must still run as many forwards (rank 1 sharing alone,
@@ -246,12 +247,13 @@ def test_the_deepspeed_step_on_an_uneven_two_rank_split_equals_one_rank_on_the_w
     # not finite on one rank only: skipped on every rank, weights untouched (under ZeRO-3 its stand-in zero
     # must run back through the forward that gathered the weights). At ZeRO-3, PPO's critic also takes a step
     # on the shard with the empty micro-batch (without a stand-in forward it hangs), and so do a step with
-    # the separate proximal forwards of a model with dropout and two epochs over two minibatches of it.
+    # the separate proximal forwards of a model with dropout and two epochs over two minibatches of it. With
+    # ess the learning rate follows the importance weights' ESS over both ranks' tokens, not each rank's own.
     script = str(__import__("pathlib").Path(__file__).parent / "ddp_equivalence.py")
     for ranks in (1, 2):
         out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                               "--master_port", str(free_port()), script, tiny_model_dir, str(tmp_path / f"{ranks}.pt"),
-                              agg, str(zero), str(kl), str(lora)],
+                              agg, str(zero), str(kl), str(lora), str(ess)],
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
     one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")

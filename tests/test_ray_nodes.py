@@ -67,7 +67,7 @@ def test_a_learner_of_two_ranks_on_two_nodes_computes_the_update_of_one_rank(net
 
     b, c = netns_cluster.add_node(1), netns_cluster.add_node(1)
     script = str(__import__("pathlib").Path(__file__).parent / "ddp_equivalence.py")
-    one = subprocess.run([sys.executable, script, tiny_model_dir, str(tmp_path / "1.pt"), "token", "0", "0", "0"],
+    one = subprocess.run([sys.executable, script, tiny_model_dir, str(tmp_path / "1.pt"), "token", "0", "0", "0", "0"],
                          env={**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())},
                          capture_output=True, text=True, timeout=300)
@@ -78,7 +78,7 @@ def test_a_learner_of_two_ranks_on_two_nodes_computes_the_update_of_one_rank(net
     launcher = RayActors(cfg)
     try:
         part = Part("learner", "learner", [sys.executable, script, tiny_model_dir, str(tmp_path / "2.pt"), "token",
-                                           "0", "0", "0"], tmp_path / "learner.log")
+                                           "0", "0", "0", "0"], tmp_path / "learner.log")
         launcher.place([part])
         proc = launcher.spawn(part)
         deadline = time.monotonic() + 300

@@ -311,12 +311,17 @@ def test_mixed_precision_computes_in_bf16_and_keeps_updates_bf16_weights_round_a
     assert {p.dtype for p in plain.module.parameters()} == {torch.bfloat16} and moved < 0.05
 
 
-@pytest.mark.parametrize("optimizer, lora", [("sgd", False), ("adamw", False), ("adamw", True)])
-def test_a_step_is_the_textbook_clipped_and_decayed_policy_gradient_step(config, tiny_model_dir, optimizer, lora):
+@pytest.mark.parametrize("optimizer, lora, ess_lr", [("sgd", False, False), ("adamw", False, False),
+                                                     ("adamw", True, False), ("sgd", False, True), ("adamw", False, True)])
+def test_a_step_is_the_textbook_clipped_and_decayed_policy_gradient_step(config, tiny_model_dir, optimizer, lora,
+                                                                         ess_lr):
     """One Policy step (packed rows, shared prompts, DeepSpeed) moves the weights exactly as the plain step
     does: one forward per sequence, the token-mean loss -A * pi/pi_old over every generated token, the
     gradient clipped to its norm bound, then torch's optimizer with the configured weight decay. With LoRA the
-    plain step is a plain PEFT model's: only the adapter moves."""
+    plain step is a plain PEFT model's: only the adapter moves. With ``off_policy.ess_lr`` the data is stale
+    (its behaviour logprobs are off the policy's): each token's term carries its importance weight
+    w = pi / pi_behav, and the learning rate is scaled by the weights' effective sample size
+    (sum w)^2 / (n sum w^2), its square root under AdamW."""
     from transformers import AutoModelForCausalLM
 
     from streamrl.config import load_config
@@ -324,7 +329,8 @@ def test_a_step_is_the_textbook_clipped_and_decayed_policy_gradient_step(config,
 
     adapter = ["learner.lora.rank=4", "learner.lora.alpha=8", "learner.lora.target_modules=[q_proj,v_proj,down_proj]"]
     cfg = load_config(None, [f"model.path={tiny_model_dir}", f"learner.optimizer={optimizer}", "learner.lr=0.01",
-                             "learner.weight_decay=0.5", "learner.grad_clip=0.05", *(adapter if lora else [])])
+                             "learner.weight_decay=0.5", "learner.grad_clip=0.05", f"off_policy.ess_lr={ess_lr}",
+                             *(adapter if lora else [])])
     policy = Policy(cfg, tiny_model_dir)
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).to(policy.device)
     if lora:
@@ -347,26 +353,36 @@ def test_a_step_is_the_textbook_clipped_and_decayed_policy_gradient_step(config,
             s.reward = float(i % 3)  # each group has signal
     seqs = batching.sequences(groups, version=0, algorithm="rloo")
     tokens = int(sum(s.mask.sum() for s in seqs))
-    loss = 0.0
-    for s in seqs:  # the behaviour logprobs are the policy's own: on-policy, the importance weight is one
+    loss, weight_sum, square_sum, noise = 0.0, 0.0, 0.0, np.random.default_rng(7)
+    for s in seqs:  # the behaviour logprobs are the policy's own (on-policy: every weight is one) or off them
         ids = torch.as_tensor(s.tokens.astype("int64"), device=policy.device)[None]
         logp = torch.log_softmax(plain(input_ids=ids).logits[0, :-1].float(), -1).gather(1, ids[0, 1:, None])[:, 0]
-        s.logprobs = np.r_[0.0, logp.detach().cpu().numpy()].astype(np.float32) * s.mask
+        behaviour = logp.detach() + torch.as_tensor(noise.normal(0, 0.5, len(logp)) * ess_lr, dtype=torch.float32,
+                                                    device=policy.device)
+        s.logprobs = np.r_[0.0, behaviour.cpu().numpy()].astype(np.float32) * s.mask
         generated = torch.as_tensor(s.mask[1:], dtype=torch.float32, device=policy.device)
         advantages = torch.as_tensor(s.advantages[1:], device=policy.device)
-        loss = loss - (advantages * torch.exp(logp - logp.detach()) * generated).sum() / tokens
+        weight = torch.exp(logp.detach() - behaviour)
+        loss = loss - (weight * advantages * torch.exp(logp - logp.detach()) * generated).sum() / tokens
+        weight_sum += float((weight * generated).sum())
+        square_sum += float((weight**2 * generated).sum())
     loss.backward()
+    ess = weight_sum**2 / (tokens * square_sum)
+    scale = ess ** {"sgd": 1.0, "adamw": 0.5}[optimizer] if ess_lr else 1.0
     norm = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), cfg.learner.grad_clip))
     assert norm > cfg.learner.grad_clip
     trained = [p for p in plain.parameters() if p.requires_grad]
-    {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[optimizer](trained, lr=cfg.learner.lr,
+    {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[optimizer](trained, lr=cfg.learner.lr * scale,
                                                                       weight_decay=cfg.learner.weight_decay).step()
 
     stats = policy.step([seqs[:5], seqs[5:]], tokens)
     assert stats["skipped"] == 0.0 and stats["grad_norm"] == pytest.approx(norm, rel=1e-4)  # before the clip
     assert stats["entropy"] > 0  # measured without an entropy bonus in the loss
     # on-policy data: every importance weight is one, so the whole batch is its effective sample
-    assert stats["is_ess"] == pytest.approx(1.0, abs=1e-5) and stats["is_second_moment"] == pytest.approx(1.0, abs=1e-4)
+    assert stats["is_ess"] == pytest.approx(ess, abs=1e-5) and (ess < 0.85 if ess_lr else ess == 1.0)
+    assert stats.get("lr_scale", 1.0) == pytest.approx(scale, rel=1e-5) and ("lr_scale" in stats) == ess_lr
+    if not ess_lr:
+        assert stats["is_second_moment"] == pytest.approx(1.0, abs=1e-4)
     expected = dict(plain.named_parameters())
     # Adam divides each gradient by its own size: an element whose gradient is near zero moves by up to the
     # learning rate on a rounding difference (1.6e-5 on an H100); the decay missing would move some by 4e-4

@@ -213,6 +213,9 @@ class OffPolicyConfig(Section):
     tis_cap: float = Field(2.0, gt=0, description="correction=tis: largest importance weight")
     behav_weight_cap: float | None = Field(None, gt=1, description="decoupled: leave out tokens whose "
                                            "pi_prox / pi_behav exceeds this (AReaL's behav_imp_weight_cap)")
+    ess_lr: bool = Field(False, description="scale each update's learning rate by the effective sample size of "
+                         "its importance weights pi_prox / pi_behav: by its square root under AdamW, by itself under "
+                         "SGD (data further off-policy moves the weights less; VCPO)")
 
     @property
     def adaptive(self) -> bool:

@@ -43,6 +43,8 @@ def plot_run(run: Path, bound: int | None = None) -> Path:
     if any("is_ess" in r for r in steps):  # what the data's age costs: the importance weights' effective sample
         ess = stale.twinx()
         ess.plot(_x(steps), _y(steps, "is_ess"), color="tab:green", alpha=0.6, label="effective sample size")
+        if any("lr_scale" in r for r in steps):  # off_policy.ess_lr: the learning rate's share it let through
+            ess.plot(_x(steps), _y(steps, "lr_scale"), color="tab:green", ls=":", label="learning-rate scale")
         ess.set_ylim(0, 1.05)
         ess.set_ylabel("ESS (share of tokens)")
         ess.legend(loc="lower right", fontsize=8)

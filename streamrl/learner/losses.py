@@ -175,6 +175,12 @@ class PolicyLoss:
         return per_token, stats
 
 
+def effective_sample_size(weight_sum: float, square_sum: float, n: float) -> float:
+    """The share of ``n`` samples of importance weights ``w`` that their weighted mean is worth (Kish):
+    ``(sum w)^2 / (n sum w^2)``, 1 when every weight is equal, near 1/n when one dominates."""
+    return weight_sum**2 / (n * square_sum) if square_sum > 0 else 1.0
+
+
 def normaliser(global_tokens: int, world_size: int) -> float:
     """Scale for a rank's summed loss: ``sum / N * world_size``, because DP all-reduce averages."""
     if global_tokens < 1:

@@ -19,7 +19,7 @@ import torch
 from streamrl.config import Config
 from streamrl.learner import adapter, packing, prefix
 from streamrl.learner.batch import TrainSequence
-from streamrl.learner.losses import PolicyLoss, kl, normaliser
+from streamrl.learner.losses import PolicyLoss, effective_sample_size, kl, normaliser
 from streamrl.learner.reference import Reference
 
 
@@ -225,6 +225,8 @@ class Policy:
                 self.model.optimizer.zero_grad()
                 stats["skipped"] = 1.0
             else:
+                if self.cfg.off_policy.ess_lr:
+                    stats["lr_scale"] = self._scale_lr(stats)
                 self.model.step()
                 stats["skipped"] = 0.0
                 # ZeRO's optimizers hold the partitioned gradients and measure their global norm themselves
@@ -238,7 +240,7 @@ class Policy:
                 stats[key.replace("_sum", "_mean")] = stats.pop(key) / n
         mean, square = stats.pop("is_raw_mean", 0.0), stats.pop("is_raw_sq_mean", 0.0)
         if square > 0:  # the importance weights' effective sample size, as a share of the tokens; E[r^2]
-            stats["is_ess"], stats["is_second_moment"] = mean**2 / square, square
+            stats["is_ess"], stats["is_second_moment"] = effective_sample_size(mean, square, 1.0), square
         stats["entropy"] /= n
         stats["kl"] /= n
         mismatch_means(stats)
@@ -305,6 +307,17 @@ class Policy:
             if b is not None and not everywhere:
                 for key in prefix.KEYS:
                     b.pop(key, None)
+
+    def _scale_lr(self, stats: dict) -> float:
+        """``off_policy.ess_lr``: this update's learning rate times its importance weights' effective sample size
+        over every rank's tokens, to the power 1/2 under AdamW (whose step grows as the square root of the
+        batch), 1 under SGD. The scheduler sets the next update's rate afresh."""
+        weights, square, tokens = (self._sum_over_ranks(stats.get(k, 0.0))
+                                   for k in ("is_raw_mean", "is_raw_sq_mean", "tokens"))  # sums, not yet means
+        scale = effective_sample_size(weights, square, tokens) ** (0.5 if self.cfg.learner.optimizer == "adamw" else 1)
+        for group in self.model.optimizer.param_groups:
+            group["lr"] *= scale
+        return scale
 
     def _sum_over_ranks(self, value: float) -> float:
         import torch.distributed as dist
