@@ -5,6 +5,13 @@ import json
 import pytest
 
 
+def row(seed: int, samples_per_s: float, held_out: float = 0.5) -> dict:
+    """One run's summary, as ``e2e.summarise`` gives it, with what the joins and pairings read."""
+    return {"seed": seed, "samples_per_s": samples_per_s, "steady_samples_per_s": samples_per_s, "wall_s": 1.0,
+            "eval_final": 0.9, "held_out_final": held_out, "held_out_reward": held_out, "dropped_fraction": 0.0,
+            "time_to_target_s": None}
+
+
 def test_the_real_model_e2e_study_has_its_own_section_and_headlines_beside_the_toys(tmp_path):
     from benchmarks import report
 
@@ -29,11 +36,6 @@ def test_the_real_model_e2e_study_has_its_own_section_and_headlines_beside_the_t
 
 def test_e2e_seeds_join_an_earlier_run_of_the_same_study_and_pair_by_seed(tmp_path, monkeypatch):
     from benchmarks import e2e
-
-    def row(seed: int, samples_per_s: float, held_out: float) -> dict:
-        return {"seed": seed, "samples_per_s": samples_per_s, "steady_samples_per_s": samples_per_s, "wall_s": 1.0,
-                "eval_final": 0.9, "held_out_final": held_out, "held_out_reward": held_out, "dropped_fraction": 0.0,
-                "time_to_target_s": None}
 
     def study(seeds: dict[int, tuple]) -> dict:
         runs = {"agentic": {"sync": [row(s, 1.0, a) for s, (a, _) in seeds.items()],
@@ -69,11 +71,6 @@ def test_e2e_seeds_join_an_earlier_run_of_the_same_study_and_pair_by_seed(tmp_pa
 def test_e2e_sync_arm_run_with_other_settings_replaces_the_earlier_sync_runs_and_keeps_the_async_ones():
     from benchmarks import e2e
 
-    def row(seed: int, samples_per_s: float) -> dict:
-        return {"seed": seed, "samples_per_s": samples_per_s, "steady_samples_per_s": samples_per_s, "wall_s": 1.0,
-                "eval_final": 0.9, "held_out_final": 0.5, "held_out_reward": 0.5, "dropped_fraction": 0.0,
-                "time_to_target_s": None}
-
     def study(runs: dict, sync_overrides: list[str], modes=None) -> dict:
         return {"max_steps": 20, "staleness_modes": {"async": 4} if modes is None else modes,
                 "workloads": {"agentic": "x.yaml"}, "sync_overrides": sync_overrides,
@@ -105,11 +102,6 @@ def test_e2e_sync_arm_run_with_other_settings_replaces_the_earlier_sync_runs_and
 
 def test_e2e_async_arms_alone_pair_with_the_earlier_sync_runs_and_are_refused_without_them():
     from benchmarks import e2e
-
-    def row(seed: int, samples_per_s: float, held_out: float) -> dict:
-        return {"seed": seed, "samples_per_s": samples_per_s, "steady_samples_per_s": samples_per_s, "wall_s": 1.0,
-                "eval_final": 0.9, "held_out_final": held_out, "held_out_reward": held_out, "dropped_fraction": 0.0,
-                "time_to_target_s": None}
 
     recipe, workloads = e2e.RECIPES["smollm2"], e2e.RECIPES["smollm2"].workloads
     w = next(iter(workloads))
