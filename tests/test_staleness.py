@@ -101,9 +101,10 @@ def test_the_learners_auto_bound_is_published_where_admission_reads_it_and_survi
 
     cfg = load_config(None, ["off_policy.max_staleness=auto", "off_policy.auto.low=1", "off_policy.auto.high=4",
                              "off_policy.auto.start=1", "off_policy.auto.patience=1", "off_policy.auto.cooldown=1"])
-    worker = Admission(ns, max_staleness=cfg.staleness_bound, groups_per_step=2)
-    auto = AutoBound(cfg.off_policy.auto, Admission(ns, max_staleness=cfg.staleness_bound, groups_per_step=2))
-    assert auto.bound == 1 and worker.bound() == 1  # it starts at start, not at the ceiling the workers were given
+    worker = Admission(ns, max_staleness=cfg.admission_bound, groups_per_step=2)
+    assert (cfg.staleness_bound, worker.bound()) == (4, 1)  # a worker up before the learner admits under start
+    auto = AutoBound(cfg.off_policy.auto, Admission(ns, max_staleness=cfg.admission_bound, groups_per_step=2))
+    assert auto.bound == 1 and worker.bound() == 1
     waited = {"wait_s": 3.0, "train_s": 1.0, "is_ess": 0.99, "is_second_moment": 1.0, "clip_frac": 0.0,
               "grad_norm": 1.0}
     assert "raised 1 -> 2 at step 1" in auto.after_step(1, waited)["staleness_change"]
@@ -112,7 +113,7 @@ def test_the_learners_auto_bound_is_published_where_admission_reads_it_and_survi
     assert "lowered 2 -> 1 at step 2: ESS 0.50 < 0.8" in record["staleness_change"] and worker.bound() == 1
     assert auto.after_step(3, {**waited, "wait_s": 0.0}) == {}  # no data wait: it stays
     auto.after_step(4, waited)
-    restarted = AutoBound(cfg.off_policy.auto, Admission(ns, max_staleness=cfg.staleness_bound, groups_per_step=2))
+    restarted = AutoBound(cfg.off_policy.auto, Admission(ns, max_staleness=cfg.admission_bound, groups_per_step=2))
     assert restarted.bound == 2 == worker.bound()  # a resumed learner goes on from the bound in force
 
 

@@ -231,6 +231,11 @@ class OffPolicyConfig(Section):
         """The smallest bound in force at any time."""
         return self.auto.low if self.adaptive else self.max_staleness
 
+    @property
+    def first(self) -> int:
+        """The bound in force until the learner publishes one (``auto``: the one it will publish first)."""
+        return self.auto.start if self.adaptive else self.max_staleness
+
 
 class LoraConfig(Section):
     """A LoRA adapter trained in place of the whole model (PEFT): only the adapter trains and is pushed; the
@@ -441,6 +446,12 @@ class Config(Section):
         """The oldest policy lag trained data may have: ``off_policy.max_staleness`` (with ``auto``, the largest
         bound it may take), or 0 under ``mode: sync``."""
         return 0 if self.mode == "sync" else self.off_policy.ceiling
+
+    @property
+    def admission_bound(self) -> int:
+        """The bound a worker admits under until the learner publishes one: a worker started before the learner
+        (on another machine) must not run ahead to the ceiling that ``auto`` may never reach."""
+        return 0 if self.mode == "sync" else self.off_policy.first
 
     @property
     def adapter_slots(self) -> int:

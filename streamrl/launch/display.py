@@ -52,7 +52,7 @@ class Dashboard:
 
         ns = Namespace.open(redis_url, self.cfg.run.name, **self.cfg.redis.retry())
         self.ns, self.version = ns, PolicyVersion(ns)
-        self.admission = Admission(ns, max_staleness=self.cfg.staleness_bound,
+        self.admission = Admission(ns, max_staleness=self.cfg.admission_bound,
                                    groups_per_step=self.cfg.learner.groups_per_step)
         self.supervisor = supervisor
         if self.live is not None:

@@ -112,7 +112,7 @@ class Learner:
             self.versions = PolicyVersion(ns)
             if resumed:
                 log.info("resumed from %s: version %d, cursor %s", resumed["path"], self.version, self.reader.cursor)
-            self.admission = Admission(ns, max_staleness=cfg.staleness_bound,
+            self.admission = Admission(ns, max_staleness=cfg.admission_bound,
                                        groups_per_step=cfg.learner.groups_per_step)
             self.auto = AutoBound(cfg.off_policy.auto, self.admission) if cfg.off_policy.adaptive else None
             self.versions.set(self.version)

@@ -100,7 +100,7 @@ class RolloutWorker:
         self.stream = ReplayStream(ns, dedupe_ttl_s=cfg.redis.dedupe_ttl_s)
         self.version = PolicyVersion(ns)
         self.version_watch = self.version.watch()
-        self.admission = Admission(ns, max_staleness=cfg.staleness_bound, groups_per_step=cfg.learner.groups_per_step,
+        self.admission = Admission(ns, max_staleness=cfg.admission_bound, groups_per_step=cfg.learner.groups_per_step,
                                    lease_s=rollout.group_lease_s)
         self.life = uuid.uuid4().hex  # this run of the worker, told from earlier ones under the same name
         self.claims = PromptClaims(ns, name, lease_s=rollout.prompt_lease_s, life=self.life)
