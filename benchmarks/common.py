@@ -217,6 +217,8 @@ def cli(main, doc: str) -> None:
         parser.add_argument("--sync-only", action="store_true", help="the sync arm alone (replacing its seeds' runs)")
     if "async_only" in main.__code__.co_varnames:
         parser.add_argument("--async-only", action="store_true", help="the async arms alone (paired with earlier sync)")
+    if "workload" in main.__code__.co_varnames:
+        parser.add_argument("--workload", action="append", default=[], help="one of the study's workloads (repeatable)")
     args = vars(parser.parse_args())
     settings["quick"] = args["quick"]
     main(**args)

@@ -46,8 +46,10 @@ run's of the same study, ``--staleness B`` (repeatable) runs sync and only those
 sync alone (after its settings changed: its runs replace the same seeds' earlier sync runs), and ``--async-only``
 the async arms alone, paired with the sync runs of the same seeds already in the results (on a real model an arm
 of 3 seeds takes an hour; sync's runs do not depend on the async arms', so they need not run again).
+``--workload W`` (repeatable) runs only that workload; the other's runs stay as they were.
 
     python -m benchmarks.e2e [--quick] [--real-model] [--first-seed S] [--staleness B] [--sync-only | --async-only]
+                             [--workload W]
 """
 
 from __future__ import annotations
@@ -245,21 +247,22 @@ def async_mode(staleness: int | str) -> str:
 
 
 def run(quick: bool, repeats: int | None = None, recipe: Recipe = TOY, first_seed: int = 0,
-        bounds: tuple[int | str, ...] | None = None, with_sync: bool = True) -> dict:
+        bounds: tuple[int | str, ...] | None = None, with_sync: bool = True, workloads: tuple[str, ...] = ()) -> dict:
     """``bounds``: the async arms run beside sync (None: the study's; empty: sync alone); without sync the runs
-    are returned unsummarised, for ``more_seeds`` to pair with an earlier run's sync."""
+    are returned unsummarised, for ``more_seeds`` to pair with an earlier run's sync; ``workloads``: the ones
+    run (empty: all)."""
     default_repeats, steps, default_bounds = ((1, recipe.quick_steps, STALENESS[:1]) if quick
                                               else (3, recipe.steps, STALENESS))
     repeats, bounds = repeats or default_repeats, default_bounds if bounds is None else bounds
     modes = {**({"sync": 0} if with_sync else {}), **{async_mode(k): k for k in bounds}}  # mode -> max staleness
-    results: dict[str, dict[str, list[dict]]] = {w: {m: [] for m in modes} for w in recipe.workloads}
+    results: dict[str, dict[str, list[dict]]] = {w: {m: [] for m in modes} for w in workloads or recipe.workloads}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         console.log("warm start (once, shared by every run)")
         _, prepared = prepare_shared(tmp, recipe)
         order = list(modes)
         for r in range(first_seed, first_seed + repeats):
-            for workload in recipe.workloads:
+            for workload in results:
                 for mode in order[r % len(order):] + order[:r % len(order)]:  # who goes first rotates
                     system_mode = "sync" if mode == "sync" else "async"  # (sync ignores the staleness bound)
                     row = one_run(tmp / "runs", prepared, workload, system_mode, steps, modes[mode] or STALENESS[0],
@@ -321,18 +324,19 @@ def more_seeds(earlier: dict, new: dict) -> dict:
     arm_of = {m: "sync" if m == "sync" else "async" for by_mode in earlier["runs"].values() for m in by_mode}
     earlier = {**earlier, "runs": {w: {m: [] if arm_of[m] in changed else rows for m, rows in by_mode.items()}
                                    for w, by_mode in earlier["runs"].items()}}
-    runs = {w: {**earlier["runs"][w], **join_seeds(earlier["runs"][w], by_mode)} for w, by_mode in new["runs"].items()}
+    runs = {**earlier["runs"], **{w: {**earlier["runs"].get(w, {}), **join_seeds(earlier["runs"].get(w, {}), by_mode)}
+                                  for w, by_mode in new["runs"].items()}}  # a workload not run again stays
     modes = {**earlier.get("staleness_modes", {}), **new["staleness_modes"]}
     modes = {async_mode(b): b for b in STALENESS if async_mode(b) in modes}  # the table's order
     for w in runs:
-        runs[w] = {m: runs[w][m] for m in ("sync", *modes)}
+        runs[w] = {m: runs[w][m] for m in ("sync", *modes) if m in runs[w]}
     return {**new, "staleness_modes": modes, **summarise_modes(runs)}
 
 
 def report(data: dict, out: Path) -> None:
     rows, modes = [], ["sync", *data.get("staleness_modes", {"async": data["max_staleness"]})]
     for workload, s in data["summary"].items():
-        for mode in modes:
+        for mode in (m for m in modes if m in s):  # an arm run on one workload (--workload) only
             m = s[mode]
             label = mode if mode == "sync" else f"async, max staleness {data['staleness_modes'][mode]}"
             if m.get("runs", data["repeats"]) != data["repeats"]:
@@ -360,10 +364,10 @@ def report(data: dict, out: Path) -> None:
     labels = {m: m if m == "sync" else "async, auto staleness" if bound[m] == "auto" else f"async, staleness ≤ {bound[m]}"
               for m in modes}
     for i, mode in enumerate(modes):
-        ax1.bar([j + width * i for j in range(len(names))], [data["summary"][w][mode]["samples_per_s"] for w in names],
-                width=width, label=labels[mode])
-        ax2.bar([j + width * i for j in range(len(names))], [data["summary"][w][mode]["held_out_final"] for w in names],
-                width=width, label=labels[mode])
+        for ax, key in ((ax1, "samples_per_s"), (ax2, "held_out_final")):  # nan: no bar where the arm did not run
+            ax.bar([j + width * i for j in range(len(names))],
+                   [data["summary"][w].get(mode, {}).get(key, float("nan")) for w in names], width=width,
+                   label=labels[mode])
     for ax in (ax1, ax2):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names)
     ax1.set_ylabel("samples/s")
@@ -395,19 +399,23 @@ def sync_to_pair(earlier: dict | None, recipe: Recipe, steps: int) -> None:
 
 def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None,
          real_model: bool = False, first_seed: int = 0, staleness: tuple[str, ...] = (),
-         sync_only: bool = False, async_only: bool = False) -> dict:
+         sync_only: bool = False, async_only: bool = False, workload: tuple[str, ...] = ()) -> dict:
     """``real_model``: SmolLM2-135M's pair of workloads (``RECIPES["smollm2"]``) instead of the toy's;
     ``first_seed``: the first repeat's seed (runs of other seeds of the same study, in its results file, join);
     ``staleness``: the async arms to run beside sync (default: all of ``STALENESS``; arms run later join);
     ``sync_only``: the sync arm alone (its runs replace the same seeds' earlier sync runs, the async arms stay);
-    ``async_only``: the async arms alone, paired with the earlier sync runs of the same seeds."""
+    ``async_only``: the async arms alone, paired with the earlier sync runs of the same seeds; ``workload``:
+    the workloads run (default: both; the other's earlier runs stay)."""
     if sync_only and async_only:
         raise SystemExit("--sync-only and --async-only: choose one")
     recipe = RECIPES["smollm2" if real_model else "toy"]
+    if unknown := [w for w in workload if w not in recipe.workloads]:
+        raise SystemExit(f"--workload {', '.join(unknown)}: the study's workloads are {', '.join(recipe.workloads)}")
     earlier = earlier_results(out, recipe.result)
     if async_only:
         sync_to_pair(earlier, recipe, recipe.quick_steps if quick else recipe.steps)
-    data = run(quick, repeats, recipe, first_seed, bounds_of(staleness, sync_only), with_sync=not async_only)
+    data = run(quick, repeats, recipe, first_seed, bounds_of(staleness, sync_only), with_sync=not async_only,
+               workloads=workload)
     if earlier:
         data = more_seeds(earlier, data)
     report(data, out)

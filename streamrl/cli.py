@@ -358,6 +358,9 @@ def bench(
     async_only: Annotated[bool | None, typer.Option("--async-only", help="e2e: the async arms alone, paired with "
                                                     "the sync runs of the same seeds in the study's earlier "
                                                     "results.")] = None,
+    workload: Annotated[list[str] | None, typer.Option(help="e2e: one of the study's workloads (repeatable: "
+                                                     "single-turn or env-latency; default: both); the other's "
+                                                     "earlier runs stay.")] = None,
     trl_set: Annotated[list[str] | None, typer.Option("--trl-set", help="trl --trl-trainer async: a setting of "
                                                       "TRL's side (repeatable): max_inflight_tasks, trainer_threads "
                                                       "or server_threads, e.g. server_threads=2.")] = None,
@@ -382,7 +385,7 @@ def bench(
         ("study", study), ("trl_trainer", trl_trainer), ("lora", lora), ("first_seed", first_seed), ("streamrl_set", tuple(streamrl_set or ()) or None),
         ("trl_set", tuple(trl_set or ()) or None), ("real_model", real_model),
         ("staleness", tuple(staleness or ()) or None), ("sync_only", sync_only),
-        ("async_only", async_only))
+        ("async_only", async_only), ("workload", tuple(workload or ()) or None))
         if value is not None}
     takes = inspect.signature(importlib.import_module(MODULES[suite]).main).parameters  # the study's own options
     for name in options.keys() - takes.keys():

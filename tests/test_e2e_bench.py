@@ -123,3 +123,26 @@ def test_e2e_async_arms_alone_pair_with_the_earlier_sync_runs_and_are_refused_wi
     assert s["auto_vs_best_fixed"] == {"best": "async", "ratio": pytest.approx(2.3 / 3.0)}
     with pytest.raises(SystemExit, match="choose one"):
         e2e.main(sync_only=True, async_only=True)
+
+
+def test_e2e_one_workload_joins_the_study_and_leaves_the_others_runs_alone(tmp_path):
+    from benchmarks import e2e
+
+    recipe = e2e.RECIPES["smollm2"]
+    single, agentic = recipe.workloads
+    earlier = {"max_steps": recipe.steps, "staleness_modes": {"async": 4}, "workloads": recipe.workloads,
+               **e2e.summarise_modes({w: {"sync": [row(0, 1.0, 0.6)], "async": [row(0, 3.0, 0.6)]}
+                                      for w in (single, agentic)})}
+    fixed1 = {"max_steps": recipe.steps, "staleness_modes": {"async-s1": 1}, "workloads": recipe.workloads,
+              "max_staleness": 1, "target": recipe.target, "held_out": recipe.held_out, "result": recipe.result,
+              "runs": {agentic: {"async-s1": [row(0, 2.0, 0.7)]}}}  # run() with workloads=(agentic,), no sync
+    joined = e2e.more_seeds(earlier, fixed1)
+    assert set(joined["runs"][single]) == {"sync", "async"}  # not run again: as it was, without the new arm
+    assert [x["samples_per_s"] for x in joined["runs"][single]["async"]] == [3.0]
+    assert set(joined["runs"][agentic]) == {"sync", "async", "async-s1"}
+    assert joined["summary"][agentic]["ratios"]["async-s1"]["ratio"] == pytest.approx(2.0)
+    assert "async-s1" not in joined["summary"][single]["ratios"]
+    e2e.report(joined, tmp_path)  # its table and plot, with the arm missing on one workload
+    assert (tmp_path / "e2e_smollm2.png").is_file()
+    with pytest.raises(SystemExit, match="--workload agentic: the study's workloads are single-turn, env-latency"):
+        e2e.main(real_model=True, workload=("agentic",))
