@@ -29,9 +29,32 @@ def test_a_learner_waiting_on_healthy_data_raises_the_bound_one_at_a_time_up_to_
     assert "waited 50% of its step" in changes[0][1].cause and c.bound == 3
 
 
-def test_a_learner_that_does_not_wait_keeps_the_bound():
-    c = controller(bound=2)
+def test_a_learner_that_waits_a_little_keeps_the_bound():
+    c = controller(bound=2)  # between idle_share (2%) and wait_share (10%)
     assert run(c, [calm(wait_share=0.05)] * 20) == [] and c.bound == 2
+
+
+def test_a_learner_that_never_waits_lowers_the_bound_one_at_a_time_to_its_floor():
+    """The learner is the bottleneck: a smaller bound costs no throughput and trains fresher data."""
+    c = controller(low=1, high=8, bound=4, patience=3, cooldown=4)
+    changes = run(c, [calm(wait_share=0.01)] * 20)
+    assert [(step, ch.old, ch.new) for step, ch in changes] == [(2, 4, 3), (6, 3, 2), (10, 2, 1)]
+    assert "waited under 2% of its step for data 3 steps running" in changes[0][1].cause and c.bound == 1
+    never = controller(bound=4, idle_share=0.0)
+    assert run(never, [calm(wait_share=0.0)] * 20) == []  # idle_share 0 turns easing off
+
+
+def test_easing_stops_one_above_the_bound_the_learner_last_waited_at():
+    """Bound 2 starves the learner, 3 feeds it: easing leaves it at 3, not 3, 2, 3, 2 ...; a cut clears that floor."""
+    c = controller(low=1, high=8, bound=2, patience=2, cooldown=2)
+    changes = run(c, [calm(wait_share=0.3)] * 2 + [calm(wait_share=0.0)] * 20)
+    assert [(step, ch.old, ch.new) for step, ch in changes] == [(1, 2, 3)] and c.bound == 3
+    changes = run(c, [calm(ess=0.5)] + [calm(wait_share=0.0)] * 3, first_step=22)
+    assert [(ch.old, ch.new) for _, ch in changes] == [(3, 1)]  # halved past the floor
+    c = controller(low=1, high=8, bound=4, patience=2, cooldown=1)
+    assert [ch.new for _, ch in run(c, [calm(wait_share=0.3)] * 2 + [calm(ess=0.5)])] == [5, 2]
+    changes = run(c, [calm(wait_share=0.0)] * 6, first_step=3)
+    assert [(ch.old, ch.new) for _, ch in changes] == [(2, 1)]
 
 
 @pytest.mark.parametrize("bad, cause", [(calm(ess=0.6), "ESS 0.60 < 0.8"), (calm(second_moment=2.0), "E[w^2] 2.00"),
@@ -47,7 +70,7 @@ def test_degraded_off_policy_data_halves_the_bound_at_once_with_its_cause(bad, c
 
 def test_a_gradient_spike_lowers_the_bound_once_and_a_norm_that_stays_up_becomes_the_level():
     c = controller(bound=4, spike=3.0, cooldown=1, patience=2)
-    assert run(c, [calm(grad_norm=1.0, wait_share=0.0)] * 5) == []
+    assert run(c, [calm(grad_norm=1.0, wait_share=0.05)] * 5) == []
     changes = run(c, [calm(grad_norm=10.0)] * 4, first_step=5)  # a jump, then the norm stays up
     assert [(ch.old, ch.new) for _, ch in changes] == [(4, 2), (2, 3)]  # the mean follows: waiting raises again
     assert "gradient norm 10 > 3.0 x its running mean 1" in changes[0][1].cause
@@ -63,7 +86,7 @@ def test_the_gradient_norm_of_a_policy_starting_to_learn_is_not_a_spike():
     c = controller(low=1, high=8, bound=2, patience=3, cooldown=4)
     changes = run(c, [calm(grad_norm=g) for g in norms])
     assert [(step, ch.new) for step, ch in changes] == [(2, 3), (6, 4), (10, 5), (14, 6), (18, 7)]
-    jump = run(controller(bound=2), [calm(grad_norm=g, wait_share=0.0) for g in [0.05, 0.06, 0.05, 0.06, 0.05, 0.3]])
+    jump = run(controller(bound=2), [calm(grad_norm=g, wait_share=0.05) for g in [0.05, 0.06, 0.05, 0.06, 0.05, 0.3]])
     assert [(step, ch.new) for step, ch in jump] == [(5, 1)]  # a jump after the warm-up still is one
 
 
@@ -90,6 +113,8 @@ def test_settings_that_cannot_work_are_refused():
         AutoStalenessConfig(low=3, high=8)
     with pytest.raises(ValueError, match="low 3 <= start 2"):
         controller(low=3, high=8, start=3, bound=2)
+    with pytest.raises(ValueError, match="idle_share 0.2 must be under wait_share 0.1"):
+        AutoStalenessConfig(idle_share=0.2)
     with pytest.raises(ValueError, match="ess_floor 0.9 must be under ess_raise 0.8"):
         controller(ess_floor=0.9, ess_raise=0.8)
 

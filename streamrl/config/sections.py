@@ -177,6 +177,8 @@ class AutoStalenessConfig(Section):
     start: int = Field(2, ge=0, description="first bound (a fixed max_staleness's default)")
     wait_share: float = Field(0.1, ge=0, lt=1, description="a step that waited for data longer than this share "
                               "of it counts towards a raise")
+    idle_share: float = Field(0.02, ge=0, lt=1, description="a step that waited for data under this share of it "
+                              "counts towards a lowering by one (0: never lower for that)")
     ess_floor: float = Field(0.8, gt=0, lt=1, description="lower when the importance weights' effective sample "
                              "size (a share of the tokens) falls under this")
     ess_raise: float = Field(0.9, gt=0, le=1, description="raise only while the effective sample size is at least this")
@@ -194,6 +196,8 @@ class AutoStalenessConfig(Section):
         if not self.low <= self.start <= self.high:
             raise ValueError(f"off_policy.auto.start {self.start} is outside [low {self.low}, high {self.high}]: "
                              "set off_policy.auto.start within them")
+        if self.idle_share >= self.wait_share:
+            raise ValueError(f"off_policy.auto.idle_share {self.idle_share} must be under wait_share {self.wait_share}")
         if self.ess_floor >= self.ess_raise:
             raise ValueError(f"off_policy.auto.ess_floor {self.ess_floor} must be under ess_raise {self.ess_raise}")
         return self

@@ -10,11 +10,15 @@ After each step the controller reads the step's signals and may move the admissi
   ``StalenessController.warmup``-th step on);
 - **up**, to ``k + 1``, when the learner waited for data for more than ``wait_share`` of each of the last
   ``patience`` steps and the data was healthy throughout, with margin: ESS at least ``ess_raise`` (above
-  ``ess_floor``) and the clip fraction at most half its ceiling.
+  ``ess_floor``) and the clip fraction at most half its ceiling;
+- **eased** down, to ``k - 1``, when the learner waited for under ``idle_share`` of each of the last
+  ``patience`` steps: it is the bottleneck, so a smaller bound trains fresher data at the same speed. Easing
+  stops one above the bound the learner last starved at (where the last raise started), so the bound settles
+  where the learner is fed.
 
-It does not oscillate: the margin between the thresholds that lower and raise it, the ``patience`` steps a raise
-waits for, and the ``cooldown`` steps after any change (the data admitted under the old bound drains meanwhile,
-so a change is judged on data made under it) keep it from flipping on noise.
+It does not oscillate: the margins between the thresholds that lower and raise it, the ``patience`` steps a move
+waits for, the floor a raise leaves for easing, and the ``cooldown`` steps after any change (the data admitted
+under the old bound drains meanwhile, so a change is judged on data made under it) keep it from flipping on noise.
 """
 
 from __future__ import annotations
@@ -68,23 +72,29 @@ class StalenessController:
         self._grad_mean: float | None = None
         self._grad_norms = 0  # how many the mean holds
         self._healthy_waits = 0  # consecutive steps that waited for data on healthy data
+        self._idle_steps = 0  # consecutive steps that (almost) did not wait
+        self._fed_floor = r.low  # easing's floor: one above the bound the learner last waited at
         self._last_change = -(10**9)
 
     def observe(self, step: int, s: Signals) -> Change | None:
         """Take a step's signals; the change of the bound they call for, if any (already applied)."""
         r, cause = self.rules, self._degraded(s)
         self._track_grad_norm(s.grad_norm)
-        settled = step - self._last_change >= r.cooldown
-        if cause is not None:
-            self._healthy_waits = 0
-            if settled and self.bound > r.low:
-                return self._move(step, max(r.low, self.bound // 2), cause)
-            return None
-        healthy = s.ess >= r.ess_raise and s.clip_frac <= r.clip_ceiling / 2
+        healthy = cause is None and s.ess >= r.ess_raise and s.clip_frac <= r.clip_ceiling / 2
         self._healthy_waits = self._healthy_waits + 1 if healthy and s.wait_share > r.wait_share else 0
-        if self._healthy_waits >= r.patience and settled and self.bound < r.high:
+        self._idle_steps = self._idle_steps + 1 if s.wait_share < r.idle_share else 0
+        if step - self._last_change < r.cooldown:
+            return None
+        if cause is not None and self.bound > r.low:
+            self._fed_floor = r.low  # the data, not the supply, was the problem: what fed the learner is unknown
+            return self._move(step, max(r.low, self.bound // 2), cause)
+        if self._healthy_waits >= r.patience and self.bound < r.high:
+            self._fed_floor = self.bound + 1  # the bound below starved the learner
             return self._move(step, self.bound + 1, f"the learner waited {s.wait_share:.0%} of its step for data "
                                                     f"{r.patience} steps running, ESS {s.ess:.2f}")
+        if cause is None and self._idle_steps >= r.patience and self.bound > self._fed_floor:
+            return self._move(step, self.bound - 1, f"the learner waited under {r.idle_share:.0%} of its step for "
+                                                    f"data {r.patience} steps running: fresher data, same speed")
         return None
 
     def _degraded(self, s: Signals) -> str | None:
@@ -107,7 +117,7 @@ class StalenessController:
 
     def _move(self, step: int, new: int, cause: str) -> Change:
         change = Change(step, self.bound, new, cause)
-        self.bound, self._last_change, self._healthy_waits = new, step, 0
+        self.bound, self._last_change, self._healthy_waits, self._idle_steps = new, step, 0, 0
         return change
 
 
