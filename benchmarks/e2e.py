@@ -48,8 +48,7 @@ the async arms alone, paired with the sync runs of the same seeds already in the
 of 3 seeds takes an hour; sync's runs do not depend on the async arms', so they need not run again).
 ``--workload W`` (repeatable) runs only that workload; the other's runs stay as they were.
 
-    python -m benchmarks.e2e [--quick] [--real-model] [--first-seed S] [--staleness B] [--sync-only | --async-only]
-                             [--workload W]
+    python -m benchmarks.e2e [--quick] [--real-model] [--first-seed S] [--staleness B] [--sync-only | --async-only] [--workload W]
 """
 
 from __future__ import annotations
@@ -397,6 +396,16 @@ def sync_to_pair(earlier: dict | None, recipe: Recipe, steps: int) -> None:
                          f"{steps} steps, and there is none: run sync too (leave out --async-only)")
 
 
+def one_workload_joins(earlier: dict | None, recipe: Recipe, steps: int) -> None:
+    """Refuses ``--workload`` unless its runs join an earlier study of the same settings, whose other workload's
+    runs then stay (``more_seeds`` would replace the study, or drop the runs of an arm whose settings changed)."""
+    same = earlier and earlier.get("max_steps") == steps and earlier.get("workloads") == recipe.workloads and all(
+        earlier.get(f"{arm}_overrides", []) == list(recipe.overrides(arm)) for arm in ("sync", "async"))
+    if not same:
+        raise SystemExit(f"--workload joins an earlier {recipe.result}.json of {steps} steps and the same settings, "
+                         "and there is none: run every workload (leave out --workload)")
+
+
 def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None,
          real_model: bool = False, first_seed: int = 0, staleness: tuple[str, ...] = (),
          sync_only: bool = False, async_only: bool = False, workload: tuple[str, ...] = ()) -> dict:
@@ -412,8 +421,11 @@ def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: i
     if unknown := [w for w in workload if w not in recipe.workloads]:
         raise SystemExit(f"--workload {', '.join(unknown)}: the study's workloads are {', '.join(recipe.workloads)}")
     earlier = earlier_results(out, recipe.result)
+    steps = recipe.quick_steps if quick else recipe.steps
     if async_only:
-        sync_to_pair(earlier, recipe, recipe.quick_steps if quick else recipe.steps)
+        sync_to_pair(earlier, recipe, steps)
+    if workload:
+        one_workload_joins(earlier, recipe, steps)
     data = run(quick, repeats, recipe, first_seed, bounds_of(staleness, sync_only), with_sync=not async_only,
                workloads=workload)
     if earlier:

@@ -146,3 +146,8 @@ def test_e2e_one_workload_joins_the_study_and_leaves_the_others_runs_alone(tmp_p
     assert (tmp_path / "e2e_smollm2.png").is_file()
     with pytest.raises(SystemExit, match="--workload agentic: the study's workloads are single-turn, env-latency"):
         e2e.main(real_model=True, workload=("agentic",))
+    e2e.one_workload_joins({**earlier, "sync_overrides": list(recipe.sync_overrides),
+                            "async_overrides": list(recipe.async_overrides)}, recipe, recipe.steps)
+    for wrong in (None, earlier, {**earlier, "max_steps": 3}):  # none; the arms' settings changed; another length
+        with pytest.raises(SystemExit, match="--workload joins an earlier e2e_smollm2.json of 20 steps and the same"):
+            e2e.one_workload_joins(wrong, recipe, recipe.steps)

@@ -170,7 +170,8 @@ class RewardConfig(Section):
 
 class AutoStalenessConfig(Section):
     """With `off_policy.max_staleness: auto`, how the learner moves the bound (docs/concepts.md): up by one while
-    it waits for data on healthy off-policy data, halved when that data degrades."""
+    it waits for data on healthy off-policy data, halved when that data degrades, eased down by one while it
+    never waits."""
 
     low: int = Field(1, ge=0, description="smallest bound")
     high: int = Field(8, ge=1, description="largest bound")
@@ -178,7 +179,7 @@ class AutoStalenessConfig(Section):
     wait_share: float = Field(0.1, ge=0, lt=1, description="a step that waited for data longer than this share "
                               "of it counts towards a raise")
     idle_share: float = Field(0.02, ge=0, lt=1, description="a step that waited for data under this share of it "
-                              "counts towards a lowering by one (0: never lower for that)")
+                              "counts towards easing the bound down by one (0: never ease)")
     ess_floor: float = Field(0.8, gt=0, lt=1, description="lower when the importance weights' effective sample "
                              "size (a share of the tokens) falls under this")
     ess_raise: float = Field(0.9, gt=0, le=1, description="raise only while the effective sample size is at least this")
@@ -186,7 +187,7 @@ class AutoStalenessConfig(Section):
     clip_ceiling: float = Field(0.1, gt=0, lt=1, description="lower when the clip fraction passes this")
     spike: float = Field(3.0, gt=1, description="lower when the gradient norm passes this many times its running "
                          "mean (of about the last 3 steps, judged from the 6th)")
-    patience: int = Field(3, ge=1, description="steps in a row that must call for a raise")
+    patience: int = Field(3, ge=1, description="steps in a row that must call for a raise, or for easing")
     cooldown: int = Field(4, ge=1, description="steps after a change before the next")
 
     @model_validator(mode="after")
@@ -196,8 +197,9 @@ class AutoStalenessConfig(Section):
         if not self.low <= self.start <= self.high:
             raise ValueError(f"off_policy.auto.start {self.start} is outside [low {self.low}, high {self.high}]: "
                              "set off_policy.auto.start within them")
-        if self.idle_share >= self.wait_share:
-            raise ValueError(f"off_policy.auto.idle_share {self.idle_share} must be under wait_share {self.wait_share}")
+        if 0 < self.idle_share >= self.wait_share:  # else a step could count towards both a raise and easing
+            raise ValueError(f"off_policy.auto.idle_share {self.idle_share} must be under wait_share {self.wait_share}: "
+                             "set it lower, or 0 to never ease")
         if self.ess_floor >= self.ess_raise:
             raise ValueError(f"off_policy.auto.ess_floor {self.ess_floor} must be under ess_raise {self.ess_raise}")
         return self
@@ -236,7 +238,7 @@ class OffPolicyConfig(Section):
         return self.auto.low if self.adaptive else self.max_staleness
 
     @property
-    def first(self) -> int:
+    def initial(self) -> int:
         """The bound in force until the learner publishes one (``auto``: the one it will publish first)."""
         return self.auto.start if self.adaptive else self.max_staleness
 
@@ -455,7 +457,7 @@ class Config(Section):
     def admission_bound(self) -> int:
         """The bound a worker admits under until the learner publishes one: a worker started before the learner
         (on another machine) must not run ahead to the ceiling that ``auto`` may never reach."""
-        return 0 if self.mode == "sync" else self.off_policy.first
+        return 0 if self.mode == "sync" else self.off_policy.initial
 
     @property
     def adapter_slots(self) -> int:

@@ -156,7 +156,7 @@ class Dashboard:
         return table
 
     def _bound(self, s: dict[str, Any]) -> str:
-        bound = s.get("bound", self.cfg.staleness_bound)
+        bound = s.get("bound", self.cfg.admission_bound)
         return f"auto: {bound}" if self.cfg.off_policy.adaptive else str(bound)
 
     def refresh(self) -> None:

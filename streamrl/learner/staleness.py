@@ -49,10 +49,10 @@ class Change:
     old: int
     new: int
     cause: str
+    way: str  # raised, lowered (degraded data) or eased (an idle learner)
 
     def __str__(self) -> str:
-        way = "raised" if self.new > self.old else "lowered"
-        return f"max staleness {way} {self.old} -> {self.new} at step {self.step}: {self.cause}"
+        return f"max staleness {self.way} {self.old} -> {self.new} at step {self.step}: {self.cause}"
 
 
 class StalenessController:
@@ -87,13 +87,13 @@ class StalenessController:
             return None
         if cause is not None and self.bound > r.low:
             self._fed_floor = r.low  # the data, not the supply, was the problem: what fed the learner is unknown
-            return self._move(step, max(r.low, self.bound // 2), cause)
+            return self._move(step, max(r.low, self.bound // 2), "lowered", cause)
         if self._healthy_waits >= r.patience and self.bound < r.high:
             self._fed_floor = self.bound + 1  # the bound below starved the learner
-            return self._move(step, self.bound + 1, f"the learner waited {s.wait_share:.0%} of its step for data "
+            return self._move(step, self.bound + 1, "raised", f"the learner waited {s.wait_share:.0%} of its step for data "
                                                     f"{r.patience} steps running, ESS {s.ess:.2f}")
         if cause is None and self._idle_steps >= r.patience and self.bound > self._fed_floor:
-            return self._move(step, self.bound - 1, f"the learner waited under {r.idle_share:.0%} of its step for "
+            return self._move(step, self.bound - 1, "eased", f"the learner waited under {r.idle_share:.1%} of its step for "
                                                     f"data {r.patience} steps running: fresher data, same speed")
         return None
 
@@ -115,8 +115,8 @@ class StalenessController:
             self.smoothing * self._grad_mean + (1 - self.smoothing) * norm)
         self._grad_norms += 1
 
-    def _move(self, step: int, new: int, cause: str) -> Change:
-        change = Change(step, self.bound, new, cause)
+    def _move(self, step: int, new: int, way: str, cause: str) -> Change:
+        change = Change(step, self.bound, new, cause, way)
         self.bound, self._last_change, self._healthy_waits, self._idle_steps = new, step, 0, 0
         return change
 
