@@ -353,7 +353,14 @@ def test_the_summary_counts_stale_drops_and_says_what_to_do_when_many(tmp_path, 
     assert re.search(r"trained tokens/s \(learner's time\)\s*│\s*73 ", out)
     board.final = {"step": 40, "dropped_stale": 14, "accepted": 100}
     board.summary(60.0, 0)
-    assert "14% of the finished groups were dropped as stale" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "14% of the finished groups were dropped as stale: episodes outlasted 2 learner steps. Raise " \
+           "off_policy.max_staleness" in said
+    auto = Dashboard(load_config("configs/quickstart.yaml", [f"run.dir={tmp_path}", "supervise.display=plain",
+                                                               "off_policy.max_staleness=auto"]))
+    auto.final = {"step": 40, "dropped_stale": 14, "accepted": 100, "bound": 1}  # the bound auto left
+    auto.summary(60.0, 0)
+    assert "outlasted 1 learner step. Raise off_policy.auto.low (the auto bound's floor)" in capsys.readouterr().out
 
 
 def test_the_display_says_each_move_of_an_auto_bound_once_with_its_cause(tmp_path, capsys):

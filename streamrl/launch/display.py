@@ -206,7 +206,8 @@ class Dashboard:
         table.add_row("run directory", str(self.cfg.run.path))
         self.console.print(table)
         if finished and dropped / finished > STALE_WARNING:  # generated in vain, and not at random: the slow ones
-            bound = self.cfg.staleness_bound
+            bound, adaptive = s.get("bound", self.cfg.admission_bound), self.cfg.off_policy.adaptive
+            knob = "off_policy.auto.low (the auto bound's floor)" if adaptive else "off_policy.max_staleness"
             self.say(f"{100 * dropped / finished:.0f}% of the finished groups were dropped as stale: episodes "
-                     f"outlasted {bound} learner step{'s' if bound != 1 else ''}. Raise off_policy.max_staleness, "
+                     f"outlasted {bound} learner step{'s' if bound != 1 else ''}. Raise {knob}, "
                      "or train late groups with the correction (off_policy.stale=keep)")
