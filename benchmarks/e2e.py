@@ -388,10 +388,14 @@ def bounds_of(staleness: tuple[str, ...], sync_only: bool = False) -> tuple[int 
     return () if sync_only else tuple(known[s] for s in staleness) or None
 
 
+def same_study(earlier: dict | None, recipe: Recipe, steps: int) -> bool:
+    """Whether the earlier results are of this study (its steps and workloads): new runs join them."""
+    return bool(earlier) and earlier.get("max_steps") == steps and earlier.get("workloads") == recipe.workloads
+
+
 def sync_to_pair(earlier: dict | None, recipe: Recipe, steps: int) -> None:
     """Refuses ``--async-only`` unless the results hold sync runs of the same study for its runs to pair with."""
-    same = earlier and earlier.get("max_steps") == steps and earlier.get("workloads") == recipe.workloads
-    if not (same and all(by_mode.get("sync") for by_mode in earlier["runs"].values())):
+    if not (same_study(earlier, recipe, steps) and all(by_mode.get("sync") for by_mode in earlier["runs"].values())):
         raise SystemExit(f"--async-only pairs its runs with the sync runs of an earlier {recipe.result}.json of "
                          f"{steps} steps, and there is none: run sync too (leave out --async-only)")
 
@@ -399,9 +403,8 @@ def sync_to_pair(earlier: dict | None, recipe: Recipe, steps: int) -> None:
 def one_workload_joins(earlier: dict | None, recipe: Recipe, steps: int) -> None:
     """Refuses ``--workload`` unless its runs join an earlier study of the same settings, whose other workload's
     runs then stay (``more_seeds`` would replace the study, or drop the runs of an arm whose settings changed)."""
-    same = earlier and earlier.get("max_steps") == steps and earlier.get("workloads") == recipe.workloads and all(
-        earlier.get(f"{arm}_overrides", []) == list(recipe.overrides(arm)) for arm in ("sync", "async"))
-    if not same:
+    if not (same_study(earlier, recipe, steps) and all(
+            earlier.get(f"{arm}_overrides", []) == list(recipe.overrides(arm)) for arm in ("sync", "async"))):
         raise SystemExit(f"--workload joins an earlier {recipe.result}.json of {steps} steps and the same settings, "
                          "and there is none: run every workload (leave out --workload)")
 
