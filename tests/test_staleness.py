@@ -21,12 +21,14 @@ def run(controller: StalenessController, signals: list[Signals], first_step: int
     return [(step, c) for step, s in enumerate(signals, first_step) if (c := controller.observe(step, s))]
 
 
-def test_a_learner_waiting_on_healthy_data_raises_the_bound_one_at_a_time_up_to_its_ceiling():
-    c = controller(low=1, high=3, bound=1, patience=3, cooldown=4)
+def test_a_learner_waiting_on_healthy_data_doubles_the_bound_up_to_its_ceiling():
+    c = controller(low=1, high=8, bound=1, patience=3, cooldown=4)
     changes = run(c, [CALM] * 20)
     # three waiting steps, then one each cooldown (the patience count starts again after a change)
-    assert [(step, ch.old, ch.new) for step, ch in changes] == [(2, 1, 2), (6, 2, 3)]
-    assert "waited 50% of its step" in changes[0][1].cause and c.bound == 3
+    assert [(step, ch.old, ch.new) for step, ch in changes] == [(2, 1, 2), (6, 2, 4), (10, 4, 8)]
+    assert "waited 50% of its step" in changes[0][1].cause and c.bound == 8
+    capped = controller(low=0, high=3, bound=0, patience=1, cooldown=1)
+    assert [ch.new for _, ch in run(capped, [CALM] * 5)] == [1, 2, 3]  # from 0 by one; never past high
 
 
 def test_a_learner_that_waits_a_little_keeps_the_bound():
@@ -46,16 +48,17 @@ def test_a_learner_that_never_waits_eases_the_bound_one_at_a_time_to_its_floor()
 
 
 def test_easing_stops_one_above_the_bound_the_learner_last_waited_at():
-    """Bound 2 starves the learner, 3 feeds it: easing leaves it at 3, not 3, 2, 3, 2 ...; a cut clears that floor."""
+    """Bound 2 starves the learner, 4 (its double) feeds it: easing leaves it at 3, not 3, 2, 3, 2 ...; a cut
+    clears that floor."""
     c = controller(low=1, high=8, bound=2, patience=2, cooldown=2)
     changes = run(c, [calm(wait_share=0.3)] * 2 + [calm(wait_share=0.0)] * 20)
-    assert [(step, ch.old, ch.new) for step, ch in changes] == [(1, 2, 3)] and c.bound == 3
+    assert [(step, ch.old, ch.new) for step, ch in changes] == [(1, 2, 4), (3, 4, 3)] and c.bound == 3
     changes = run(c, [calm(ess=0.5)] + [calm(wait_share=0.0)] * 3, first_step=22)
     assert [(ch.old, ch.new) for _, ch in changes] == [(3, 1)]  # halved past the floor
     c = controller(low=1, high=8, bound=4, patience=2, cooldown=1)
-    assert [ch.new for _, ch in run(c, [calm(wait_share=0.3)] * 2 + [calm(ess=0.5)])] == [5, 2]
+    assert [ch.new for _, ch in run(c, [calm(wait_share=0.3)] * 2 + [calm(ess=0.5)])] == [8, 4]
     changes = run(c, [calm(wait_share=0.0)] * 6, first_step=3)
-    assert [(ch.old, ch.new) for _, ch in changes] == [(2, 1)]
+    assert [(ch.old, ch.new) for _, ch in changes] == [(4, 3), (3, 2), (2, 1)]
 
 
 @pytest.mark.parametrize("bad, cause", [(calm(ess=0.6), "ESS 0.60 < 0.8"), (calm(second_moment=2.0), "E[w^2] 2.00"),
@@ -86,7 +89,7 @@ def test_the_gradient_norm_of_a_policy_starting_to_learn_is_not_a_spike():
              0.967, 0.821, 0.39, 0.943, 1.579]
     c = controller(low=1, high=8, bound=2, patience=3, cooldown=4)
     changes = run(c, [calm(grad_norm=g) for g in norms])
-    assert [(step, ch.new) for step, ch in changes] == [(2, 3), (6, 4), (10, 5), (14, 6), (18, 7)]
+    assert [(step, ch.new) for step, ch in changes] == [(2, 4), (6, 8)]
     jump = run(controller(bound=2), [calm(grad_norm=g, wait_share=0.05) for g in [0.05, 0.06, 0.05, 0.06, 0.05, 0.3]])
     assert [(step, ch.new) for step, ch in jump] == [(5, 1)]  # a jump after the warm-up still is one
 
@@ -95,7 +98,7 @@ def test_a_raise_waits_for_patience_and_the_cooldown_after_a_cut():
     c = controller(low=1, high=8, bound=4, patience=2, cooldown=5)
     assert run(c, [calm(ess=0.5)])[0][1].new == 2
     changes = run(c, [CALM] * 10, first_step=1)
-    assert [(step, ch.new) for step, ch in changes] == [(5, 3), (10, 4)]  # not before step 0 + cooldown
+    assert [(step, ch.new) for step, ch in changes] == [(5, 3), (10, 4)]  # after step 0 + cooldown; by one after a cut
 
 
 def test_signals_wavering_at_a_threshold_do_not_make_the_bound_oscillate():
@@ -111,7 +114,7 @@ def test_signals_wavering_at_a_threshold_do_not_make_the_bound_oscillate():
 
 def test_settings_that_cannot_work_are_refused():
     with pytest.raises(ValueError, match=r"off_policy.auto.start 2 is outside \[low 3, high 8\]"):
-        AutoStalenessConfig(low=3, high=8)
+        AutoStalenessConfig(low=3, high=8, start=2)
     with pytest.raises(ValueError, match="low 3 <= start 2"):
         controller(low=3, high=8, start=3, bound=2)
     with pytest.raises(ValueError, match="idle_share 0.2 must be under wait_share 0.1: set it lower, or 0"):
@@ -160,6 +163,8 @@ def test_the_learners_bound_is_published_where_admission_reads_it_and_a_resumed_
     assert admission.published() == 1
 
 
-def test_the_bound_starts_at_start_the_fixed_bounds_default_unless_set():
-    assert controller().bound == 2 == AutoStalenessConfig().start
+def test_the_bound_starts_at_low_unless_start_is_set():
+    """Searching upwards: a raise costs nothing, while easing drops the data made under the old bound."""
+    assert controller().bound == 1 == AutoStalenessConfig().first and AutoStalenessConfig().start is None
+    assert controller(low=3, high=8).bound == 3
     assert controller(low=3, high=8, start=5).bound == 5

@@ -169,13 +169,14 @@ class RewardConfig(Section):
 
 
 class AutoStalenessConfig(Section):
-    """With `off_policy.max_staleness: auto`, how the learner moves the bound (docs/concepts.md): up by one while
-    it waits for data on healthy off-policy data, halved when that data degrades, eased down by one while it
-    never waits."""
+    """With `off_policy.max_staleness: auto`, how the learner moves the bound (docs/concepts.md): up while it
+    waits for data on healthy off-policy data (doubled until the bound first comes down, by one after), halved
+    when that data degrades, eased down by one while it never waits."""
 
     low: int = Field(1, ge=0, description="smallest bound")
     high: int = Field(8, ge=1, description="largest bound")
-    start: int = Field(2, ge=0, description="first bound (a fixed max_staleness's default)")
+    start: int | None = Field(None, ge=0, description="first bound (empty: low; a raise costs nothing, while "
+                              "easing drops a step's data and refills the pipeline)")
     wait_share: float = Field(0.1, ge=0, lt=1, description="a step that waited for data longer than this share "
                               "of it counts towards a raise")
     idle_share: float = Field(0.02, ge=0, lt=1, description="a step that waited for data under this share of it "
@@ -194,7 +195,7 @@ class AutoStalenessConfig(Section):
     def _ordered(self) -> AutoStalenessConfig:
         if self.low > self.high:
             raise ValueError(f"off_policy.auto.low {self.low} > high {self.high}")
-        if not self.low <= self.start <= self.high:
+        if not self.low <= self.first <= self.high:
             raise ValueError(f"off_policy.auto.start {self.start} is outside [low {self.low}, high {self.high}]: "
                              "set off_policy.auto.start within them")
         if 0 < self.idle_share >= self.wait_share:  # else a step could count towards both a raise and easing
@@ -203,6 +204,11 @@ class AutoStalenessConfig(Section):
         if self.ess_floor >= self.ess_raise:
             raise ValueError(f"off_policy.auto.ess_floor {self.ess_floor} must be under ess_raise {self.ess_raise}")
         return self
+
+    @property
+    def first(self) -> int:
+        """The bound the learner publishes first."""
+        return self.low if self.start is None else self.start
 
 
 class OffPolicyConfig(Section):
@@ -240,7 +246,7 @@ class OffPolicyConfig(Section):
     @property
     def initial(self) -> int:
         """The bound in force until the learner publishes one (``auto``: the one it will publish first)."""
-        return self.auto.start if self.adaptive else self.max_staleness
+        return self.auto.first if self.adaptive else self.max_staleness
 
 
 class LoraConfig(Section):

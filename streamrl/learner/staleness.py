@@ -1,16 +1,18 @@
 """The staleness bound chosen from what the learner measures (``off_policy.max_staleness: auto``).
 
 After each step the controller reads the step's signals and may move the admission bound ``k`` within
-``[low, high]``, additive up and multiplicative down (as TCP does with its window):
+``[low, high]``, as TCP moves its window: doubling up from ``start`` (by default ``low``) until the bound first comes
+down, additive up from then on, multiplicative down:
 
 - **down**, to ``max(low, floor(k / 2))``, as soon as the off-policy data degrades: the normalised effective sample
   size of the importance weights ``ESS = (sum w)^2 / (n sum w^2)`` falls under ``ess_floor``, their second moment
   ``E[w^2]`` (M2PO's quantity) passes ``m2_ceiling``, the clip fraction passes ``clip_ceiling``, or the gradient
   norm passes ``spike`` times its running mean (an exponential mean of every step's norm, judged from the
   ``StalenessController.warmup``-th step on);
-- **up**, to ``k + 1``, when the learner waited for data for more than ``wait_share`` of each of the last
-  ``patience`` steps and the data was healthy throughout, with margin: ESS at least ``ess_raise`` (above
-  ``ess_floor``) and the clip fraction at most half its ceiling;
+- **up**, to ``2k`` until the bound has first come down and to ``k + 1`` after (never past ``high``), when the
+  learner waited for data for more than ``wait_share`` of each of the last ``patience`` steps and the data was
+  healthy throughout, with margin: ESS at least ``ess_raise`` (above ``ess_floor``) and the clip fraction at
+  most half its ceiling;
 - **eased** down, to ``k - 1``, when the learner waited for under ``idle_share`` of each of the last
   ``patience`` steps: it is the bottleneck, so a smaller bound trains fresher data at the same speed. Easing
   stops one above the bound the learner last starved at (where the last raise started), so the bound settles
@@ -57,7 +59,7 @@ class Change:
 
 class StalenessController:
     """Moves the bound by ``rules`` (the ``off_policy.auto`` settings: their defaults when not given), from
-    ``bound`` (default: ``rules.start``)."""
+    ``bound`` (default: ``rules.first``)."""
 
     # The gradient norm's running mean: a memory of about 3 steps, so that a spike is a jump from the last few
     # norms, not the growth a learning policy's norm shows over a run (SmolLM2's grew 30x in 20 steps, from
@@ -66,7 +68,7 @@ class StalenessController:
 
     def __init__(self, rules: AutoStalenessConfig | None = None, bound: int | None = None):
         self.rules = r = rules or AutoStalenessConfig()
-        self.bound = r.start if bound is None else bound
+        self.bound = r.first if bound is None else bound
         if not r.low <= self.bound <= r.high:
             raise ValueError(f"staleness bounds: need low {r.low} <= start {self.bound} <= high {r.high}")
         self._grad_mean: float | None = None
@@ -74,6 +76,7 @@ class StalenessController:
         self._healthy_waits = 0  # consecutive steps that waited for data on healthy data
         self._idle_steps = 0  # consecutive steps that (almost) did not wait
         self._fed_floor = r.low  # easing's floor: one above the bound the learner last waited at
+        self._doubling = True  # raises double the bound until it first comes down: the climb from low is short
         self._last_change = -(10**9)
 
     def observe(self, step: int, s: Signals) -> Change | None:
@@ -90,7 +93,8 @@ class StalenessController:
             return self._move(step, max(r.low, self.bound // 2), "lowered", cause)
         if self._healthy_waits >= r.patience and self.bound < r.high:
             self._fed_floor = self.bound + 1  # the bound below starved the learner
-            return self._move(step, self.bound + 1, "raised", f"the learner waited {s.wait_share:.0%} of its step for data "
+            new = min(r.high, max(2 * self.bound, self.bound + 1) if self._doubling else self.bound + 1)
+            return self._move(step, new, "raised", f"the learner waited {s.wait_share:.0%} of its step for data "
                                                     f"{r.patience} steps running, ESS {s.ess:.2f}")
         if cause is None and self._idle_steps >= r.patience and self.bound > self._fed_floor:
             return self._move(step, self.bound - 1, "eased", f"the learner waited under {r.idle_share:.1%} of its step for "
@@ -117,6 +121,7 @@ class StalenessController:
 
     def _move(self, step: int, new: int, way: str, cause: str) -> Change:
         change = Change(step, self.bound, new, cause, way)
+        self._doubling = self._doubling and new > self.bound
         self.bound, self._last_change, self._healthy_waits, self._idle_steps = new, step, 0, 0
         return change
 
@@ -136,7 +141,7 @@ class AutoBound:
     def __init__(self, auto: Any, admission: Any):
         self.admission = admission
         published = admission.published()
-        published = auto.start if published is None else published
+        published = auto.first if published is None else published
         self.controller = StalenessController(auto, bound=min(max(published, auto.low), auto.high))
         admission.set_bound(self.controller.bound)
 
