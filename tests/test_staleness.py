@@ -29,6 +29,14 @@ def test_a_learner_waiting_on_healthy_data_doubles_the_bound_up_to_its_ceiling()
     assert "waited 50% of its step" in changes[0][1].cause and c.bound == 8
     capped = controller(low=0, high=3, bound=0, patience=1, cooldown=1)
     assert [ch.new for _, ch in run(capped, [CALM] * 5)] == [1, 2, 3]  # from 0 by one; never past high
+    assert [ch.new for _, ch in run(controller(high=8, start=5, patience=1), [CALM])] == [8]
+
+
+def test_once_the_bound_has_come_down_raises_add_one():
+    c = controller(low=1, high=8, bound=4, patience=2, cooldown=2)
+    changes = run(c, [calm(wait_share=0.0)] * 2 + [CALM] * 6)
+    assert [(step, ch.way, ch.new) for step, ch in changes] == [(1, "eased", 3), (3, "raised", 4), (5, "raised", 5),
+                                                               (7, "raised", 6)]
 
 
 def test_a_learner_that_waits_a_little_keeps_the_bound():
@@ -158,7 +166,9 @@ def test_the_learners_bound_is_published_where_admission_reads_it_and_a_resumed_
     waiting = {"wait_s": 1.0, "train_s": 1.0, "is_ess": 0.99, "clip_frac": 0.0, "grad_norm": 1.0}
     assert "raised 1 -> 2" in auto.after_step(1, waiting)["staleness_change"]
     assert admission.published() == 2
-    assert AutoBound(rules, admission).bound == 2  # a restarted learner
+    restarted = AutoBound(rules, admission)
+    assert restarted.bound == 2  # a restarted learner goes on from the bound in force, raising it by one
+    assert "raised 2 -> 3" in restarted.after_step(1, waiting)["staleness_change"]
     assert "lowered 2 -> 1" in auto.after_step(2, {**waiting, "is_ess": 0.5})["staleness_change"]
     assert admission.published() == 1
 

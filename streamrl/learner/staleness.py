@@ -1,18 +1,18 @@
 """The staleness bound chosen from what the learner measures (``off_policy.max_staleness: auto``).
 
 After each step the controller reads the step's signals and may move the admission bound ``k`` within
-``[low, high]``, as TCP moves its window: doubling up from ``start`` (by default ``low``) until the bound first comes
-down, additive up from then on, multiplicative down:
+``[low, high]``, as TCP moves its window: in a fresh run doubling up from ``start`` (by default ``low``) until the
+bound first comes down, additive up from then on (and after a restart), multiplicative down:
 
 - **down**, to ``max(low, floor(k / 2))``, as soon as the off-policy data degrades: the normalised effective sample
   size of the importance weights ``ESS = (sum w)^2 / (n sum w^2)`` falls under ``ess_floor``, their second moment
   ``E[w^2]`` (M2PO's quantity) passes ``m2_ceiling``, the clip fraction passes ``clip_ceiling``, or the gradient
   norm passes ``spike`` times its running mean (an exponential mean of every step's norm, judged from the
   ``StalenessController.warmup``-th step on);
-- **up**, to ``2k`` until the bound has first come down and to ``k + 1`` after (never past ``high``), when the
-  learner waited for data for more than ``wait_share`` of each of the last ``patience`` steps and the data was
-  healthy throughout, with margin: ESS at least ``ess_raise`` (above ``ess_floor``) and the clip fraction at
-  most half its ceiling;
+- **up**, to ``max(2k, 1)`` until the bound has first come down and to ``k + 1`` after (never past
+  ``high``), when the learner waited for data for more than ``wait_share`` of each of the last ``patience`` steps
+  and the data was healthy throughout, with margin: ESS at least ``ess_raise`` (above ``ess_floor``) and the clip
+  fraction at most half its ceiling;
 - **eased** down, to ``k - 1``, when the learner waited for under ``idle_share`` of each of the last
   ``patience`` steps: it is the bottleneck, so a smaller bound trains fresher data at the same speed. Easing
   stops one above the bound the learner last starved at (where the last raise started), so the bound settles
@@ -59,14 +59,14 @@ class Change:
 
 class StalenessController:
     """Moves the bound by ``rules`` (the ``off_policy.auto`` settings: their defaults when not given), from
-    ``bound`` (default: ``rules.first``)."""
+    ``bound`` (default: ``rules.first``); ``doubling``: whether raises double it (a fresh run's slow start)."""
 
     # The gradient norm's running mean: a memory of about 3 steps, so that a spike is a jump from the last few
     # norms, not the growth a learning policy's norm shows over a run (SmolLM2's grew 30x in 20 steps, from
     # near 0 while few groups had any signal), judged once it holds `warmup` norms.
     smoothing, warmup = 0.7, 5
 
-    def __init__(self, rules: AutoStalenessConfig | None = None, bound: int | None = None):
+    def __init__(self, rules: AutoStalenessConfig | None = None, bound: int | None = None, doubling: bool = True):
         self.rules = r = rules or AutoStalenessConfig()
         self.bound = r.first if bound is None else bound
         if not r.low <= self.bound <= r.high:
@@ -76,7 +76,7 @@ class StalenessController:
         self._healthy_waits = 0  # consecutive steps that waited for data on healthy data
         self._idle_steps = 0  # consecutive steps that (almost) did not wait
         self._fed_floor = r.low  # easing's floor: one above the bound the learner last waited at
-        self._doubling = True  # raises double the bound until it first comes down: the climb from low is short
+        self._doubling = doubling  # raises double the bound until it first comes down: the climb from low is short
         self._last_change = -(10**9)
 
     def observe(self, step: int, s: Signals) -> Change | None:
@@ -93,7 +93,7 @@ class StalenessController:
             return self._move(step, max(r.low, self.bound // 2), "lowered", cause)
         if self._healthy_waits >= r.patience and self.bound < r.high:
             self._fed_floor = self.bound + 1  # the bound below starved the learner
-            new = min(r.high, max(2 * self.bound, self.bound + 1) if self._doubling else self.bound + 1)
+            new = min(r.high, max(2 * self.bound, 1) if self._doubling else self.bound + 1)
             return self._move(step, new, "raised", f"the learner waited {s.wait_share:.0%} of its step for data "
                                                     f"{r.patience} steps running, ESS {s.ess:.2f}")
         if cause is None and self._idle_steps >= r.patience and self.bound > self._fed_floor:
@@ -136,13 +136,14 @@ def signals(record: dict) -> Signals:
 
 class AutoBound:
     """``max_staleness: auto`` at the learner: the controller, and the bound published where every worker's
-    admission reads it. A resumed learner goes on from the bound in force."""
+    admission reads it. A resumed learner goes on from the bound in force, raising it by one: its climb is over,
+    and doubling a bound it had settled at would overshoot."""
 
     def __init__(self, auto: Any, admission: Any):
         self.admission = admission
         published = admission.published()
-        published = auto.first if published is None else published
-        self.controller = StalenessController(auto, bound=min(max(published, auto.low), auto.high))
+        fresh, published = published is None, auto.first if published is None else published
+        self.controller = StalenessController(auto, bound=min(max(published, auto.low), auto.high), doubling=fresh)
         admission.set_bound(self.controller.bound)
 
     @property
