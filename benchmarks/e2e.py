@@ -199,6 +199,8 @@ def summarise(run_path: Path, recipe: Recipe = TOY) -> dict:
             "dropped_stale": dropped, "dropped_fraction": dropped / (dropped + sum(r["groups"] for r in steps)),
             "train_reward_last5": sum(r["reward_mean"] for r in steps[-5:]) / len(steps[-5:]),
             **episode_shape(worker),
+            # the bound each step trained under: where `auto` went, kept with the run (fixed: None)
+            "bound_by_step": [r["staleness_bound"] for r in steps] if cfg.off_policy.adaptive else None,
             **held_out_scores(run_path, cfg, steps[-1]["step"], recipe.held_out),
             "stages": stage_speeds(worker, steps, cfg)}
 
@@ -269,7 +271,8 @@ def run(quick: bool, repeats: int | None = None, recipe: Recipe = TOY, first_see
                     results[workload][mode].append({**row, "seed": r})
                     console.log(f"{workload} {mode}: {row['samples_per_s']:.1f} samples/s, wall {row['wall_s']:.0f}s, "
                                 f"eval {row['eval_first']:.2f} → {row['eval_final']:.2f}, "
-                                f"held-out {row['held_out_final']:.2f}")
+                                f"held-out {row['held_out_final']:.2f}"
+                                + (f", bound by step {row['bound_by_step']}" if row["bound_by_step"] else ""))
     return {"study": "e2e", "max_steps": steps, "max_staleness": (bounds or STALENESS)[0],
             "sync_overrides": list(recipe.sync_overrides), "async_overrides": list(recipe.async_overrides),
             "staleness_modes": {m: k for m, k in modes.items() if k}, "target": recipe.target,
