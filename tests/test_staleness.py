@@ -3,7 +3,7 @@
 import pytest
 
 from streamrl.config.sections import AutoStalenessConfig
-from streamrl.learner.staleness import Signals, StalenessController
+from streamrl.learner.staleness import Signals, StalenessController, signals
 
 CALM = Signals(wait_share=0.5, ess=0.97, second_moment=1.02, clip_frac=0.01, grad_norm=1.0)
 
@@ -107,6 +107,44 @@ def test_a_raise_waits_for_patience_and_the_cooldown_after_a_cut():
     assert run(c, [calm(ess=0.5)])[0][1].new == 2
     changes = run(c, [CALM] * 10, first_step=1)
     assert [(step, ch.new) for step, ch in changes] == [(5, 3), (10, 4)]  # after step 0 + cooldown; by one after a cut
+
+
+def test_a_raise_that_does_not_shorten_the_learners_step_is_reverted_and_raises_stop_there():
+    """The learner waits because generation is at capacity (on a shared machine more groups in flight slow both
+    sides): 1 -> 2 paid (1.0 s a step, then 0.7 s), 2 -> 4 did not, so the bound goes back to 2 and stays."""
+    c = controller(low=1, high=8, bound=1, patience=3, cooldown=4, raise_gain=0.05)
+    changes = run(c, [calm(step_s=1.0)] * 3 + [calm(step_s=0.7)] * 20)
+    assert [(step, ch.way, ch.old, ch.new) for step, ch in changes] == [(2, "raised", 1, 2), (6, "raised", 2, 4),
+                                                                       (10, "reverted", 4, 2)]
+    assert str(changes[2][1]) == ("max staleness reverted 4 -> 2 at step 10: raising it at step 6 did not speed the "
+                                  "learner up: 0.7 s a step before, 0.7 s after") and c.bound == 2
+
+
+@pytest.mark.parametrize("after, kept", [(0.94, True), (0.96, False), (1.2, False)])
+def test_a_raise_is_kept_when_it_cut_the_step_time_by_raise_gain(after, kept):
+    c = controller(low=1, high=8, bound=2, patience=2, cooldown=3, raise_gain=0.05)
+    changes = run(c, [calm(step_s=1.0)] * 2 + [calm(step_s=after)] * 3)  # raised at step 1, judged at step 4
+    # kept: the learner still waits, so the judging step raises again
+    assert [ch.way for _, ch in changes] == ["raised"] + (["raised"] if kept else ["reverted"])
+    assert c.bound == (8 if kept else 2)
+
+
+def test_after_a_revert_the_bound_rises_again_once_it_has_come_down_for_another_cause():
+    c = controller(low=1, high=8, bound=2, patience=2, cooldown=2, raise_gain=0.05)
+    changes = run(c, [calm(step_s=1.0)] * 8)
+    assert [(ch.way, ch.new) for _, ch in changes] == [("raised", 4), ("reverted", 2)]  # then no raise past 2
+    changes = run(c, [calm(ess=0.5, step_s=1.0)] + [calm(step_s=1.0 - 0.1 * i) for i in range(5)], first_step=8)
+    assert [(ch.way, ch.new) for _, ch in changes] == [("lowered", 1), ("raised", 2), ("raised", 3)]
+    # a cut while a raise is on trial ends the trial: nothing is reverted after it
+    c = controller(low=1, high=8, bound=2, patience=2, cooldown=3, raise_gain=0.05)
+    changes = run(c, [calm(step_s=1.0)] * 4 + [calm(ess=0.5, step_s=1.0)] + [calm(step_s=1.0, wait_share=0.05)] * 6)
+    assert [(ch.way, ch.new) for _, ch in changes] == [("raised", 4), ("lowered", 2)]
+
+
+def test_signals_read_from_a_learner_record():
+    s = signals({"wait_s": 0.5, "train_s": 1.5, "is_ess": 0.9, "is_second_moment": 1.1, "clip_frac": 0.02,
+                 "grad_norm": 0.3})
+    assert s == Signals(wait_share=0.25, ess=0.9, second_moment=1.1, clip_frac=0.02, grad_norm=0.3, step_s=2.0)
 
 
 def test_signals_wavering_at_a_threshold_do_not_make_the_bound_oscillate():

@@ -171,7 +171,8 @@ class RewardConfig(Section):
 class AutoStalenessConfig(Section):
     """With `off_policy.max_staleness: auto`, how the learner moves the bound (docs/concepts.md): up while it
     waits for data on healthy off-policy data (doubled until the bound first comes down, by one after), halved
-    when that data degrades, eased down by one while it never waits."""
+    when that data degrades, eased down by one while it never waits, put back where a raise did not speed it
+    up."""
 
     low: int = Field(1, ge=0, description="smallest bound")
     high: int = Field(8, ge=1, description="largest bound")
@@ -188,6 +189,9 @@ class AutoStalenessConfig(Section):
     clip_ceiling: float = Field(0.1, gt=0, lt=1, description="lower when the clip fraction passes this")
     spike: float = Field(3.0, gt=1, description="lower when the gradient norm passes this many times its running "
                          "mean (of about the last 3 steps, judged from the 6th)")
+    raise_gain: float = Field(0.05, ge=0, lt=1, description="a raise is kept only if it cut the learner's mean "
+                              "step time by this share (its cooldown's last `patience` steps against the "
+                              "`patience` before it); else the bound goes back and raises stop there")
     patience: int = Field(3, ge=1, description="steps in a row that must call for a raise, or for easing")
     cooldown: int = Field(4, ge=1, description="steps after a change before the next")
 

@@ -16,16 +16,23 @@ bound first comes down, additive up from then on (and after a restart), multipli
 - **eased** down, to ``k - 1``, when the learner waited for under ``idle_share`` of each of the last
   ``patience`` steps: it is the bottleneck, so a smaller bound trains fresher data at the same speed. Easing
   stops one above the bound the learner last starved at (where the last raise started), so the bound settles
-  where the learner is fed.
+  where the learner is fed;
+- **reverted**, back to the bound a raise started from, when the raise did not pay: the learner's mean step
+  time (waiting and training) over the last ``patience`` steps of the raise's cooldown is not at least
+  ``raise_gain`` under its mean over the ``patience`` steps before it. The learner waited because generation
+  is at capacity, not because the bound held it back (on a shared machine more groups in flight slow both
+  sides down), so raises stop at that bound until the bound next comes down for another cause.
 
 It does not oscillate: the margins between the thresholds that lower and raise it, the ``patience`` steps a move
-waits for, the floor a raise leaves for easing, and the ``cooldown`` steps after any change (the data admitted
+waits for, the floor a raise leaves for easing, the ceiling a reverted raise leaves for raising, and the
+``cooldown`` steps after any change (the data admitted
 under the old bound drains meanwhile, so a change is judged on data made under it) keep it from flipping on noise.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +50,7 @@ class Signals:
     second_moment: float  # E[w^2] of the importance weights: 1 on-policy
     clip_frac: float
     grad_norm: float
+    step_s: float = 0.0  # the step's seconds, waiting for data and training: what a raise must shorten
 
 
 @dataclass(frozen=True)
@@ -51,7 +59,7 @@ class Change:
     old: int
     new: int
     cause: str
-    way: str  # raised, lowered (degraded data) or eased (an idle learner)
+    way: str  # raised, lowered (degraded data), eased (an idle learner) or reverted (a raise that did not pay)
 
     def __str__(self) -> str:
         return f"max staleness {self.way} {self.old} -> {self.new} at step {self.step}: {self.cause}"
@@ -76,6 +84,9 @@ class StalenessController:
         self._healthy_waits = 0  # consecutive steps that waited for data on healthy data
         self._idle_steps = 0  # consecutive steps that (almost) did not wait
         self._fed_floor = r.low  # easing's floor: one above the bound the learner last waited at
+        self._ceiling = r.high  # raises stop here: the bound a raise that did not pay went back to
+        self._step_s: deque[float] = deque(maxlen=r.patience)  # the last steps' seconds
+        self._trial: tuple[int, int, float] | None = None  # the last raise: its step, the old bound, step s before
         self._doubling = doubling  # raises double the bound until it first comes down: the climb from low is short
         self._last_change = -(10**9)
 
@@ -83,6 +94,7 @@ class StalenessController:
         """Take a step's signals; the change of the bound they call for, if any (already applied)."""
         r, cause = self.rules, self._degraded(s)
         self._track_grad_norm(s.grad_norm)
+        self._step_s.append(s.step_s)
         healthy = cause is None and s.ess >= r.ess_raise and s.clip_frac <= r.clip_ceiling / 2
         self._healthy_waits = self._healthy_waits + 1 if healthy and s.wait_share > r.wait_share else 0
         self._idle_steps = self._idle_steps + 1 if s.wait_share < r.idle_share else 0
@@ -91,9 +103,17 @@ class StalenessController:
         if cause is not None and self.bound > r.low:
             self._fed_floor = r.low  # the data, not the supply, was the problem: what fed the learner is unknown
             return self._move(step, max(r.low, self.bound // 2), "lowered", cause)
-        if self._healthy_waits >= r.patience and self.bound < r.high:
+        if self._trial and step - self._trial[0] >= max(r.cooldown, r.patience):
+            raised_at, old, before = self._trial
+            after, self._trial = self._mean_step_s(), None
+            if after > before * (1 - r.raise_gain):
+                self._ceiling = old
+                return self._move(step, old, "reverted", f"raising it at step {raised_at} did not speed the learner "
+                                  f"up: {before:.3g} s a step before, {after:.3g} s after")
+        if self._healthy_waits >= r.patience and self.bound < self._ceiling:
             self._fed_floor = self.bound + 1  # the bound below starved the learner
-            new = min(r.high, max(2 * self.bound, 1) if self._doubling else self.bound + 1)
+            self._trial = (step, self.bound, self._mean_step_s())
+            new = min(self._ceiling, max(2 * self.bound, 1) if self._doubling else self.bound + 1)
             return self._move(step, new, "raised", f"the learner waited {s.wait_share:.0%} of its step for data "
                                                     f"{r.patience} steps running, ESS {s.ess:.2f}")
         if cause is None and self._idle_steps >= r.patience and self.bound > self._fed_floor:
@@ -119,9 +139,14 @@ class StalenessController:
             self.smoothing * self._grad_mean + (1 - self.smoothing) * norm)
         self._grad_norms += 1
 
+    def _mean_step_s(self) -> float:
+        return sum(self._step_s) / len(self._step_s)
+
     def _move(self, step: int, new: int, way: str, cause: str) -> Change:
         change = Change(step, self.bound, new, cause, way)
         self._doubling = self._doubling and new > self.bound
+        if way in ("lowered", "eased"):  # the run has changed: the bound may be worth raising again
+            self._ceiling, self._trial = self.rules.high, None
         self.bound, self._last_change, self._healthy_waits, self._idle_steps = new, step, 0, 0
         return change
 
@@ -131,7 +156,7 @@ def signals(record: dict) -> Signals:
     wait, train = record.get("wait_s", 0.0), record.get("train_s", 0.0)
     return Signals(wait_share=wait / max(wait + train, 1e-9), ess=record.get("is_ess", 1.0),
                    second_moment=record.get("is_second_moment", 1.0), clip_frac=record.get("clip_frac", 0.0),
-                   grad_norm=record.get("grad_norm", 0.0))
+                   grad_norm=record.get("grad_norm", 0.0), step_s=wait + train)
 
 
 class AutoBound:
