@@ -36,7 +36,8 @@ The ratio is async samples/s over sync samples/s; who goes first rotates per rep
 max staleness 4 (the headline), 2 and 1: staleness buys throughput and, on a task learnt in a few
 dozen steps, can cost final reward — both sides of the trade are in the table — and at ``auto``, where the
 learner sets the bound from what it measures (docs/concepts.md); a row gives ``auto``'s samples/s over
-the fastest fixed bound's, what letting the learner choose cost. Runs are 40 steps,
+the fastest fixed bound's, what letting the learner choose cost (an ``auto`` run keeps the bound each of its
+steps trained under, ``bound_by_step``). Runs are 40 steps,
 the quickstart's length, by which the synchronous run has converged (held-out ≈ 0.95).
 Every run also records its stages' speeds (``stages``), from which ``streamrl bench simulate``
 replays it to check the pipeline model.
