@@ -25,8 +25,8 @@ bound first comes down, additive up from then on (and after a restart), multipli
 
 It does not oscillate: the margins between the thresholds that lower and raise it, the ``patience`` steps a move
 waits for, the floor a raise leaves for easing, the ceiling a reverted raise leaves for raising, and the
-``cooldown`` steps after any change (the data admitted
-under the old bound drains meanwhile, so a change is judged on data made under it) keep it from flipping on noise.
+``cooldown`` steps after any change (the data admitted under the old bound drains meanwhile, so a change is
+judged on data made under it) keep it from flipping on noise.
 """
 
 from __future__ import annotations
