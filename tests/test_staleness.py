@@ -211,8 +211,44 @@ def test_the_learners_bound_is_published_where_admission_reads_it_and_a_resumed_
     assert admission.published() == 1
 
 
-def test_the_bound_starts_at_low_unless_start_is_set():
-    """Searching upwards: a raise costs nothing, while easing drops the data made under the old bound."""
-    assert controller().bound == 1 == AutoStalenessConfig().first and AutoStalenessConfig().start is None
-    assert controller(low=3, high=8).bound == 3
+def test_the_bound_starts_at_the_fixed_default_within_low_and_high_unless_start_is_set():
+    assert controller().bound == 2 == AutoStalenessConfig().first and AutoStalenessConfig().start is None
+    assert controller(low=3, high=8).bound == 3 and controller(low=0, high=1).bound == 1
     assert controller(low=3, high=8, start=5).bound == 5
+
+
+def test_groups_made_before_an_easing_or_a_revert_keep_the_bound_they_were_admitted_under(ns):
+    """Easing and reverting trade speed, not data: nothing admitted is dropped for them. A lowering (degraded
+    data) judges every group at once."""
+    from streamrl.buffer import Admission
+    from streamrl.learner.staleness import AutoBound
+
+    admission = Admission(ns, max_staleness=8, groups_per_step=1)
+    auto = AutoBound(AutoStalenessConfig(low=0, high=8, start=4, patience=1, cooldown=1), admission)
+    idle = {"wait_s": 0.0, "train_s": 1.0, "is_ess": 0.99, "clip_frac": 0.0, "grad_norm": 1.0}
+    steady = {**idle, "wait_s": 0.05, "train_s": 0.95}  # between idle_share and wait_share: no move
+    assert "eased 4 -> 3 at step 10" in auto.after_step(10, idle)["staleness_change"]
+    assert admission.published() == 3 and [auto.bound_for(v) for v in (9, 10, 11)] == [4, 4, 3]
+    assert "eased 3 -> 2 at step 11" in auto.after_step(11, idle)["staleness_change"]
+    assert [auto.bound_for(v) for v in (10, 11, 12)] == [4, 3, 2]
+    for step in (12, 13, 14):
+        assert auto.after_step(step, steady) == {}
+    assert auto.bound_for(10) == 4  # at version 14 a group made at 10 is 4 old: still within the bound it had
+    auto.after_step(15, steady)
+    assert auto.bound_for(10) == 2  # past it either way: the in-force bound judges it
+    assert "eased 2 -> 1 at step 16" in auto.after_step(16, idle)["staleness_change"] and auto.bound_for(16) == 2
+    assert "lowered 1 -> 0 at step 17" in auto.after_step(17, {**steady, "is_ess": 0.5})["staleness_change"]
+    assert auto.bound_for(16) == 0  # a lowering keeps nothing, the easing just before it included
+
+
+def test_groups_made_before_a_revert_keep_the_raised_bound(ns):
+    from streamrl.buffer import Admission
+    from streamrl.learner.staleness import AutoBound
+
+    auto = AutoBound(AutoStalenessConfig(low=1, high=8, start=1, patience=1, cooldown=1),
+                     Admission(ns, max_staleness=8, groups_per_step=1))
+    waiting = {"wait_s": 1.0, "train_s": 1.0, "is_ess": 0.99, "clip_frac": 0.0, "grad_norm": 1.0}
+    assert "raised 1 -> 2 at step 1" in auto.after_step(1, waiting)["staleness_change"]
+    # a 2 s step before the raise and after it: it did not pay
+    assert "reverted 2 -> 1 at step 2" in auto.after_step(2, waiting)["staleness_change"]
+    assert [auto.bound_for(v) for v in (1, 2, 3)] == [2, 2, 1]

@@ -176,8 +176,8 @@ class AutoStalenessConfig(Section):
 
     low: int = Field(1, ge=0, description="smallest bound")
     high: int = Field(8, ge=1, description="largest bound")
-    start: int | None = Field(None, ge=0, description="first bound (empty: low; a raise costs nothing, while "
-                              "easing drops a step's data and refills the pipeline)")
+    start: int | None = Field(None, ge=0, description="first bound (empty: 2, the fixed default, brought within "
+                              "[low, high])")
     wait_share: float = Field(0.1, ge=0, lt=1, description="a step that waited for data longer than this share "
                               "of it counts towards a raise")
     idle_share: float = Field(0.02, ge=0, lt=1, description="a step that waited for data under this share of it "
@@ -212,7 +212,7 @@ class AutoStalenessConfig(Section):
     @property
     def first(self) -> int:
         """The bound the learner publishes first."""
-        return self.low if self.start is None else self.start
+        return min(max(2, self.low), self.high) if self.start is None else self.start
 
 
 class OffPolicyConfig(Section):

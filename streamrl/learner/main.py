@@ -131,13 +131,12 @@ class Learner:
         and with ``learner.drop_no_signal`` groups whose rewards are all equal left out (and counted). The
         ledger outcome of every group read and not trained goes into ``work.outcomes``."""
         want, groups, dropped, silent_dropped, outcomes = self.cfg.learner.groups_per_step, [], 0, 0, {}
-        max_staleness = self.auto.bound if self.auto else self.cfg.staleness_bound
         t0 = last_catch_up = time.perf_counter()
         while len(groups) < want:
             entries = self.reader.read(want - len(groups), block_ms=1000)
             fresh_drops = silent = 0
             for entry in entries:
-                verdict = self._verdict(entry, max_staleness)
+                verdict = self._verdict(entry)
                 if verdict is None:
                     groups.append(entry.group)
                     continue
@@ -156,18 +155,24 @@ class Learner:
                 self._catch_up()
                 last_catch_up = time.perf_counter()
         silent_kept = sum(batching.no_signal(g) for g in groups)  # trained, for no gradient under rloo and grpo
+        bound = max(map(self._bound_for, groups))  # the loosest the step's groups were judged under
         work.outcomes = outcomes
         work.info.update(wait_s=time.perf_counter() - t0, dropped_stale=dropped, dropped_no_signal=silent_dropped,
-                         groups_no_signal=silent_kept + silent_dropped, staleness_bound=max_staleness)
+                         groups_no_signal=silent_kept + silent_dropped, staleness_bound=bound)
         return groups
 
-    def _verdict(self, entry, max_staleness: int) -> str | None:
+    def _bound_for(self, group) -> int:
+        """The staleness bound ``group`` is judged under: the one given, or with ``auto`` the learner's, which
+        keeps the bound before an easing for the groups that may have been admitted under it."""
+        return self.auto.bound_for(group.version_range()[0]) if self.auto else self.cfg.staleness_bound
+
+    def _verdict(self, entry) -> str | None:
         """None to train on the entry's group, else the ledger outcome it gets instead."""
         top = max(int(s.tokens.max()) for s in entry.group.samples)
         if top >= self.vocab_size:  # valid on the wire, but not for this model
             self.reader.dead_letter(entry.id, f"token id {top} >= vocab size {self.vocab_size}")
             return "dropped:dead"
-        if batching.stale(entry.group, self.version, max_staleness) and self.cfg.off_policy.stale == "drop":
+        if batching.stale(entry.group, self.version, self._bound_for(entry.group)) and self.cfg.off_policy.stale == "drop":
             return "dropped:stale"
         if self.cfg.learner.drop_no_signal and batching.no_signal(entry.group):
             return "dropped:no_signal"

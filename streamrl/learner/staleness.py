@@ -1,8 +1,9 @@
 """The staleness bound chosen from what the learner measures (``off_policy.max_staleness: auto``).
 
 After each step the controller reads the step's signals and may move the admission bound ``k`` within
-``[low, high]``, as TCP moves its window: in a fresh run doubling up from ``start`` (by default ``low``) until the
-bound first comes down, additive up from then on (and after a restart), multiplicative down:
+``[low, high]``, as TCP moves its window: in a fresh run doubling up from ``start`` (by default 2, the fixed
+bound's default) until the bound first comes down, additive up from then on (and after a restart),
+multiplicative down:
 
 - **down**, to ``max(low, floor(k / 2))``, as soon as the off-policy data degrades: the normalised effective sample
   size of the importance weights ``ESS = (sum w)^2 / (n sum w^2)`` falls under ``ess_floor``, their second moment
@@ -22,6 +23,10 @@ bound first comes down, additive up from then on (and after a restart), multipli
   ``raise_gain`` under its mean over the ``patience`` steps before it. The learner waited because generation
   is at capacity, not because the bound held it back (on a shared machine more groups in flight slow both
   sides down), so raises stop at that bound until the bound next comes down for another cause.
+
+Only a lowering drops data made under the old bound, as a fixed bound would; easing and reverting are moves for
+speed on healthy data, so the groups that may have been admitted before them keep the old bound
+(``AutoBound.bound_for``): a bound that overshot comes back down without dropping anything.
 
 It does not oscillate: the margins between the thresholds that lower and raise it, the ``patience`` steps a move
 waits for, the floor a raise leaves for easing, the ceiling a reverted raise leaves for raising, and the
@@ -160,9 +165,10 @@ def signals(record: dict) -> Signals:
 
 
 class AutoBound:
-    """``max_staleness: auto`` at the learner: the controller, and the bound published where every worker's
-    admission reads it. A resumed learner goes on from the bound in force, raising it by one: its climb is over,
-    and doubling a bound it had settled at would overshoot."""
+    """``max_staleness: auto`` at the learner: the controller, the bound published where every worker's
+    admission reads it, and the bound each group is judged under (``bound_for``). A resumed learner goes on from
+    the bound in force, raising it by one: its climb is over, and doubling a bound it had settled at would
+    overshoot."""
 
     def __init__(self, auto: Any, admission: Any):
         self.admission = admission
@@ -170,16 +176,30 @@ class AutoBound:
         fresh, published = published is None, auto.first if published is None else published
         self.controller = StalenessController(auto, bound=min(max(published, auto.low), auto.high), doubling=fresh)
         admission.set_bound(self.controller.bound)
+        self._kept: dict[int, int] = {}  # the version an easing or a revert came at -> the bound it left
 
     @property
     def bound(self) -> int:
         return self.controller.bound
 
+    def bound_for(self, oldest: int) -> int:
+        """The bound a group whose oldest token policy version ``oldest`` made is judged under. Easing and
+        reverting trade nothing but speed on healthy data, so a group that may have been admitted under the bound
+        before them (its tokens date from no later than the move) keeps that bound: nothing admitted is dropped
+        for them. A lowering (degraded data) judges every group at once, as a fixed bound would."""
+        return max([self.bound, *(old for at, old in self._kept.items() if oldest <= at)])
+
     def after_step(self, step: int, record: dict) -> dict:
         """Judge a step's record; for its metrics line, the change it made to the next steps' bound (and why)."""
         change = self.controller.observe(step, signals(record))
+        # a group made at a move's version or before is past the bound the move left once `step - at` passes it
+        self._kept = {at: old for at, old in self._kept.items() if step - at <= old}
         if change is None:
             return {}
+        if change.way == "lowered":
+            self._kept.clear()
+        elif change.new < change.old:
+            self._kept[step] = change.old
         self.admission.set_bound(change.new)
         log.info("%s", change)
         return {"staleness_change": str(change)}
