@@ -163,7 +163,7 @@ class Learner:
 
     def _bound_for(self, group) -> int:
         """The staleness bound ``group`` is judged under: the one given, or with ``auto`` the learner's, which
-        keeps the bound before an easing for the groups that may have been admitted under it."""
+        keeps the bound before an easing or a revert for the groups that may have been admitted under it."""
         return self.auto.bound_for(group.version_range()[0]) if self.auto else self.cfg.staleness_bound
 
     def _verdict(self, entry) -> str | None:
