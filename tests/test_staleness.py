@@ -231,6 +231,8 @@ def test_groups_made_before_an_easing_or_a_revert_keep_the_bound_they_were_admit
     assert admission.published() == 3 and [auto.bound_for(v) for v in (9, 10, 11)] == [4, 4, 3]
     assert "eased 3 -> 2 at step 11" in auto.after_step(11, idle)["staleness_change"]
     assert [auto.bound_for(v) for v in (10, 11, 12)] == [4, 3, 2]
+    resumed = AutoBound(AutoStalenessConfig(low=0, high=8, start=4, patience=1, cooldown=1), admission)
+    assert [resumed.bound_for(v) for v in (10, 11, 12)] == [4, 3, 2]  # a restarted learner keeps them too
     for step in (12, 13, 14):
         assert auto.after_step(step, steady) == {}
     assert auto.bound_for(10) == 4  # at version 14 a group made at 10 is 4 old: still within the bound it had
@@ -239,6 +241,7 @@ def test_groups_made_before_an_easing_or_a_revert_keep_the_bound_they_were_admit
     assert "eased 2 -> 1 at step 16" in auto.after_step(16, idle)["staleness_change"] and auto.bound_for(16) == 2
     assert "lowered 1 -> 0 at step 17" in auto.after_step(17, {**steady, "is_ess": 0.5})["staleness_change"]
     assert auto.bound_for(16) == 0  # a lowering keeps nothing, the easing just before it included
+    assert admission.kept_bounds() == {} and AutoBound(auto.controller.rules, admission).bound_for(16) == 0
 
 
 def test_groups_made_before_a_revert_keep_the_raised_bound(ns):

@@ -93,6 +93,7 @@ class Admission:
         self.groups_per_step = groups_per_step
         self.lease_ms = int(lease_s * 1000)
         self._keys = [ns.key("inflight"), ns.key("counters"), ns.key("version"), ns.key("staleness_bound")]
+        self._kept_key = ns.key("staleness_kept")
         self._admit = ns.conn.register_script(_ADMIT)
         self._release = ns.conn.register_script(_RELEASE)
         self._renew = ns.conn.register_script(_RENEW)
@@ -115,6 +116,21 @@ class Admission:
             raise ValueError(f"a staleness bound is >= 0, got {bound}")
         with self.ns.reachable("set the staleness bound"):
             self.ns.conn.set(self._keys[3], bound)
+
+    def kept_bounds(self) -> dict[int, int]:
+        """The bounds the learner keeps for groups admitted before an easing or a revert: the version of the move
+        -> the bound it left (``max_staleness: auto``), kept here so that a resumed learner keeps them too."""
+        with self.ns.reachable("read the kept staleness bounds"):
+            kept = self.ns.conn.hgetall(self._kept_key)
+        return {int(at): int(old) for at, old in kept.items()}
+
+    def set_kept_bounds(self, kept: dict[int, int]) -> None:
+        with self.ns.reachable("record the kept staleness bounds"):
+            pipe = self.ns.conn.pipeline()
+            pipe.delete(self._kept_key)
+            if kept:
+                pipe.hset(self._kept_key, mapping=kept)
+            pipe.execute()
 
     def try_admit(self, group_id: str) -> bool:
         """Take a slot for ``group_id`` (or renew its lease). False when the bound in force is reached."""

@@ -168,6 +168,9 @@ class RewardConfig(Section):
     max_length: int = Field(2048, ge=8, description="longest (prompt, response) in tokens; longer is cut from the left")
 
 
+DEFAULT_MAX_STALENESS = 2  # the fixed bound's default, and where `auto` starts
+
+
 class AutoStalenessConfig(Section):
     """With `off_policy.max_staleness: auto`, how the learner moves the bound (docs/concepts.md): up while it
     waits for data on healthy off-policy data (doubled until the bound first comes down, by one after), halved
@@ -212,15 +215,15 @@ class AutoStalenessConfig(Section):
     @property
     def first(self) -> int:
         """The bound the learner publishes first."""
-        return min(max(2, self.low), self.high) if self.start is None else self.start
+        return min(max(DEFAULT_MAX_STALENESS, self.low), self.high) if self.start is None else self.start
 
 
 class OffPolicyConfig(Section):
     """How old (in policy versions) trained data may be, and how the loss corrects for its age."""
 
     max_staleness: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
-        2, description="oldest policy lag a trained token may have; auto: the learner moves it within "
-                       "off_policy.auto's bounds")
+        DEFAULT_MAX_STALENESS, description="oldest policy lag a trained token may have; auto: the learner moves "
+                                           "it within off_policy.auto's bounds")
     auto: AutoStalenessConfig = Field(default_factory=AutoStalenessConfig)
     stale: Literal["drop", "keep"] = Field("drop", description="what the learner does with data past the bound")
     correction: Literal["none", "tis", "decoupled"] = Field(

@@ -167,8 +167,8 @@ def signals(record: dict) -> Signals:
 class AutoBound:
     """``max_staleness: auto`` at the learner: the controller, the bound published where every worker's
     admission reads it, and the bound each group is judged under (``bound_for``). A resumed learner goes on from
-    the bound in force, raising it by one: its climb is over, and doubling a bound it had settled at would
-    overshoot."""
+    the bound in force, raising it by one (its climb is over, and doubling a bound it had settled at would
+    overshoot), and keeps the bounds its easings and reverts left to the groups made before them."""
 
     def __init__(self, auto: Any, admission: Any):
         self.admission = admission
@@ -176,7 +176,8 @@ class AutoBound:
         fresh, published = published is None, auto.first if published is None else published
         self.controller = StalenessController(auto, bound=min(max(published, auto.low), auto.high), doubling=fresh)
         admission.set_bound(self.controller.bound)
-        self._kept: dict[int, int] = {}  # the version an easing or a revert came at -> the bound it left
+        # the version an easing or a revert came at -> the bound it left, stored beside the bound in force
+        self._kept: dict[int, int] = {} if fresh else admission.kept_bounds()
 
     @property
     def bound(self) -> int:
@@ -193,13 +194,16 @@ class AutoBound:
         """Judge a step's record; for its metrics line, the change it made to the next steps' bound (and why)."""
         change = self.controller.observe(step, signals(record))
         # a group made at a move's version or before is past the bound the move left once `step - at` passes it
-        self._kept = {at: old for at, old in self._kept.items() if step - at <= old}
+        kept = {at: old for at, old in self._kept.items() if step - at <= old}
+        if change is not None and change.way == "lowered":
+            kept = {}
+        elif change is not None and change.new < change.old:
+            kept[step] = change.old
+        if kept != self._kept:
+            self.admission.set_kept_bounds(kept)
+            self._kept = kept
         if change is None:
             return {}
-        if change.way == "lowered":
-            self._kept.clear()
-        elif change.new < change.old:
-            self._kept[step] = change.old
         self.admission.set_bound(change.new)
         log.info("%s", change)
         return {"staleness_change": str(change)}
