@@ -14,6 +14,8 @@ import copy
 import hashlib
 import importlib.util
 import random
+import subprocess
+import sys
 import time
 
 import psutil
@@ -45,6 +47,46 @@ def test_load_engine_without_vllm_says_how_to_get_it(tmp_path):
 def test_a_share_of_a_gpu_for_a_server_without_one_is_refused_before_vllm_starts(tmp_path):
     with pytest.raises(ValueError, match="server.gpu_memory_utilization sizes vLLM's share of a GPU"):
         load_engine("vllm", str(tmp_path), gpu_memory_utilization=0.5)
+
+
+ORPHAN = """
+import multiprocessing, signal, time
+
+def engine_process():  # as vLLM's engine core and workers start: our plugin ties them to their parent
+    from streamrl.rollout.engines.vllm_transfer import killed_with_parent
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a graceful shutdown waiting out a weight bucket's broadcast
+    killed_with_parent(multiprocessing.parent_process().pid)
+    print("tied", flush=True)
+    time.sleep(600)
+
+if __name__ == "__main__":
+    process = multiprocessing.get_context("spawn").Process(target=engine_process)
+    process.start()
+    print(process.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+@needs_vllm
+@pytest.mark.parametrize("tied", [pytest.param(False, marks=pytest.mark.slow), True])  # killed before the plugin
+# ran (while vLLM imports), and after
+def test_vllms_processes_die_with_a_killed_server_whatever_they_are_waiting_on(tmp_path, tied):
+    """A server SIGKILLed mid-push left vLLM's engine core and worker waiting on the bucket's broadcast until the
+    push's timeout; they must go at once, as nothing is left to answer."""
+    (tmp_path / "server.py").write_text(ORPHAN)
+    server = subprocess.Popen([sys.executable, str(tmp_path / "server.py")], stdout=subprocess.PIPE, text=True)
+    engine = psutil.Process(int(server.stdout.readline()))
+    try:
+        if tied:
+            assert server.stdout.readline().strip() == "tied"
+        server.kill()
+        server.wait()
+        gone, _ = psutil.wait_procs([engine], timeout=30)
+        assert gone or engine.status() == psutil.STATUS_ZOMBIE, "vLLM's process outlived its server"
+    finally:
+        if engine.is_running():
+            engine.kill()
 
 
 def test_finish_reasons_take_sglang_shape():

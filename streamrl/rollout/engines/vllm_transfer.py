@@ -48,22 +48,24 @@ def register() -> None:
 
     if BACKEND not in WeightTransferEngineFactory._registry:  # vLLM loads plugins once per process, but be safe
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, "BroadcastTransferEngine")
-    if multiprocessing.parent_process() is not None:
-        die_with_parent()
+    if (parent := multiprocessing.parent_process()) is not None:
+        killed_with_parent(parent.pid)
 
 
-def die_with_parent() -> None:
-    """SIGTERM this process when its parent dies (Linux).
+def killed_with_parent(parent: int) -> None:
+    """SIGKILL this process when its parent (pid ``parent``) dies (Linux).
 
     vLLM's engine core and workers otherwise outlive a rollout server that was SIGKILLed (by the OOM killer,
-    say), holding the KV cache's memory and spinning on a core.
+    say), holding the KV cache's memory. SIGKILL, not vLLM's graceful SIGTERM: with the server gone there is
+    nothing to drain, and the graceful path waits out whatever the engine is in, a weight bucket's broadcast
+    for as long as the push's timeout among them.
     """
     if not sys.platform.startswith("linux"):
         return
     PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() == 1:  # the parent died before the call
-        os.kill(os.getpid(), signal.SIGTERM)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the call: this process was handed to another
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass
