@@ -21,7 +21,8 @@ def test_the_bound_follows_the_learner_version(ns):
     assert [admission.try_admit(g.group_id) for g in groups[8:]] == [True] * 4
     assert not admission.try_admit("one-too-many")
     assert admission.counters() == {"admitted": 12, "accepted": 3, "abandoned": 0, "expired": 0,
-                                         "dropped_stale": 0, "dropped_no_signal": 0, "dead": 0}
+                                         "dropped_stale": 0, "dropped_no_signal": 0, "dead": 0, "refused": 3}
+    assert admission.refusals() == 3  # each turn-away is counted: the bound, not generation, held them back
 
 
 def test_a_version_watch_wakes_on_the_next_version_and_times_out_without_one(ns):

@@ -141,10 +141,25 @@ def test_after_a_revert_the_bound_rises_again_once_it_has_come_down_for_another_
     assert [(ch.way, ch.new) for _, ch in changes] == [("raised", 4), ("lowered", 2)]
 
 
+def test_a_learner_waiting_while_the_bound_holds_nothing_back_keeps_the_bound():
+    """Generation at capacity, not the bound, starves it: no worker was turned away and nothing dropped as stale,
+    so a larger bound would change nothing (on shared cores it would only add groups in flight)."""
+    c = controller(low=1, high=8, bound=2, patience=3, cooldown=4)
+    assert run(c, [calm(bound_held=False)] * 20) == [] and c.bound == 2
+    held_now_and_then = [calm(bound_held=i % 3 == 0) for i in range(20)]  # never `patience` steps running
+    assert run(c, held_now_and_then) == []
+    changes = run(c, [calm(bound_held=False)] * 2 + [CALM] * 3, first_step=20)
+    assert [(step, ch.new) for step, ch in changes] == [(24, 4)]
+    assert "waited 50% of its step for data the bound held back 3 steps running" in changes[0][1].cause
+
+
 def test_signals_read_from_a_learner_record():
-    s = signals({"wait_s": 0.5, "train_s": 1.5, "is_ess": 0.9, "is_second_moment": 1.1, "clip_frac": 0.02,
-                 "grad_norm": 0.3})
-    assert s == Signals(wait_share=0.25, ess=0.9, second_moment=1.1, clip_frac=0.02, grad_norm=0.3, step_s=2.0)
+    record = {"wait_s": 0.5, "train_s": 1.5, "is_ess": 0.9, "is_second_moment": 1.1, "clip_frac": 0.02,
+              "grad_norm": 0.3}
+    assert signals(record) == Signals(wait_share=0.25, ess=0.9, second_moment=1.1, clip_frac=0.02, grad_norm=0.3,
+                                      step_s=2.0, bound_held=False)
+    assert signals({**record, "admission_refused": 3}).bound_held  # the bound turned workers away
+    assert signals({**record, "dropped_stale": 1}).bound_held  # or the learner dropped a group it would have kept
 
 
 def test_signals_wavering_at_a_threshold_do_not_make_the_bound_oscillate():
@@ -183,12 +198,18 @@ def test_the_learners_auto_bound_is_published_where_admission_reads_it_and_survi
     assert auto.bound == 1 and worker.bound() == 1
     waited = {"wait_s": 3.0, "train_s": 1.0, "is_ess": 0.99, "is_second_moment": 1.0, "clip_frac": 0.0,
               "grad_norm": 1.0}
-    assert "raised 1 -> 2 at step 1" in auto.after_step(1, waited)["staleness_change"]
+    assert auto.after_step(1, waited) == {"admission_refused": 0}  # it waited, but the bound held nothing back
+    assert all(worker.try_admit(f"g{i}") for i in range(4))  # (1 + 0 + 1) x 2 slots at version 0
+    assert not worker.try_admit("g4") and not worker.try_admit("g4")
+    record = auto.after_step(2, waited)
+    assert record["admission_refused"] == 2 and "raised 1 -> 2 at step 2" in record["staleness_change"]
+    assert worker.try_admit("g4") and worker.try_admit("g5") and not worker.try_admit("g6")  # (2 + 1) x 2
+    waited["dropped_stale"] = 1  # from here on the bound holds data back by dropping it
     assert auto.bound == 2 == worker.bound()
-    record = auto.after_step(2, {**waited, "is_ess": 0.5})
-    assert "lowered 2 -> 1 at step 2: ESS 0.50 < 0.8" in record["staleness_change"] and worker.bound() == 1
-    assert auto.after_step(3, {**waited, "wait_s": 0.0}) == {}  # no data wait: it stays (at low: nothing to ease)
-    auto.after_step(4, waited)
+    record = auto.after_step(3, {**waited, "is_ess": 0.5})
+    assert "lowered 2 -> 1 at step 3: ESS 0.50 < 0.8" in record["staleness_change"] and worker.bound() == 1
+    assert "staleness_change" not in auto.after_step(4, {**waited, "wait_s": 0.0})  # no wait (and at low)
+    auto.after_step(5, waited)
     restarted = AutoBound(cfg.off_policy.auto, Admission(ns, max_staleness=cfg.admission_bound, groups_per_step=2))
     assert restarted.bound == 2 == worker.bound()  # a resumed learner goes on from the bound in force
 
@@ -201,7 +222,7 @@ def test_the_learners_bound_is_published_where_admission_reads_it_and_a_resumed_
     rules = AutoStalenessConfig(low=1, high=4, start=1, patience=1, cooldown=1)
     auto = AutoBound(rules, admission)
     assert auto.bound == 1 and admission.published() == 1
-    waiting = {"wait_s": 1.0, "train_s": 1.0, "is_ess": 0.99, "clip_frac": 0.0, "grad_norm": 1.0}
+    waiting = {"wait_s": 1.0, "train_s": 1.0, "is_ess": 0.99, "clip_frac": 0.0, "grad_norm": 1.0, "dropped_stale": 1}
     assert "raised 1 -> 2" in auto.after_step(1, waiting)["staleness_change"]
     assert admission.published() == 2
     restarted = AutoBound(rules, admission)
@@ -234,7 +255,7 @@ def test_groups_made_before_an_easing_or_a_revert_keep_the_bound_they_were_admit
     resumed = AutoBound(AutoStalenessConfig(low=0, high=8, start=4, patience=1, cooldown=1), admission)
     assert [resumed.bound_for(v) for v in (10, 11, 12)] == [4, 3, 2]  # a restarted learner keeps them too
     for step in (12, 13, 14):
-        assert auto.after_step(step, steady) == {}
+        assert "staleness_change" not in auto.after_step(step, steady)
     assert auto.bound_for(10) == 4  # at version 14 a group made at 10 is 4 old: still within the bound it had
     auto.after_step(15, steady)
     assert auto.bound_for(10) == 2  # past it either way: the in-force bound judges it
@@ -250,7 +271,7 @@ def test_groups_made_before_a_revert_keep_the_raised_bound(ns):
 
     auto = AutoBound(AutoStalenessConfig(low=1, high=8, start=1, patience=1, cooldown=1),
                      Admission(ns, max_staleness=8, groups_per_step=1))
-    waiting = {"wait_s": 1.0, "train_s": 1.0, "is_ess": 0.99, "clip_frac": 0.0, "grad_norm": 1.0}
+    waiting = {"wait_s": 1.0, "train_s": 1.0, "is_ess": 0.99, "clip_frac": 0.0, "grad_norm": 1.0, "dropped_stale": 1}
     assert "raised 1 -> 2 at step 1" in auto.after_step(1, waiting)["staleness_change"]
     # a 2 s step before the raise and after it: it did not pay
     assert "reverted 2 -> 1 at step 2" in auto.after_step(2, waiting)["staleness_change"]

@@ -37,7 +37,10 @@ local accepted = tonumber(redis.call('HGET', KEYS[2], 'accepted') or '0')
   - tonumber(redis.call('HGET', KEYS[2], 'dropped_no_signal') or '0')
 local version = tonumber(redis.call('GET', KEYS[3]) or '0')
 local bound = tonumber(redis.call('GET', KEYS[4]) or ARGV[3])
-if accepted + running >= (bound + version + 1) * tonumber(ARGV[4]) then return 0 end
+if accepted + running >= (bound + version + 1) * tonumber(ARGV[4]) then
+  redis.call('HINCRBY', KEYS[2], 'refused', 1)
+  return 0
+end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 redis.call('HINCRBY', KEYS[2], 'admitted', 1)
 return 1
@@ -155,6 +158,12 @@ class Admission:
         restarted: they will never be put); returns how many. A group put late still counts as ``late``."""
         with self.ns.reachable(f"reclaim the slots of {worker}'s earlier life"):
             return int(self._reclaim(keys=self._keys[:2], args=[f"{worker}/", f"{worker}/{life}/"]))
+
+    def refusals(self) -> int:
+        """How many times the bound has turned a worker away (``try_admit`` refused): while it does, the bound,
+        not generation, limits the groups in flight."""
+        with self.ns.reachable("read the admission refusals"):
+            return int(self.ns.conn.hget(self._keys[1], "refused") or 0)
 
     def running(self) -> int:
         with self.ns.reachable("count running groups"):

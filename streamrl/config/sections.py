@@ -173,16 +173,17 @@ DEFAULT_MAX_STALENESS = 2  # the fixed bound's default, and where `auto` starts
 
 class AutoStalenessConfig(Section):
     """With `off_policy.max_staleness: auto`, how the learner moves the bound (docs/concepts.md): up while it
-    waits for data on healthy off-policy data (doubled until the bound first comes down, by one after), halved
-    when that data degrades, eased down by one while it never waits, put back where a raise did not speed it
-    up."""
+    waits for data the bound held back, on healthy off-policy data (doubled until the bound first comes down, by
+    one after), halved when that data degrades, eased down by one while it never waits, put back where a raise
+    did not speed it up."""
 
     low: int = Field(1, ge=0, description="smallest bound")
     high: int = Field(8, ge=1, description="largest bound")
     start: int | None = Field(None, ge=0, description="first bound (empty: 2, the fixed default, brought within "
                               "[low, high])")
     wait_share: float = Field(0.1, ge=0, lt=1, description="a step that waited for data longer than this share "
-                              "of it counts towards a raise")
+                              "of it, while the bound turned a worker away or dropped a group, counts towards a "
+                              "raise")
     idle_share: float = Field(0.02, ge=0, lt=1, description="a step that waited for data under this share of it "
                               "counts towards easing the bound down by one (0: never ease)")
     ess_floor: float = Field(0.8, gt=0, lt=1, description="lower when the importance weights' effective sample "

@@ -11,9 +11,11 @@ multiplicative down:
   norm passes ``spike`` times its running mean (an exponential mean of every step's norm, judged from the
   ``StalenessController.warmup``-th step on);
 - **up**, to ``max(2k, 1)`` until the bound has first come down and to ``k + 1`` after (never past
-  ``high``), when the learner waited for data for more than ``wait_share`` of each of the last ``patience`` steps
-  and the data was healthy throughout, with margin: ESS at least ``ess_raise`` (above ``ess_floor``) and the clip
-  fraction at most half its ceiling;
+  ``high``), when the learner waited for data for more than ``wait_share`` of each of the last ``patience`` steps,
+  the bound held data back in each (it turned a worker away at admission, or the learner dropped a group as
+  stale: else the bound changes nothing and a raise cannot feed the learner), and the data was healthy
+  throughout, with margin: ESS at least ``ess_raise`` (above ``ess_floor``) and the clip fraction at most half
+  its ceiling;
 - **eased** down, to ``k - 1``, when the learner waited for under ``idle_share`` of each of the last
   ``patience`` steps: it is the bottleneck, so a smaller bound trains fresher data at the same speed. Easing
   stops one above the bound the learner last starved at (where the last raise started), so the bound settles
@@ -56,6 +58,7 @@ class Signals:
     clip_frac: float
     grad_norm: float
     step_s: float = 0.0  # the step's seconds, waiting for data and training: what a raise must shorten
+    bound_held: bool = True  # the bound turned a worker away or dropped a group as stale during the step
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,7 @@ class StalenessController:
             raise ValueError(f"staleness bounds: need low {r.low} <= start {self.bound} <= high {r.high}")
         self._grad_mean: float | None = None
         self._grad_norms = 0  # how many the mean holds
-        self._healthy_waits = 0  # consecutive steps that waited for data on healthy data
+        self._healthy_waits = 0  # consecutive steps that waited for data the bound held back, on healthy data
         self._idle_steps = 0  # consecutive steps that (almost) did not wait
         self._fed_floor = r.low  # easing's floor: one above the bound the learner last waited at
         self._ceiling = r.high  # raises stop here: the bound a raise that did not pay went back to
@@ -101,7 +104,8 @@ class StalenessController:
         self._track_grad_norm(s.grad_norm)
         self._step_s.append(s.step_s)
         healthy = cause is None and s.ess >= r.ess_raise and s.clip_frac <= r.clip_ceiling / 2
-        self._healthy_waits = self._healthy_waits + 1 if healthy and s.wait_share > r.wait_share else 0
+        starved = s.wait_share > r.wait_share and s.bound_held  # by the bound, not by generation
+        self._healthy_waits = self._healthy_waits + 1 if healthy and starved else 0
         self._idle_steps = self._idle_steps + 1 if s.wait_share < r.idle_share else 0
         if step - self._last_change < r.cooldown:
             return None
@@ -119,8 +123,8 @@ class StalenessController:
             self._fed_floor = self.bound + 1  # the bound below starved the learner
             self._trial = (step, self.bound, self._mean_step_s())
             new = min(self._ceiling, max(2 * self.bound, 1) if self._doubling else self.bound + 1)
-            return self._move(step, new, "raised", f"the learner waited {s.wait_share:.0%} of its step for data "
-                                                    f"{r.patience} steps running, ESS {s.ess:.2f}")
+            return self._move(step, new, "raised", f"the learner waited {s.wait_share:.0%} of its step for data the "
+                                                    f"bound held back {r.patience} steps running, ESS {s.ess:.2f}")
         if cause is None and self._idle_steps >= r.patience and self.bound > self._fed_floor:
             return self._move(step, self.bound - 1, "eased", f"the learner waited under {r.idle_share:.1%} of its step for "
                                                     f"data {r.patience} steps running: fresher data, same speed")
@@ -157,11 +161,12 @@ class StalenessController:
 
 
 def signals(record: dict) -> Signals:
-    """A learner step's signals, from its metrics record."""
+    """A learner step's signals, from its metrics record (``admission_refused``: the step's refusals)."""
     wait, train = record.get("wait_s", 0.0), record.get("train_s", 0.0)
     return Signals(wait_share=wait / max(wait + train, 1e-9), ess=record.get("is_ess", 1.0),
                    second_moment=record.get("is_second_moment", 1.0), clip_frac=record.get("clip_frac", 0.0),
-                   grad_norm=record.get("grad_norm", 0.0), step_s=wait + train)
+                   grad_norm=record.get("grad_norm", 0.0), step_s=wait + train,
+                   bound_held=record.get("admission_refused", 0) > 0 or record.get("dropped_stale", 0) > 0)
 
 
 class AutoBound:
@@ -176,6 +181,7 @@ class AutoBound:
         fresh, published = published is None, auto.first if published is None else published
         self.controller = StalenessController(auto, bound=min(max(published, auto.low), auto.high), doubling=fresh)
         admission.set_bound(self.controller.bound)
+        self._refusals = admission.refusals()  # to count each step's
         # the version an easing or a revert came at -> the bound it left, stored beside the bound in force
         self._kept: dict[int, int] = {} if fresh else admission.kept_bounds()
 
@@ -191,8 +197,12 @@ class AutoBound:
         return max([self.bound, *(old for at, old in self._kept.items() if oldest <= at)])
 
     def after_step(self, step: int, record: dict) -> dict:
-        """Judge a step's record; for its metrics line, the change it made to the next steps' bound (and why)."""
-        change = self.controller.observe(step, signals(record))
+        """Judge a step's record; for its metrics line, the admissions the bound refused during the step and the
+        change it made to the next steps' bound (and why)."""
+        refusals = self.admission.refusals()
+        held = {"admission_refused": refusals - self._refusals}
+        self._refusals = refusals
+        change = self.controller.observe(step, signals({**record, **held}))
         # a group made at a move's version or before is past the bound the move left once `step - at` passes it
         kept = {at: old for at, old in self._kept.items() if step - at <= old}
         if change is not None and change.way == "lowered":
@@ -203,7 +213,7 @@ class AutoBound:
             self.admission.set_kept_bounds(kept)
             self._kept = kept
         if change is None:
-            return {}
+            return held
         self.admission.set_bound(change.new)
         log.info("%s", change)
-        return {"staleness_change": str(change)}
+        return {**held, "staleness_change": str(change)}
