@@ -104,6 +104,7 @@ def test_dynamic_sampling_leaves_out_groups_without_signal_and_accounts_for_each
         for j, sample in enumerate(group.samples):
             sample.reward = 1.0 if i in silent else float(j % 2)
         stream.put(group)
+    assert not Admission(ns, max_staleness=0, groups_per_step=1).try_admit("refused-before-the-learner-waits")
     out = subprocess.run(
         [sys.executable, "-m", "streamrl", "launch-learner", f"model.path={tiny_model_dir}",
          f"redis.url={redis_server.url}", f"run.name={ns.run}", f"run.dir={tmp_path}", "learner.groups_per_step=2",
@@ -117,6 +118,7 @@ def test_dynamic_sampling_leaves_out_groups_without_signal_and_accounts_for_each
     # step 1 trains groups 0 and 3, leaving out 1 and 2; step 2 trains 4 and 6, leaving out 5; 7 is pending
     assert [r["dropped_no_signal"] for r in records] == [2, 1]
     assert [r["groups_no_signal"] for r in records] == [2, 1]
+    assert [r["admission_refused"] for r in records] == [0, 0]  # only refusals while it waited count
     assert Admission(ns, max_staleness=2, groups_per_step=2).counters()["dropped_no_signal"] == 3
     report = Ledger(ns).report()
     assert report.balanced, report.problems

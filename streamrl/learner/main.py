@@ -131,6 +131,7 @@ class Learner:
         and with ``learner.drop_no_signal`` groups whose rewards are all equal left out (and counted). The
         ledger outcome of every group read and not trained goes into ``work.outcomes``."""
         want, groups, dropped, silent_dropped, outcomes = self.cfg.learner.groups_per_step, [], 0, 0, {}
+        refused = self.admission.refusals()  # the bound starves the learner if it turns workers away meanwhile
         t0 = last_catch_up = time.perf_counter()
         while len(groups) < want:
             entries = self.reader.read(want - len(groups), block_ms=1000)
@@ -157,7 +158,8 @@ class Learner:
         silent_kept = sum(batching.no_signal(g) for g in groups)  # trained, for no gradient under rloo and grpo
         bound = max(map(self._bound_for, groups))  # the loosest the step's groups were judged under
         work.outcomes = outcomes
-        work.info.update(wait_s=time.perf_counter() - t0, dropped_stale=dropped, dropped_no_signal=silent_dropped,
+        work.info.update(wait_s=time.perf_counter() - t0, admission_refused=self.admission.refusals() - refused,
+                         dropped_stale=dropped, dropped_no_signal=silent_dropped,
                          groups_no_signal=silent_kept + silent_dropped, staleness_bound=bound)
         return groups
 

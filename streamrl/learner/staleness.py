@@ -12,8 +12,8 @@ multiplicative down:
   ``StalenessController.warmup``-th step on);
 - **up**, to ``max(2k, 1)`` until the bound has first come down and to ``k + 1`` after (never past
   ``high``), when the learner waited for data for more than ``wait_share`` of each of the last ``patience`` steps,
-  the bound held data back in each (it turned a worker away at admission, or the learner dropped a group as
-  stale: else the bound changes nothing and a raise cannot feed the learner), and the data was healthy
+  the bound held data back in each while the learner waited (it turned a worker away at admission, or the
+  learner dropped a group as stale: else a raise cannot feed the learner), and the data was healthy
   throughout, with margin: ESS at least ``ess_raise`` (above ``ess_floor``) and the clip fraction at most half
   its ceiling;
 - **eased** down, to ``k - 1``, when the learner waited for under ``idle_share`` of each of the last
@@ -58,7 +58,7 @@ class Signals:
     clip_frac: float
     grad_norm: float
     step_s: float = 0.0  # the step's seconds, waiting for data and training: what a raise must shorten
-    bound_held: bool = True  # the bound turned a worker away or dropped a group as stale during the step
+    bound_held: bool = True  # while the learner waited, the bound turned a worker away or a group was dropped as stale
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ class StalenessController:
 
 
 def signals(record: dict) -> Signals:
-    """A learner step's signals, from its metrics record (``admission_refused``: the step's refusals)."""
+    """A learner step's signals, from its metrics record."""
     wait, train = record.get("wait_s", 0.0), record.get("train_s", 0.0)
     return Signals(wait_share=wait / max(wait + train, 1e-9), ess=record.get("is_ess", 1.0),
                    second_moment=record.get("is_second_moment", 1.0), clip_frac=record.get("clip_frac", 0.0),
@@ -181,7 +181,6 @@ class AutoBound:
         fresh, published = published is None, auto.first if published is None else published
         self.controller = StalenessController(auto, bound=min(max(published, auto.low), auto.high), doubling=fresh)
         admission.set_bound(self.controller.bound)
-        self._refusals = admission.refusals()  # to count each step's
         # the version an easing or a revert came at -> the bound it left, stored beside the bound in force
         self._kept: dict[int, int] = {} if fresh else admission.kept_bounds()
 
@@ -197,12 +196,8 @@ class AutoBound:
         return max([self.bound, *(old for at, old in self._kept.items() if oldest <= at)])
 
     def after_step(self, step: int, record: dict) -> dict:
-        """Judge a step's record; for its metrics line, the admissions the bound refused during the step and the
-        change it made to the next steps' bound (and why)."""
-        refusals = self.admission.refusals()
-        held = {"admission_refused": refusals - self._refusals}
-        self._refusals = refusals
-        change = self.controller.observe(step, signals({**record, **held}))
+        """Judge a step's record; for its metrics line, the change it made to the next steps' bound (and why)."""
+        change = self.controller.observe(step, signals(record))
         # a group made at a move's version or before is past the bound the move left once `step - at` passes it
         kept = {at: old for at, old in self._kept.items() if step - at <= old}
         if change is not None and change.way == "lowered":
@@ -213,7 +208,7 @@ class AutoBound:
             self.admission.set_kept_bounds(kept)
             self._kept = kept
         if change is None:
-            return held
+            return {}
         self.admission.set_bound(change.new)
         log.info("%s", change)
-        return {**held, "staleness_change": str(change)}
+        return {"staleness_change": str(change)}
