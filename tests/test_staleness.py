@@ -141,25 +141,29 @@ def test_after_a_revert_the_bound_rises_again_once_it_has_come_down_for_another_
     assert [(ch.way, ch.new) for _, ch in changes] == [("raised", 4), ("lowered", 2)]
 
 
-def test_a_learner_waiting_while_the_bound_holds_nothing_back_keeps_the_bound():
-    """Generation at capacity, not the bound, starves it: no worker was turned away and nothing dropped as stale,
-    so a larger bound would change nothing (on shared cores it would only add groups in flight)."""
+def test_a_learner_waiting_while_the_bound_holds_little_back_keeps_the_bound():
+    """Generation at capacity, not the bound, starves it: workers were turned away for under half of each wait
+    and nothing was dropped as stale, so a larger bound would only put more groups in flight."""
     c = controller(low=1, high=8, bound=2, patience=3, cooldown=4)
-    assert run(c, [calm(bound_held=False)] * 20) == [] and c.bound == 2
-    held_now_and_then = [calm(bound_held=i % 3 == 0) for i in range(20)]  # never `patience` steps running
+    assert run(c, [calm(held_share=0.0)] * 10 + [calm(held_share=0.49)] * 10) == [] and c.bound == 2
+    held_now_and_then = [calm(held_share=1.0 if i % 3 == 0 else 0.1) for i in range(20)]  # never 3 steps running
     assert run(c, held_now_and_then) == []
-    changes = run(c, [calm(bound_held=False)] * 2 + [CALM] * 3, first_step=20)
-    assert [(step, ch.new) for step, ch in changes] == [(24, 4)]
+    changes = run(c, [calm(held_share=0.1)] * 2 + [calm(held_share=0.5)] * 3, first_step=40)
+    assert [(step, ch.new) for step, ch in changes] == [(44, 4)]
     assert "waited 50% of its step for data the bound held back 3 steps running" in changes[0][1].cause
+    anything = controller(low=1, high=8, bound=2, patience=3, held_share=0.0)
+    assert [ch.new for _, ch in run(anything, [calm(held_share=0.0)] * 3)] == [4]  # held_share 0: any wait counts
 
 
 def test_signals_read_from_a_learner_record():
     record = {"wait_s": 0.5, "train_s": 1.5, "is_ess": 0.9, "is_second_moment": 1.1, "clip_frac": 0.02,
               "grad_norm": 0.3}
     assert signals(record) == Signals(wait_share=0.25, ess=0.9, second_moment=1.1, clip_frac=0.02, grad_norm=0.3,
-                                      step_s=2.0, bound_held=False)
-    assert signals({**record, "admission_refused": 3}).bound_held  # the bound turned workers away
-    assert signals({**record, "dropped_stale": 1}).bound_held  # or the learner dropped a group it would have kept
+                                      step_s=2.0, held_share=0.0)
+    # a held worker retries every 0.5 s: in a 2 s wait one refusal held a worker back a quarter of it
+    waited = {**record, "wait_s": 2.0}
+    assert [signals({**waited, "admission_refused": n}).held_share for n in (1, 2, 4, 9)] == [0.25, 0.5, 1.0, 1.0]
+    assert signals({**record, "dropped_stale": 1}).held_share == 1.0  # the bound cost the learner a group
 
 
 def test_signals_wavering_at_a_threshold_do_not_make_the_bound_oscillate():
@@ -199,7 +203,7 @@ def test_the_learners_auto_bound_is_published_where_admission_reads_it_and_survi
     waited = {"wait_s": 3.0, "train_s": 1.0, "is_ess": 0.99, "is_second_moment": 1.0, "clip_frac": 0.0,
               "grad_norm": 1.0}
     assert auto.after_step(1, waited) == {}  # it waited, but the bound held nothing back meanwhile
-    waited["admission_refused"] = 2  # from here on it turned workers away while the learner waited
+    waited["admission_refused"] = 6  # from here on it turned workers away for the whole wait (6 x 0.5 s = 3 s)
     assert "raised 1 -> 2 at step 2" in auto.after_step(2, waited)["staleness_change"]
     assert auto.bound == 2 == worker.bound()
     record = auto.after_step(3, {**waited, "is_ess": 0.5})

@@ -84,6 +84,8 @@ end
 return renewed
 """
 
+RETRY_S = 0.5  # a refused worker tries again after this long, or as soon as the learner publishes a version
+
 COUNTERS = ("admitted", "accepted", "abandoned", "expired", "dropped_stale", "dropped_no_signal", "dead")
 
 
@@ -160,8 +162,8 @@ class Admission:
             return int(self._reclaim(keys=self._keys[:2], args=[f"{worker}/", f"{worker}/{life}/"]))
 
     def refusals(self) -> int:
-        """How many times the bound has turned a worker away (``try_admit`` refused): while it does, the bound,
-        not generation, limits the groups in flight."""
+        """How many times the bound has turned a worker away (``try_admit`` refused; a held worker retries every
+        ``RETRY_S``): while it does, the bound, not generation, limits the groups in flight."""
         with self.ns.reachable("read the admission refusals"):
             return int(self.ns.conn.hget(self._keys[1], "refused") or 0)
 

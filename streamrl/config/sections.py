@@ -182,8 +182,10 @@ class AutoStalenessConfig(Section):
     start: int | None = Field(None, ge=0, description="first bound (empty: 2, the fixed default, brought within "
                               "[low, high])")
     wait_share: float = Field(0.1, ge=0, lt=1, description="a step that waited for data longer than this share "
-                              "of it, while the bound turned a worker away or dropped a group, counts towards a "
-                              "raise")
+                              "of it counts towards a raise (see held_share)")
+    held_share: float = Field(0.5, ge=0, le=1, description="a wait counts towards a raise only if the bound turned "
+                              "workers away for at least this share of it, or a group was dropped as stale (0: any "
+                              "wait counts)")
     idle_share: float = Field(0.02, ge=0, lt=1, description="a step that waited for data under this share of it "
                               "counts towards easing the bound down by one (0: never ease)")
     ess_floor: float = Field(0.8, gt=0, lt=1, description="lower when the importance weights' effective sample "

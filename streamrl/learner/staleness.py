@@ -12,8 +12,9 @@ multiplicative down:
   ``StalenessController.warmup``-th step on);
 - **up**, to ``max(2k, 1)`` until the bound has first come down and to ``k + 1`` after (never past
   ``high``), when the learner waited for data for more than ``wait_share`` of each of the last ``patience`` steps,
-  the bound held data back in each while the learner waited (it turned a worker away at admission, or the
-  learner dropped a group as stale: else a raise cannot feed the learner), and the data was healthy
+  the bound held data back through each wait (it turned workers away at admission for at least ``held_share`` of
+  it, or the learner dropped a group as stale: else generation, not the bound, starved the learner, and a raise
+  would only put more groups in flight), and the data was healthy
   throughout, with margin: ESS at least ``ess_raise`` (above ``ess_floor``) and the clip fraction at most half
   its ceiling;
 - **eased** down, to ``k - 1``, when the learner waited for under ``idle_share`` of each of the last
@@ -43,6 +44,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from streamrl.buffer.admission import RETRY_S
 from streamrl.config.sections import AutoStalenessConfig
 
 log = logging.getLogger("streamrl.learner")
@@ -58,7 +60,7 @@ class Signals:
     clip_frac: float
     grad_norm: float
     step_s: float = 0.0  # the step's seconds, waiting for data and training: what a raise must shorten
-    bound_held: bool = True  # while the learner waited, the bound turned a worker away or a group was dropped as stale
+    held_share: float = 1.0  # the share of the wait the bound turned workers away (1: it dropped a group as stale)
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,7 @@ class StalenessController:
         self._track_grad_norm(s.grad_norm)
         self._step_s.append(s.step_s)
         healthy = cause is None and s.ess >= r.ess_raise and s.clip_frac <= r.clip_ceiling / 2
-        starved = s.wait_share > r.wait_share and s.bound_held  # by the bound, not by generation
+        starved = s.wait_share > r.wait_share and s.held_share >= r.held_share  # by the bound, not by generation
         self._healthy_waits = self._healthy_waits + 1 if healthy and starved else 0
         self._idle_steps = self._idle_steps + 1 if s.wait_share < r.idle_share else 0
         if step - self._last_change < r.cooldown:
@@ -161,12 +163,14 @@ class StalenessController:
 
 
 def signals(record: dict) -> Signals:
-    """A learner step's signals, from its metrics record."""
+    """A learner step's signals, from its metrics record. A worker held at admission retries every ``RETRY_S``,
+    so the refusals while the learner waited measure how long the bound held workers back."""
     wait, train = record.get("wait_s", 0.0), record.get("train_s", 0.0)
+    held_s = record.get("admission_refused", 0) * RETRY_S
+    held = 1.0 if record.get("dropped_stale", 0) else min(1.0, held_s / max(wait, 1e-9))
     return Signals(wait_share=wait / max(wait + train, 1e-9), ess=record.get("is_ess", 1.0),
                    second_moment=record.get("is_second_moment", 1.0), clip_frac=record.get("clip_frac", 0.0),
-                   grad_norm=record.get("grad_norm", 0.0), step_s=wait + train,
-                   bound_held=record.get("admission_refused", 0) > 0 or record.get("dropped_stale", 0) > 0)
+                   grad_norm=record.get("grad_norm", 0.0), step_s=wait + train, held_share=held)
 
 
 class AutoBound:

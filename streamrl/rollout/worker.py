@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_se
 from prometheus_client import Counter as PromCounter
 
 from streamrl.buffer import Admission, BufferUnavailable, Namespace, PolicyVersion, PromptClaims, ReplayStream
+from streamrl.buffer.admission import RETRY_S
 from streamrl.buffer.admission import group_id as admitted_group_id
 from streamrl.config import Config, RolloutConfig
 from streamrl.envs import Env, Observation, StepResult, env_factory
@@ -177,7 +178,7 @@ class RolloutWorker:
             if await self._redis(self.admission.try_admit, group_id):
                 return True
             self.metrics.count("admission_waits")
-            await asyncio.to_thread(self.version_watch.wait, 0.5)
+            await asyncio.to_thread(self.version_watch.wait, RETRY_S)
         return False
 
     async def _group(self, group_id: str, index: int) -> None:
