@@ -14,9 +14,8 @@ multiplicative down:
   ``high``), when the learner waited for data for more than ``wait_share`` of each of the last ``patience`` steps,
   the bound held data back through each wait (it turned workers away at admission for at least ``held_share`` of
   it, or the learner dropped a group as stale: else generation, not the bound, starved the learner, and a raise
-  would only put more groups in flight), and the data was healthy
-  throughout, with margin: ESS at least ``ess_raise`` (above ``ess_floor``) and the clip fraction at most half
-  its ceiling;
+  would only put more groups in flight), and the data was healthy throughout, with margin: ESS at least
+  ``ess_raise`` (above ``ess_floor``) and the clip fraction at most half its ceiling;
 - **eased** down, to ``k - 1``, when the learner waited for under ``idle_share`` of each of the last
   ``patience`` steps: it is the bottleneck, so a smaller bound trains fresher data at the same speed. Easing
   stops one above the bound the learner last starved at (where the last raise started), so the bound settles
