@@ -22,10 +22,11 @@ lint=$?
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
 docs=$?
 if [[ $# -eq 0 ]]; then
-    # the fast set on both cores; then the slow set one test at a time (each starts processes that use both)
+    # the fast set on both cores; then the slow set one test at a time (each starts processes that use both),
+    # listing its slowest tests: the whole suite must stay under 30 minutes on two cores
     .venv/bin/python -m pytest -m "not slow" -n 2
     fast=$?
-    .venv/bin/python -m pytest -m slow
+    .venv/bin/python -m pytest -m slow --durations=20
     rc=$?
     [[ $rc -eq 0 ]] && rc=$fast
 else

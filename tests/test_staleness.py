@@ -232,6 +232,32 @@ def test_the_learners_bound_is_published_where_admission_reads_it_and_a_resumed_
     assert admission.published() == 1
 
 
+def test_a_fresh_run_fills_its_pipeline_under_low_and_the_controller_starts_after_the_first_step(ns):
+    """No bound keeps a learner from waiting for its first groups, and every group admitted beyond them competes
+    with them for the servers: the first step's data comes in under low, start opens after it, and the fill's
+    wait (held back by low throughout) counts towards no raise."""
+    from streamrl.buffer import Admission
+    from streamrl.config import load_config
+    from streamrl.learner.staleness import AutoBound
+
+    cfg = load_config(None, ["off_policy.max_staleness=auto", "off_policy.auto.patience=2"])  # low 1, start 2
+    worker = Admission(ns, max_staleness=cfg.admission_bound, groups_per_step=2)
+    auto = AutoBound(cfg.off_policy.auto, Admission(ns, max_staleness=cfg.admission_bound, groups_per_step=2))
+    assert (auto.bound, auto.bound_for(0), worker.bound(), worker.published()) == (1, 1, 1, None)
+    held = {"wait_s": 3.0, "train_s": 1.0, "is_ess": 0.99, "clip_frac": 0.0, "grad_norm": 1.0,
+            "admission_refused": 6}  # workers turned away for the whole wait
+    restarted = AutoBound(cfg.off_policy.auto, Admission(ns, max_staleness=cfg.admission_bound, groups_per_step=2))
+    assert restarted.bound == 1  # a learner restarted before its first step fills afresh
+    change = auto.after_step(1, held)["staleness_change"]
+    assert change == "max staleness opened 1 -> 2 at step 1: the first step is trained: the pipeline filled under low"
+    assert auto.bound == 2 == worker.bound()
+    assert auto.after_step(2, held) == {}  # one held wait after the fill, not the two patience asks for
+    assert "raised 2 -> 4 at step 3" in auto.after_step(3, held)["staleness_change"]  # still doubling
+    ns.conn.delete(ns.key("staleness_bound"))  # a fresh run whose start is low: nothing to fill
+    AutoBound(AutoStalenessConfig(low=2), Admission(ns, max_staleness=2, groups_per_step=2))
+    assert worker.published() == 2  # published at once
+
+
 def test_the_bound_starts_at_the_fixed_default_within_low_and_high_unless_start_is_set():
     assert controller().bound == 2 == AutoStalenessConfig().first and AutoStalenessConfig().start is None
     assert controller(low=3, high=8).bound == 3 and controller(low=0, high=1).bound == 1
@@ -244,10 +270,11 @@ def test_groups_made_before_an_easing_or_a_revert_keep_the_bound_they_were_admit
     from streamrl.buffer import Admission
     from streamrl.learner.staleness import AutoBound
 
-    admission = Admission(ns, max_staleness=8, groups_per_step=1)
+    admission = Admission(ns, max_staleness=0, groups_per_step=1)  # low: admission's default under auto
     auto = AutoBound(AutoStalenessConfig(low=0, high=8, start=4, patience=1, cooldown=1), admission)
     idle = {"wait_s": 0.0, "train_s": 1.0, "is_ess": 0.99, "clip_frac": 0.0, "grad_norm": 1.0}
     steady = {**idle, "wait_s": 0.05, "train_s": 0.95}  # between idle_share and wait_share: no move
+    assert "opened 0 -> 4 at step 9" in auto.after_step(9, idle)["staleness_change"]  # the fill
     assert "eased 4 -> 3 at step 10" in auto.after_step(10, idle)["staleness_change"]
     assert admission.published() == 3 and [auto.bound_for(v) for v in (9, 10, 11)] == [4, 4, 3]
     assert "eased 3 -> 2 at step 11" in auto.after_step(11, idle)["staleness_change"]

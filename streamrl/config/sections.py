@@ -179,8 +179,8 @@ class AutoStalenessConfig(Section):
 
     low: int = Field(1, ge=0, description="smallest bound")
     high: int = Field(8, ge=1, description="largest bound")
-    start: int | None = Field(None, ge=0, description="first bound (empty: 2, the fixed default, brought within "
-                              "[low, high])")
+    start: int | None = Field(None, ge=0, description="the bound once a fresh run's first step is trained (its "
+                              "data comes in under low; empty: 2, the fixed default, brought within [low, high])")
     wait_share: float = Field(0.1, ge=0, lt=1, description="a step that waited for data longer than this share "
                               "of it counts towards a raise (see held_share)")
     held_share: float = Field(0.5, ge=0, le=1, description="a wait counts towards a raise only if the bound turned "
@@ -217,7 +217,8 @@ class AutoStalenessConfig(Section):
 
     @property
     def first(self) -> int:
-        """The bound the learner publishes first."""
+        """The controller's first bound, opened once a fresh run's first step is trained (its data comes in under
+        ``low``)."""
         return min(max(DEFAULT_MAX_STALENESS, self.low), self.high) if self.start is None else self.start
 
 
@@ -255,8 +256,9 @@ class OffPolicyConfig(Section):
 
     @property
     def initial(self) -> int:
-        """The bound in force until the learner publishes one (``auto``: the one it will publish first)."""
-        return self.auto.first if self.adaptive else self.max_staleness
+        """The bound in force until the learner publishes one (``auto``: low, the bound a fresh run fills its
+        pipeline under before the learner opens it to ``start``)."""
+        return self.auto.low if self.adaptive else self.max_staleness
 
 
 class LoraConfig(Section):
