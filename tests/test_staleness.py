@@ -249,7 +249,7 @@ def test_a_fresh_run_fills_its_pipeline_under_low_and_the_controller_starts_afte
     restarted = AutoBound(cfg.off_policy.auto, Admission(ns, max_staleness=cfg.admission_bound, groups_per_step=2))
     assert restarted.bound == 1  # a learner restarted before its first step fills afresh
     change = auto.after_step(1, held)["staleness_change"]
-    assert change == "max staleness opened 1 -> 2 at step 1: the first step is trained: the pipeline filled under low"
+    assert change == "max staleness opened 1 -> 2 at step 1: the first step, its data admitted under low, is trained"
     assert auto.bound == 2 == worker.bound()
     assert auto.after_step(2, held) == {}  # one held wait after the fill, not the two patience asks for
     assert "raised 2 -> 4 at step 3" in auto.after_step(3, held)["staleness_change"]  # still doubling

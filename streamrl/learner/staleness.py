@@ -213,7 +213,7 @@ class AutoBound:
         if self._filling:
             self._filling = False
             return self._publish(Change(step, self.controller.rules.low, self.bound,
-                                        "the first step is trained: the pipeline filled under low", "opened"))
+                                        "the first step, its data admitted under low, is trained", "opened"))
         change = self.controller.observe(step, signals(record))
         # a group made at a move's version or before is past the bound the move left once `step - at` passes it
         kept = {at: old for at, old in self._kept.items() if step - at <= old}
