@@ -97,6 +97,21 @@ def _wait_for_step(up, run_path, step: int) -> None:
         time.sleep(0.3)
 
 
+def _wait_for_resume(up, run_path) -> None:
+    """Until the restarted learner has trained a step of its own."""
+    deadline, log = time.monotonic() + 120, run_path / "logs" / "learner.log"
+    while " INFO step " not in log.read_text(errors="replace").partition("resumed from")[2]:
+        assert up.poll() is None, _exited(up, run_path)
+        assert time.monotonic() < deadline, "the restarted learner trained no step"
+        time.sleep(0.3)
+
+
+def _restarts_told(output: str) -> str:
+    """What the supervisor said of each restart: the part, its exit status and the end of its log."""
+    lines = output.splitlines()
+    return "\n".join("\n".join(lines[i:i + 10]) for i, line in enumerate(lines) if "; restarting (" in line)
+
+
 @pytest.mark.slow
 def test_up_survives_killing_each_part_in_turn_and_its_ledger_balances(tmp_path):
     """Chaos: SIGKILL a worker, the server, the router, one rank of a two-rank learner and Redis, in turn.
@@ -128,6 +143,8 @@ def test_up_survives_killing_each_part_in_turn_and_its_ledger_balances(tmp_path)
         _check_locked_down(run_path)
         for step, victim in ((2, "rollout-0"), (4, "server-0"), (6, "router"), (8, "learner"), (12, "redis")):
             _wait_for_step(up, run_path, step)
+            if victim == "redis":  # a Redis outage while the restarted learner starts up is another test's case
+                _wait_for_resume(up, run_path)
             seen |= {p["pid"] for p in _parts(run_path).values()}
             seen |= {c.pid for c in psutil.Process(up.pid).children(recursive=True)}
             rank = _learner_rank(run_path, 1) if victim == "learner" else None
@@ -138,7 +155,7 @@ def test_up_survives_killing_each_part_in_turn_and_its_ledger_balances(tmp_path)
             up.kill()
     assert up.returncode == 0, output[-4000:]
     for name in ("rollout-0", "server-0", "router", "learner", "redis"):
-        assert f"{name} (pid" in output and _parts(run_path)[name]["restarts"] == 1, name
+        assert f"{name} (pid" in output and _parts(run_path)[name]["restarts"] == 1, _restarts_told(output)
     assert "eval accuracy before RL" in output
 
     records = read_records(run_path / "metrics" / "learner.jsonl")
