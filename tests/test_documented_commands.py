@@ -166,7 +166,7 @@ def test_the_quickstart_then_its_doctor_and_its_resume_work_as_documented(scratc
     assert (scratch / "runs/quickstart/plots.png").is_file()  # drawn as the run ended
     plotted = _sh("streamrl plot runs/quickstart", scratch, timeout=120)
     assert plotted.returncode == 0 and "plots.png" in plotted.stderr, plotted.stderr
-    for _ in range(7):  # the run's Redis replays its append-only file when doctor opens it: every try must wait
+    for _ in range(3):  # the run's Redis replays its append-only file when doctor opens it: every try must wait
         doctor = _sh("streamrl doctor runs/quickstart", scratch, timeout=120)
         assert doctor.returncode == 0 and "balanced" in doctor.stdout, doctor.stdout + doctor.stderr
     resumed = _sh("streamrl up configs/quickstart.yaml", scratch)  # a finished run resumes at its end

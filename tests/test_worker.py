@@ -176,7 +176,8 @@ def test_rlhf_groups_are_scored_by_a_reward_model_server(fleet, reward_dir, tmp_
 
 def test_a_worker_outlasts_a_redis_outage_longer_than_its_clients_retries(fleet, tmp_path):
     """Redis dies while the worker waits at the staleness bound, and comes back (from its AOF) after the client's
-    own retries (~7 s) are spent: the worker waits it out, takes the slots the next version frees, loses nothing."""
+    own retries (cut here to ~0.5 s) are spent: the worker waits it out, takes the slots the next version frees,
+    loses nothing."""
     from streamrl.buffer import EmbeddedRedis, Namespace, PolicyVersion
     from streamrl.buffer.redis_server import free_port
 
@@ -185,14 +186,15 @@ def test_a_worker_outlasts_a_redis_outage_longer_than_its_clients_retries(fleet,
     log = tmp_path / "worker.log"
     proc = fleet.start("launch-rollout", *fleet.common, f"redis.url={own.url}", f"rollout.router_url={fleet.router_url}",
                        "rollout.sampling.max_new_tokens=8", "rollout.sampling.n=3", "off_policy.max_staleness=0",
-                       "learner.groups_per_step=2", "--name", "w0", "--groups", "4", log=log.open("w"))
+                       "learner.groups_per_step=2", "redis.retries=3", "redis.retry_cap_s=0.2", "--name", "w0",
+                       "--groups", "4", log=log.open("w"))
     try:
         fleet.ns = Namespace.open(own.url, fleet.run)
         _until(lambda: len(_groups(fleet)) == 2)  # the bound at version 0: the worker now asks for a slot, twice a second
         time.sleep(1)
         own.proc.kill()
         own.proc.wait()
-        time.sleep(20)  # past the retries of both calls the waiting worker makes (the version watch's, then admit's)
+        time.sleep(5)  # past the retries of both calls the waiting worker makes (the version watch's, then admit's)
         assert proc.poll() is None, log.read_text()
         own.start()
         PolicyVersion(fleet.ns).set(1)  # two more slots
