@@ -221,14 +221,15 @@ def test_the_learners_bound_is_published_where_admission_reads_it_and_a_resumed_
     admission = Admission(ns, max_staleness=8, groups_per_step=1)  # the ceiling; the published bound rules
     rules = AutoStalenessConfig(low=1, high=4, start=1, patience=1, cooldown=1)
     auto = AutoBound(rules, admission)
-    assert auto.bound == 1 and admission.published() == 1
+    assert auto.bound == 1 and admission.published() is None  # a fresh run fills under low, as admission's default
     waiting = {"wait_s": 1.0, "train_s": 1.0, "is_ess": 0.99, "clip_frac": 0.0, "grad_norm": 1.0, "dropped_stale": 1}
-    assert "raised 1 -> 2" in auto.after_step(1, waiting)["staleness_change"]
+    assert auto.after_step(1, waiting) == {} and admission.published() == 1  # the fill's wait is not judged
+    assert "raised 1 -> 2 at step 2" in auto.after_step(2, waiting)["staleness_change"]
     assert admission.published() == 2
     restarted = AutoBound(rules, admission)
     assert restarted.bound == 2  # a restarted learner goes on from the bound in force, raising it by one
-    assert "raised 2 -> 3" in restarted.after_step(1, waiting)["staleness_change"]
-    assert "lowered 2 -> 1" in auto.after_step(2, {**waiting, "is_ess": 0.5})["staleness_change"]
+    assert "raised 2 -> 3" in restarted.after_step(2, waiting)["staleness_change"]
+    assert "lowered 2 -> 1" in auto.after_step(3, {**waiting, "is_ess": 0.5})["staleness_change"]
     assert admission.published() == 1
 
 
@@ -240,7 +241,7 @@ def test_a_fresh_run_fills_its_pipeline_under_low_and_the_controller_starts_afte
     from streamrl.config import load_config
     from streamrl.learner.staleness import AutoBound
 
-    cfg = load_config(None, ["off_policy.max_staleness=auto", "off_policy.auto.patience=2"])  # low 1, start 2
+    cfg = load_config(None, ["off_policy.max_staleness=auto", "off_policy.auto.start=2", "off_policy.auto.patience=2"])
     worker = Admission(ns, max_staleness=cfg.admission_bound, groups_per_step=2)
     auto = AutoBound(cfg.off_policy.auto, Admission(ns, max_staleness=cfg.admission_bound, groups_per_step=2))
     assert (auto.bound, auto.bound_for(0), worker.bound(), worker.published()) == (1, 1, 1, None)
@@ -253,14 +254,16 @@ def test_a_fresh_run_fills_its_pipeline_under_low_and_the_controller_starts_afte
     assert auto.bound == 2 == worker.bound()
     assert auto.after_step(2, held) == {}  # one held wait after the fill, not the two patience asks for
     assert "raised 2 -> 4 at step 3" in auto.after_step(3, held)["staleness_change"]  # still doubling
-    ns.conn.delete(ns.key("staleness_bound"))  # a fresh run whose start is low: nothing to fill
-    AutoBound(AutoStalenessConfig(low=2), Admission(ns, max_staleness=2, groups_per_step=2))
-    assert worker.published() == 2  # published at once
+    ns.conn.delete(ns.key("staleness_bound"))  # a fresh run whose start is low (the default) opens nothing
+    at_low = AutoBound(AutoStalenessConfig(low=2, patience=2), Admission(ns, max_staleness=2, groups_per_step=2))
+    assert at_low.after_step(1, held) == {} and worker.published() == 2  # published, not judged
+    assert at_low.after_step(2, held) == {}
+    assert "raised 2 -> 4 at step 3" in at_low.after_step(3, held)["staleness_change"]  # doubling from low
 
 
-def test_the_bound_starts_at_the_fixed_default_within_low_and_high_unless_start_is_set():
-    assert controller().bound == 2 == AutoStalenessConfig().first and AutoStalenessConfig().start is None
-    assert controller(low=3, high=8).bound == 3 and controller(low=0, high=1).bound == 1
+def test_the_bound_starts_at_low_unless_start_is_set():
+    assert controller().bound == 1 == AutoStalenessConfig().first and AutoStalenessConfig().start is None
+    assert controller(low=3, high=8).bound == 3 and controller(low=0, high=1).bound == 0
     assert controller(low=3, high=8, start=5).bound == 5
 
 
@@ -299,7 +302,8 @@ def test_groups_made_before_a_revert_keep_the_raised_bound(ns):
     auto = AutoBound(AutoStalenessConfig(low=1, high=8, start=1, patience=1, cooldown=1),
                      Admission(ns, max_staleness=8, groups_per_step=1))
     waiting = {"wait_s": 1.0, "train_s": 1.0, "is_ess": 0.99, "clip_frac": 0.0, "grad_norm": 1.0, "dropped_stale": 1}
-    assert "raised 1 -> 2 at step 1" in auto.after_step(1, waiting)["staleness_change"]
+    assert auto.after_step(1, waiting) == {}  # the fill
+    assert "raised 1 -> 2 at step 2" in auto.after_step(2, waiting)["staleness_change"]
     # a 2 s step before the raise and after it: it did not pay
-    assert "reverted 2 -> 1 at step 2" in auto.after_step(2, waiting)["staleness_change"]
-    assert [auto.bound_for(v) for v in (1, 2, 3)] == [2, 2, 1]
+    assert "reverted 2 -> 1 at step 3" in auto.after_step(3, waiting)["staleness_change"]
+    assert [auto.bound_for(v) for v in (2, 3, 4)] == [2, 2, 1]

@@ -168,7 +168,7 @@ class RewardConfig(Section):
     max_length: int = Field(2048, ge=8, description="longest (prompt, response) in tokens; longer is cut from the left")
 
 
-DEFAULT_MAX_STALENESS = 2  # the fixed bound's default, and where `auto` starts
+DEFAULT_MAX_STALENESS = 2  # the fixed bound's default
 
 
 class AutoStalenessConfig(Section):
@@ -180,7 +180,7 @@ class AutoStalenessConfig(Section):
     low: int = Field(1, ge=0, description="smallest bound")
     high: int = Field(8, ge=1, description="largest bound")
     start: int | None = Field(None, ge=0, description="the bound once a fresh run's first step is trained (its "
-                              "data comes in under low; empty: 2, the fixed default, brought within [low, high])")
+                              "data comes in under low; empty: low, and raises double it from there)")
     wait_share: float = Field(0.1, ge=0, lt=1, description="a step that waited for data longer than this share "
                               "of it counts towards a raise (see held_share)")
     held_share: float = Field(0.5, ge=0, le=1, description="a wait counts towards a raise only if the bound turned "
@@ -219,7 +219,7 @@ class AutoStalenessConfig(Section):
     def first(self) -> int:
         """The controller's first bound, opened once a fresh run's first step is trained (its data comes in under
         ``low``)."""
-        return min(max(DEFAULT_MAX_STALENESS, self.low), self.high) if self.start is None else self.start
+        return self.low if self.start is None else self.start
 
 
 class OffPolicyConfig(Section):

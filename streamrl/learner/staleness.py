@@ -1,9 +1,9 @@
 """The staleness bound chosen from what the learner measures (``off_policy.max_staleness: auto``).
 
 After each step the controller reads the step's signals and may move the admission bound ``k`` within
-``[low, high]``, as TCP moves its window: in a fresh run doubling up from ``start`` (by default 2, the fixed
-bound's default, in force from the second step: ``AutoBound`` fills the pipeline under ``low``) until the bound
-first comes down, additive up from then on (and after a restart), multiplicative down:
+``[low, high]``, as TCP moves its window: in a fresh run doubling up from ``start`` (by default ``low``; a larger
+one is in force from the second step: ``AutoBound`` fills the pipeline under ``low``) until the bound first comes
+down, additive up from then on (and after a restart), multiplicative down:
 
 - **down**, to ``max(low, floor(k / 2))``, as soon as the off-policy data degrades: the normalised effective sample
   size of the importance weights ``ESS = (sum w)^2 / (n sum w^2)`` falls under ``ess_floor``, their second moment
@@ -177,21 +177,21 @@ class AutoBound:
     """``max_staleness: auto`` at the learner: the controller, the bound published where every worker's
     admission reads it, and the bound each group is judged under (``bound_for``).
 
-    A fresh run fills its pipeline under ``low``, and the controller's bound (``start``) opens once the first
-    step is trained: the learner waits for its first groups under any bound, and every group admitted beyond
-    them competes with them for the servers (on SmolLM2's agentic workload the first step took 306 s under 2
-    against 177 s under 1). That wait is the fill's, so the controller does not judge the first step; nothing is
-    published until it ends, so a learner restarted meanwhile fills afresh. A resumed learner goes on from the
-    bound in force, raising it by one (its climb is over, and doubling a bound it had settled at would overshoot),
-    and keeps the bounds its easings and reverts left to the groups made before them."""
+    A fresh run fills its pipeline under ``low``: the learner waits for its first groups under any bound, and
+    every group admitted beyond them competes with them for the servers (on SmolLM2's agentic workload the first
+    step took 306 s under 2 against 177 s under 1). That wait is the fill's, so the controller does not judge
+    the first step, and a ``start`` above ``low`` opens once it is trained; nothing is published until then, so
+    a learner restarted meanwhile fills afresh. A resumed learner goes on from the bound in force, raising it by
+    one (its climb is over, and doubling a bound it had settled at would overshoot), and keeps the bounds its
+    easings and reverts left to the groups made before them."""
 
     def __init__(self, auto: Any, admission: Any):
         self.admission = admission
         published = admission.published()
         fresh, published = published is None, auto.first if published is None else published
         self.controller = StalenessController(auto, bound=min(max(published, auto.low), auto.high), doubling=fresh)
-        self._filling = fresh and auto.low < self.controller.bound
-        if not self._filling:  # while it is, admission's own default is low (``Config.admission_bound``)
+        self._filling = fresh  # until the first step is trained; admission's own default is low meanwhile
+        if not fresh:  # (``Config.admission_bound``)
             admission.set_bound(self.bound)
         # the version an easing or a revert came at -> the bound it left, stored beside the bound in force
         self._kept: dict[int, int] = {} if fresh else admission.kept_bounds()
@@ -212,8 +212,12 @@ class AutoBound:
         """Judge a step's record; for its metrics line, the change it made to the next steps' bound (and why)."""
         if self._filling:
             self._filling = False
-            return self._publish(Change(step, self.controller.rules.low, self.bound,
-                                        "the first step, its data admitted under low, is trained", "opened"))
+            low = self.controller.rules.low
+            if self.bound == low:  # nothing opens: published, so a restarted learner goes on from it
+                self.admission.set_bound(low)
+                return {}
+            return self._publish(Change(step, low, self.bound, "the first step, its data admitted under low, is "
+                                        "trained", "opened"))
         change = self.controller.observe(step, signals(record))
         # a group made at a move's version or before is past the bound the move left once `step - at` passes it
         kept = {at: old for at, old in self._kept.items() if step - at <= old}
