@@ -190,7 +190,7 @@ class AutoBound:
         published = admission.published()
         fresh, published = published is None, auto.first if published is None else published
         self.controller = StalenessController(auto, bound=min(max(published, auto.low), auto.high), doubling=fresh)
-        self._filling = fresh  # until the first step is trained; admission's own default is low meanwhile
+        self._filling = fresh  # until the first step is trained: admission's own default, low, rules meanwhile
         if not fresh:  # (``Config.admission_bound``)
             admission.set_bound(self.bound)
         # the version an easing or a revert came at -> the bound it left, stored beside the bound in force
@@ -213,7 +213,7 @@ class AutoBound:
         if self._filling:
             self._filling = False
             low = self.controller.rules.low
-            if self.bound == low:  # nothing opens: published, so a restarted learner goes on from it
+            if self.bound == low:  # nothing to open; published, so a restarted learner goes on from it
                 self.admission.set_bound(low)
                 return {}
             return self._publish(Change(step, low, self.bound, "the first step, its data admitted under low, is "
