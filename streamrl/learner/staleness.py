@@ -126,10 +126,10 @@ class StalenessController:
             self._trial = (step, self.bound, self._mean_step_s())
             new = min(self._ceiling, max(2 * self.bound, 1) if self._doubling else self.bound + 1)
             return self._move(step, new, "raised", f"the learner waited {s.wait_share:.0%} of its step for data the "
-                                                    f"bound held back {r.patience} steps running, ESS {s.ess:.2f}")
+                                                    f"bound held back {_steps(r.patience)} running, ESS {s.ess:.2f}")
         if cause is None and self._idle_steps >= r.patience and self.bound > self._fed_floor:
             return self._move(step, self.bound - 1, "eased", f"the learner waited under {r.idle_share:.1%} of its step for "
-                                                    f"data {r.patience} steps running: fresher data, same speed")
+                                                    f"data {_steps(r.patience)} running: fresher data, same speed")
         return None
 
     def _degraded(self, s: Signals) -> str | None:
@@ -160,6 +160,10 @@ class StalenessController:
             self._ceiling, self._trial = self.rules.high, None
         self.bound, self._last_change, self._healthy_waits, self._idle_steps = new, step, 0, 0
         return change
+
+
+def _steps(n: int) -> str:
+    return f"{n} step" if n == 1 else f"{n} steps"
 
 
 def signals(record: dict) -> Signals:
