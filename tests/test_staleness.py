@@ -12,9 +12,10 @@ def calm(**changed) -> Signals:
     return Signals(**{**CALM.__dict__, **changed})
 
 
-def controller(bound: int | None = None, **rules) -> StalenessController:
-    """A controller under ``off_policy.auto`` settings (their defaults, but for ``rules``)."""
-    return StalenessController(AutoStalenessConfig(**rules), bound)
+def controller(bound: int | None = None, doubling: bool = True, **rules) -> StalenessController:
+    """A controller under ``off_policy.auto`` settings (their defaults, but for ``rules``); ``doubling``: in a
+    fresh run's climb."""
+    return StalenessController(AutoStalenessConfig(**rules), bound, doubling)
 
 
 def run(controller: StalenessController, signals: list[Signals], first_step: int = 0) -> list:
@@ -22,11 +23,16 @@ def run(controller: StalenessController, signals: list[Signals], first_step: int
 
 
 def test_a_learner_waiting_on_healthy_data_doubles_the_bound_up_to_its_ceiling():
+    """Slow start: while the bound doubles, one held wait raises it, once the last raise is judged (a cooldown
+    after it)."""
     c = controller(low=1, high=8, bound=1, patience=3, cooldown=4)
     changes = run(c, [CALM] * 20)
-    # three waiting steps, then one each cooldown (the patience count starts again after a change)
-    assert [(step, ch.old, ch.new) for step, ch in changes] == [(2, 1, 2), (6, 2, 4), (10, 4, 8)]
-    assert "waited 50% of its step" in changes[0][1].cause and c.bound == 8
+    assert [(step, ch.old, ch.new) for step, ch in changes] == [(0, 1, 2), (4, 2, 4), (8, 4, 8)]
+    assert "waited 50% of its step for data the bound held back 1 step running" in changes[0][1].cause
+    assert c.bound == 8
+    c = controller(low=1, high=8, bound=1, patience=3, cooldown=4)
+    changes = run(c, [calm(held_share=0.0)] * 2 + [CALM] + [calm(held_share=0.0)] * 3 + [CALM] * 2)
+    assert [(step, ch.new) for step, ch in changes] == [(2, 2), (6, 4)]  # only held waits count
     capped = controller(low=0, high=3, bound=0, patience=1, cooldown=1)
     assert [ch.new for _, ch in run(capped, [CALM] * 5)] == [1, 2, 3]  # from 0 by one; never past high
     assert [ch.new for _, ch in run(controller(high=8, start=5, patience=1), [CALM])] == [8]
@@ -59,8 +65,8 @@ def test_easing_stops_one_above_the_bound_the_learner_last_waited_at():
     """Bound 2 starves the learner, 4 (its double) feeds it: easing leaves it at 3, not 3, 2, 3, 2 ...; a cut
     clears that floor."""
     c = controller(low=1, high=8, bound=2, patience=2, cooldown=2)
-    changes = run(c, [calm(wait_share=0.3)] * 2 + [calm(wait_share=0.0)] * 20)
-    assert [(step, ch.old, ch.new) for step, ch in changes] == [(1, 2, 4), (3, 4, 3)] and c.bound == 3
+    changes = run(c, [calm(wait_share=0.3)] + [calm(wait_share=0.0)] * 21)
+    assert [(step, ch.old, ch.new) for step, ch in changes] == [(0, 2, 4), (2, 4, 3)] and c.bound == 3
     changes = run(c, [calm(ess=0.5)] + [calm(wait_share=0.0)] * 3, first_step=22)
     assert [(ch.old, ch.new) for _, ch in changes] == [(3, 1)]  # halved past the floor
     c = controller(low=1, high=8, bound=4, patience=2, cooldown=1)
@@ -97,7 +103,7 @@ def test_the_gradient_norm_of_a_policy_starting_to_learn_is_not_a_spike():
              0.967, 0.821, 0.39, 0.943, 1.579]
     c = controller(low=1, high=8, bound=2, patience=3, cooldown=4)
     changes = run(c, [calm(grad_norm=g) for g in norms])
-    assert [(step, ch.new) for step, ch in changes] == [(2, 4), (6, 8)]
+    assert [(step, ch.new) for step, ch in changes] == [(0, 4), (4, 8)]
     jump = run(controller(bound=2), [calm(grad_norm=g, wait_share=0.05) for g in [0.05, 0.06, 0.05, 0.06, 0.05, 0.3]])
     assert [(step, ch.new) for step, ch in jump] == [(5, 1)]  # a jump after the warm-up still is one
 
@@ -109,50 +115,71 @@ def test_a_raise_waits_for_patience_and_the_cooldown_after_a_cut():
     assert [(step, ch.new) for step, ch in changes] == [(5, 3), (10, 4)]  # after step 0 + cooldown; by one after a cut
 
 
-def test_a_raise_that_does_not_shorten_the_learners_step_is_reverted_and_raises_stop_there():
+def drive(c: StalenessController, steps: int, step_s: dict[int, float], first_step: int = 0) -> list:
+    """Run ``c`` against a learner whose step takes ``step_s[bound]`` seconds under the bound in force."""
+    return [(step, ch) for step in range(first_step, first_step + steps)
+            if (ch := c.observe(step, calm(step_s=step_s[c.bound])))]
+
+
+def test_a_raise_that_does_not_shorten_the_learners_step_is_reverted_and_tried_again_retry_steps_later():
     """The learner waits because generation is at capacity (on a shared machine more groups in flight slow both
-    sides): 1 -> 2 paid (1.0 s a step, then 0.7 s), 2 -> 4 did not, so the bound goes back to 2 and stays."""
-    c = controller(low=1, high=8, bound=1, patience=3, cooldown=4, raise_gain=0.05)
-    changes = run(c, [calm(step_s=1.0)] * 3 + [calm(step_s=0.7)] * 20)
-    assert [(step, ch.way, ch.old, ch.new) for step, ch in changes] == [(2, "raised", 1, 2), (6, "raised", 2, 4),
-                                                                       (10, "reverted", 4, 2)]
-    assert str(changes[2][1]) == ("max staleness reverted 4 -> 2 at step 10: raising it at step 6 did not speed the "
+    sides): 1 -> 2 paid (1.0 s a step, then 0.7 s), 2 -> 4 did not, so the bound goes back to 2, and raises stop
+    there for `retry` steps; then one more is tried (by one: the climb is over), and judged the same way."""
+    c = controller(low=1, high=8, bound=1, patience=3, cooldown=4, raise_gain=0.05, retry=12)
+    changes = drive(c, 30, {1: 1.0, 2: 0.7, 3: 0.7, 4: 0.7})
+    assert [(step, ch.way, ch.old, ch.new) for step, ch in changes] == [
+        (0, "raised", 1, 2), (4, "raised", 2, 4), (8, "reverted", 4, 2), (20, "raised", 2, 3), (24, "reverted", 3, 2)]
+    assert str(changes[2][1]) == ("max staleness reverted 4 -> 2 at step 8: raising it at step 4 did not speed the "
                                   "learner up: 0.7 s a step before, 0.7 s after") and c.bound == 2
+
+
+def test_each_raise_of_the_climb_is_judged_before_the_next():
+    """A climb that overshoots on the first raise goes back to where it started, not to a bound that was never
+    judged (on SmolLM2's agentic workload max staleness 2 trained 12% fewer samples/s than 1)."""
+    c = controller(low=1, high=8, bound=1, patience=3, cooldown=4, raise_gain=0.05)
+    changes = drive(c, 10, {1: 1.0, 2: 1.12})
+    assert [(step, ch.way, ch.new) for step, ch in changes] == [(0, "raised", 2), (4, "reverted", 1)]
 
 
 @pytest.mark.parametrize("after, kept", [(0.94, True), (0.96, False), (1.2, False)])
 def test_a_raise_is_kept_when_it_cut_the_step_time_by_raise_gain(after, kept):
-    c = controller(low=1, high=8, bound=2, patience=2, cooldown=3, raise_gain=0.05)
+    c = controller(low=1, high=8, bound=2, patience=2, cooldown=3, raise_gain=0.05, doubling=False)
     changes = run(c, [calm(step_s=1.0)] * 2 + [calm(step_s=after)] * 3)  # raised at step 1, judged at step 4
     # kept: the learner still waits, so the judging step raises again
     assert [ch.way for _, ch in changes] == ["raised"] + (["raised"] if kept else ["reverted"])
-    assert c.bound == (8 if kept else 2)
+    assert c.bound == (4 if kept else 2)
 
 
-def test_after_a_revert_the_bound_rises_again_once_it_has_come_down_for_another_cause():
-    c = controller(low=1, high=8, bound=2, patience=2, cooldown=2, raise_gain=0.05)
-    changes = run(c, [calm(step_s=1.0)] * 8)
-    assert [(ch.way, ch.new) for _, ch in changes] == [("raised", 4), ("reverted", 2)]  # then no raise past 2
-    changes = run(c, [calm(ess=0.5, step_s=1.0)] + [calm(step_s=1.0 - 0.1 * i) for i in range(5)], first_step=8)
+def test_after_a_revert_the_bound_rises_again_after_retry_steps_or_once_it_has_come_down_for_another_cause():
+    rules = dict(low=1, high=8, bound=2, patience=2, cooldown=2, raise_gain=0.05, retry=6, doubling=False)
+    c = controller(**rules)
+    changes = run(c, [calm(step_s=1.0)] * 12)
+    assert [(step, ch.way, ch.new) for step, ch in changes] == [(1, "raised", 3), (3, "reverted", 2),
+                                                               (9, "raised", 3), (11, "reverted", 2)]
+    c = controller(**rules)
+    assert [ch.way for _, ch in run(c, [calm(step_s=1.0)] * 5)] == ["raised", "reverted"]
+    changes = run(c, [calm(ess=0.5, step_s=1.0)] + [calm(step_s=1.0 - 0.1 * i) for i in range(5)], first_step=5)
     assert [(ch.way, ch.new) for _, ch in changes] == [("lowered", 1), ("raised", 2), ("raised", 3)]
     # a cut while a raise is on trial ends the trial: nothing is reverted after it
-    c = controller(low=1, high=8, bound=2, patience=2, cooldown=3, raise_gain=0.05)
+    c = controller(**{**rules, "cooldown": 3})
     changes = run(c, [calm(step_s=1.0)] * 4 + [calm(ess=0.5, step_s=1.0)] + [calm(step_s=1.0, wait_share=0.05)] * 6)
-    assert [(ch.way, ch.new) for _, ch in changes] == [("raised", 4), ("lowered", 2)]
+    assert [(ch.way, ch.new) for _, ch in changes] == [("raised", 3), ("lowered", 1)]
 
 
 def test_a_learner_waiting_while_the_bound_holds_little_back_keeps_the_bound():
     """Generation at capacity, not the bound, starves it: workers were turned away for under half of each wait
     and nothing was dropped as stale, so a larger bound would only put more groups in flight."""
-    c = controller(low=1, high=8, bound=2, patience=3, cooldown=4)
+    c = controller(low=1, high=8, bound=2, patience=3, cooldown=4, doubling=False)
     assert run(c, [calm(held_share=0.0)] * 10 + [calm(held_share=0.49)] * 10) == [] and c.bound == 2
     held_now_and_then = [calm(held_share=1.0 if i % 3 == 0 else 0.1) for i in range(20)]  # never 3 steps running
     assert run(c, held_now_and_then) == []
     changes = run(c, [calm(held_share=0.1)] * 2 + [calm(held_share=0.5)] * 3, first_step=40)
-    assert [(step, ch.new) for step, ch in changes] == [(44, 4)]
+    assert [(step, ch.new) for step, ch in changes] == [(44, 3)]
     assert "waited 50% of its step for data the bound held back 3 steps running" in changes[0][1].cause
-    anything = controller(low=1, high=8, bound=2, patience=3, held_share=0.0)
-    assert [ch.new for _, ch in run(anything, [calm(held_share=0.0)] * 3)] == [4]  # held_share 0: any wait counts
+    climbing = controller(low=1, high=8, bound=2, patience=3, cooldown=4)  # one held wait is enough
+    assert [(step, ch.new) for step, ch in run(climbing, [calm(held_share=0.49)] * 5 + [CALM])] == [(5, 4)]
+    anything = controller(low=1, high=8, bound=2, patience=3, held_share=0.0, doubling=False)
+    assert [ch.new for _, ch in run(anything, [calm(held_share=0.0)] * 3)] == [3]  # held_share 0: any wait counts
 
 
 def test_signals_read_from_a_learner_record():
@@ -252,13 +279,12 @@ def test_a_fresh_run_fills_its_pipeline_under_low_and_the_controller_starts_afte
     change = auto.after_step(1, held)["staleness_change"]
     assert change == "max staleness opened 1 -> 2 at step 1: the first step, its data admitted under low, is trained"
     assert auto.bound == 2 == worker.bound()
-    assert auto.after_step(2, held) == {}  # one held wait after the fill, not the two patience asks for
-    assert "raised 2 -> 4 at step 3" in auto.after_step(3, held)["staleness_change"]  # still doubling
+    # the climb: one held wait after the fill raises it (not the two patience asks for once it is over)
+    assert "raised 2 -> 4 at step 2" in auto.after_step(2, held)["staleness_change"]
     ns.conn.delete(ns.key("staleness_bound"))  # a fresh run whose start is low (the default) opens nothing
     at_low = AutoBound(AutoStalenessConfig(low=2, patience=2), Admission(ns, max_staleness=2, groups_per_step=2))
     assert at_low.after_step(1, held) == {} and worker.published() == 2  # published, not judged
-    assert at_low.after_step(2, held) == {}
-    assert "raised 2 -> 4 at step 3" in at_low.after_step(3, held)["staleness_change"]  # doubling from low
+    assert "raised 2 -> 4 at step 2" in at_low.after_step(2, held)["staleness_change"]  # doubling from low
 
 
 def test_the_bound_starts_at_low_unless_start_is_set():

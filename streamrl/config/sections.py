@@ -197,8 +197,11 @@ class AutoStalenessConfig(Section):
                          "mean (of about the last 3 steps, judged from the 6th)")
     raise_gain: float = Field(0.05, ge=0, lt=1, description="a raise is kept only if it cut the learner's mean "
                               "step time by this share (its cooldown's last `patience` steps against the "
-                              "`patience` before it); else the bound goes back and raises stop there")
-    patience: int = Field(3, ge=1, description="steps in a row that must call for a raise, or for easing")
+                              "`patience` before it); else the bound goes back and raises stop there for "
+                              "`retry` steps")
+    retry: int = Field(12, ge=1, description="steps after a revert before raises may pass its bound again")
+    patience: int = Field(3, ge=1, description="steps in a row that must call for a raise (one while the bound "
+                          "doubles), or for easing")
     cooldown: int = Field(4, ge=1, description="steps after a change before the next")
 
     @model_validator(mode="after")

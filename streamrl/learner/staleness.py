@@ -94,7 +94,8 @@ class StalenessController:
         self._healthy_waits = 0  # consecutive steps that waited for data the bound held back, on healthy data
         self._idle_steps = 0  # consecutive steps that (almost) did not wait
         self._fed_floor = r.low  # easing's floor: one above the bound the learner last waited at
-        self._ceiling = r.high  # raises stop here: the bound a raise that did not pay went back to
+        self._ceiling = (r.high, 0)  # raises stop at this bound until this step: where a raise that did not pay
+        # went back to, for `retry` steps
         self._step_s: deque[float] = deque(maxlen=r.patience)  # the last steps' seconds
         self._trial: tuple[int, int, float] | None = None  # the last raise: its step, the old bound, step s before
         self._doubling = doubling  # raises double the bound until it first comes down: the climb from low is short
@@ -118,19 +119,25 @@ class StalenessController:
             raised_at, old, before = self._trial
             after, self._trial = self._mean_step_s(), None
             if after > before * (1 - r.raise_gain):
-                self._ceiling = old
+                self._ceiling = (old, step + r.retry)
                 return self._move(step, old, "reverted", f"raising it at step {raised_at} did not speed the learner "
                                   f"up: {before:.3g} s a step before, {after:.3g} s after")
-        if self._healthy_waits >= r.patience and self.bound < self._ceiling:
+        # one held wait raises the bound while it doubles: each raise is judged before the next anyway
+        patience, ceiling = 1 if self._doubling else r.patience, self._raise_ceiling(step)
+        if self._healthy_waits >= patience and self._trial is None and self.bound < ceiling:
             self._fed_floor = self.bound + 1  # the bound below starved the learner
             self._trial = (step, self.bound, self._mean_step_s())
-            new = min(self._ceiling, max(2 * self.bound, 1) if self._doubling else self.bound + 1)
+            new = min(ceiling, max(2 * self.bound, 1) if self._doubling else self.bound + 1)
             return self._move(step, new, "raised", f"the learner waited {s.wait_share:.0%} of its step for data the "
-                                                    f"bound held back {_steps(r.patience)} running, ESS {s.ess:.2f}")
+                                                    f"bound held back {_steps(patience)} running, ESS {s.ess:.2f}")
         if cause is None and self._idle_steps >= r.patience and self.bound > self._fed_floor:
             return self._move(step, self.bound - 1, "eased", f"the learner waited under {r.idle_share:.1%} of its step for "
                                                     f"data {_steps(r.patience)} running: fresher data, same speed")
         return None
+
+    def _raise_ceiling(self, step: int) -> int:
+        bound, until = self._ceiling
+        return bound if step < until else self.rules.high
 
     def _degraded(self, s: Signals) -> str | None:
         r = self.rules
@@ -157,7 +164,7 @@ class StalenessController:
         change = Change(step, self.bound, new, cause, way)
         self._doubling = self._doubling and new > self.bound
         if way in ("lowered", "eased"):  # the run has changed: the bound may be worth raising again
-            self._ceiling, self._trial = self.rules.high, None
+            self._ceiling, self._trial = (self.rules.high, 0), None
         self.bound, self._last_change, self._healthy_waits, self._idle_steps = new, step, 0, 0
         return change
 
