@@ -194,7 +194,7 @@ class AutoStalenessConfig(Section):
     m2_ceiling: float = Field(1.5, gt=1, description="lower when the importance weights' second moment passes this")
     clip_ceiling: float = Field(0.1, gt=0, lt=1, description="lower when the clip fraction passes this")
     spike: float = Field(3.0, gt=1, description="lower when the gradient norm passes this many times its running "
-                         "mean (of about the last 3 steps, judged from the 6th)")
+                         "mean (of about the last 3 steps, judged from the 6th) while ESS is under ess_raise")
     raise_gain: float = Field(0.05, ge=0, lt=1, description="a raise is kept only if it cut the learner's mean "
                               "step time by this share (its cooldown's last `patience` steps against the "
                               "`patience` before it); else the bound goes back and raises stop there for "
