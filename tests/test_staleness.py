@@ -132,11 +132,11 @@ def drive(c: StalenessController, steps: int, step_s: dict[int, float], first_st
             if (ch := c.observe(step, calm(step_s=step_s[c.bound])))]
 
 
-def test_a_raise_that_does_not_shorten_the_learners_step_is_reverted_and_tried_again_retry_steps_later():
+def test_a_raise_that_does_not_shorten_the_learners_step_is_reverted_and_tried_again_revert_hold_steps_later():
     """The learner waits because generation is at capacity (on a shared machine more groups in flight slow both
     sides): 1 -> 2 paid (1.0 s a step, then 0.7 s), 2 -> 4 did not, so the bound goes back to 2, and raises stop
-    there for `retry` steps; then one more is tried (by one: the climb is over), and judged the same way."""
-    c = controller(low=1, high=8, bound=1, patience=3, cooldown=4, raise_gain=0.05, retry=12)
+    there for `revert_hold` steps; then one more is tried (by one: the climb is over), and judged the same way."""
+    c = controller(low=1, high=8, bound=1, patience=3, cooldown=4, raise_gain=0.05, revert_hold=12)
     changes = drive(c, 30, {1: 1.0, 2: 0.7, 3: 0.7, 4: 0.7})
     assert [(step, ch.way, ch.old, ch.new) for step, ch in changes] == [
         (0, "raised", 1, 2), (4, "raised", 2, 4), (8, "reverted", 4, 2), (20, "raised", 2, 3), (24, "reverted", 3, 2)]
@@ -161,8 +161,8 @@ def test_a_raise_is_kept_when_it_cut_the_step_time_by_raise_gain(after, kept):
     assert c.bound == (4 if kept else 2)
 
 
-def test_after_a_revert_the_bound_rises_again_after_retry_steps_or_once_it_has_come_down_for_another_cause():
-    rules = dict(low=1, high=8, bound=2, patience=2, cooldown=2, raise_gain=0.05, retry=6, doubling=False)
+def test_after_a_revert_the_bound_rises_again_after_revert_hold_steps_or_once_it_has_come_down_for_another_cause():
+    rules = dict(low=1, high=8, bound=2, patience=2, cooldown=2, raise_gain=0.05, revert_hold=6, doubling=False)
     c = controller(**rules)
     changes = run(c, [calm(step_s=1.0)] * 12)
     assert [(step, ch.way, ch.new) for step, ch in changes] == [(1, "raised", 3), (3, "reverted", 2),

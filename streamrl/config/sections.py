@@ -175,7 +175,7 @@ class AutoStalenessConfig(Section):
     """With `off_policy.max_staleness: auto`, how the learner moves the bound (docs/concepts.md): up while it
     waits for data the bound held back, on healthy off-policy data (doubled until the bound first comes down, by
     one after), halved when that data degrades, eased down by one while it never waits, put back where a raise
-    did not speed it up."""
+    did not speed it up (for `revert_hold` steps)."""
 
     low: int = Field(1, ge=0, description="smallest bound")
     high: int = Field(8, ge=1, description="largest bound")
@@ -198,8 +198,8 @@ class AutoStalenessConfig(Section):
     raise_gain: float = Field(0.05, ge=0, lt=1, description="a raise is kept only if it cut the learner's mean "
                               "step time by this share (its cooldown's last `patience` steps against the "
                               "`patience` before it); else the bound goes back and raises stop there for "
-                              "`retry` steps")
-    retry: int = Field(12, ge=1, description="steps after a revert before raises may pass its bound again")
+                              "`revert_hold` steps")
+    revert_hold: int = Field(12, ge=1, description="steps after a revert before raises may pass its bound again")
     patience: int = Field(3, ge=1, description="steps in a row that must call for a raise (one while the bound "
                           "doubles), or for easing")
     cooldown: int = Field(4, ge=1, description="steps after a change before the next")

@@ -11,7 +11,8 @@ down, additive up from then on (and after a restart), multiplicative down:
   norm passes ``spike`` times its running mean (an exponential mean of every step's norm, judged from the
   ``StalenessController.warmup``-th step on) on data off-policy enough to explain it (ESS under ``ess_raise``);
 - **up**, to ``max(2k, 1)`` until the bound has first come down and to ``k + 1`` after (never past
-  ``high``), when the learner waited for data for more than ``wait_share`` of each of the last ``patience`` steps,
+  ``high``), when the learner waited for data for more than ``wait_share`` of each of the last ``patience`` steps
+  (of the last step while the bound doubles: each raise is judged before the next, so the climb is short),
   the bound held data back through each wait (it turned workers away at admission for at least ``held_share`` of
   it, or the learner dropped a group as stale: else generation, not the bound, starved the learner, and a raise
   would only put more groups in flight), and the data was healthy throughout, with margin: ESS at least
@@ -24,7 +25,8 @@ down, additive up from then on (and after a restart), multiplicative down:
   time (waiting and training) over the last ``patience`` steps of the raise's cooldown is not at least
   ``raise_gain`` under its mean over the ``patience`` steps before it. The learner waited because generation
   is at capacity, not because the bound held it back (on a shared machine more groups in flight slow both
-  sides down), so raises stop at that bound until the bound next comes down for another cause.
+  sides down), so raises stop at that bound for ``revert_hold`` steps (a verdict on a few noisy steps, and the
+  run changes), or until the bound next comes down for another cause.
 
 Only a lowering drops data made under the old bound, as a fixed bound would; easing and reverting are moves for
 speed on healthy data, so the groups that may have been admitted before them keep the old bound
@@ -95,7 +97,7 @@ class StalenessController:
         self._idle_steps = 0  # consecutive steps that (almost) did not wait
         self._fed_floor = r.low  # easing's floor: one above the bound the learner last waited at
         self._ceiling = (r.high, 0)  # raises stop at this bound until this step: where a raise that did not pay
-        # went back to, for `retry` steps
+        # went back to, for `revert_hold` steps
         self._step_s: deque[float] = deque(maxlen=r.patience)  # the last steps' seconds
         self._trial: tuple[int, int, float] | None = None  # the last raise: its step, the old bound, step s before
         self._doubling = doubling  # raises double the bound until it first comes down: the climb from low is short
@@ -119,7 +121,7 @@ class StalenessController:
             raised_at, old, before = self._trial
             after, self._trial = self._mean_step_s(), None
             if after > before * (1 - r.raise_gain):
-                self._ceiling = (old, step + r.retry)
+                self._ceiling = (old, step + r.revert_hold)
                 return self._move(step, old, "reverted", f"raising it at step {raised_at} did not speed the learner "
                                   f"up: {before:.3g} s a step before, {after:.3g} s after")
         # one held wait raises the bound while it doubles: each raise is judged before the next anyway
