@@ -37,7 +37,7 @@ max staleness 4 (the headline), 2 and 1: staleness buys throughput and, on a tas
 dozen steps, can cost final reward — both sides of the trade are in the table — and at ``auto``, where the
 learner sets the bound from what it measures (docs/concepts.md); a row gives ``auto``'s samples/s over
 the fastest fixed bound's, what letting the learner choose cost (an ``auto`` run keeps the bound each of its
-steps trained under, ``bound_by_step``). Runs are 40 steps,
+steps trained under, ``bound_by_step``, and each change with its cause, ``changes``). Runs are 40 steps,
 the quickstart's length, by which the synchronous run has converged (held-out ≈ 0.95).
 Every run also records its stages' speeds (``stages``), from which ``streamrl bench simulate``
 replays it to check the pipeline model.
@@ -202,6 +202,7 @@ def summarise(run_path: Path, recipe: Recipe = TOY) -> dict:
             **episode_shape(worker),
             # the bound each step trained under: where `auto` went, kept with the run (fixed: None)
             "bound_by_step": [r["staleness_bound"] for r in steps] if cfg.off_policy.adaptive else None,
+            "changes": [r["staleness_change"] for r in steps if "staleness_change" in r],  # with their causes
             **held_out_scores(run_path, cfg, steps[-1]["step"], recipe.held_out),
             "stages": stage_speeds(worker, steps, cfg)}
 
@@ -359,6 +360,10 @@ def report(data: dict, out: Path) -> None:
                 "mean difference from sync over seed-paired runs, ± its 95% t interval",
                 ["run", "samples/s", "steady samples/s", "wall s", f"s to eval ≥ {data['target']} (runs)",
                  "final eval (64)", f"held-out first try ({held_out})", "held-out reward", "dropped stale"], rows)
+    if changes := [[workload, x["seed"], c] for workload, by_mode in data["runs"].items()
+                   for x in by_mode.get(async_mode("auto"), []) for c in x.get("changes", [])]:
+        print_table(f"End to end, {model}each change of the auto bound, with its cause", ["workload", "seed", "change"],
+                    changes)
     json_path = write_json(out, name, data)
     fig, (ax1, ax2) = new_figure(2, f"Async vs sync, same samples ({data.get('task', TOY.task)})")
     names = list(data["summary"])
