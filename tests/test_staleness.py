@@ -23,12 +23,12 @@ def run(controller: StalenessController, signals: list[Signals], first_step: int
 
 
 def test_a_learner_waiting_on_healthy_data_doubles_the_bound_up_to_its_ceiling():
-    """Slow start: while the bound doubles, one held wait raises it, once the last raise is judged (a cooldown
-    after it)."""
+    """Slow start: while the bound doubles, the last step's held wait raises it, once `patience` steps under the
+    bound are in (the raise's trial compares them with the steps after it) and the last raise is judged."""
     c = controller(low=1, high=8, bound=1, patience=3, cooldown=4)
     changes = run(c, [CALM] * 20)
-    assert [(step, ch.old, ch.new) for step, ch in changes] == [(0, 1, 2), (4, 2, 4), (8, 4, 8)]
-    assert "waited 50% of its step for data the bound held back 1 step running" in changes[0][1].cause
+    assert [(step, ch.old, ch.new) for step, ch in changes] == [(2, 1, 2), (6, 2, 4), (10, 4, 8)]
+    assert "waited 50% of its step for data the bound held back 3 steps running" in changes[0][1].cause
     assert c.bound == 8
     c = controller(low=1, high=8, bound=1, patience=3, cooldown=4)
     changes = run(c, [calm(held_share=0.0)] * 2 + [CALM] + [calm(held_share=0.0)] * 3 + [CALM] * 2)
@@ -65,8 +65,8 @@ def test_easing_stops_one_above_the_bound_the_learner_last_waited_at():
     """Bound 2 starves the learner, 4 (its double) feeds it: easing leaves it at 3, not 3, 2, 3, 2 ...; a cut
     clears that floor."""
     c = controller(low=1, high=8, bound=2, patience=2, cooldown=2)
-    changes = run(c, [calm(wait_share=0.3)] + [calm(wait_share=0.0)] * 21)
-    assert [(step, ch.old, ch.new) for step, ch in changes] == [(0, 2, 4), (2, 4, 3)] and c.bound == 3
+    changes = run(c, [calm(wait_share=0.3)] * 2 + [calm(wait_share=0.0)] * 20)
+    assert [(step, ch.old, ch.new) for step, ch in changes] == [(1, 2, 4), (3, 4, 3)] and c.bound == 3
     changes = run(c, [calm(ess=0.5)] + [calm(wait_share=0.0)] * 3, first_step=22)
     assert [(ch.old, ch.new) for _, ch in changes] == [(3, 1)]  # halved past the floor
     c = controller(low=1, high=8, bound=4, patience=2, cooldown=1)
@@ -113,7 +113,7 @@ def test_the_gradient_norm_of_a_policy_starting_to_learn_is_not_a_spike():
              0.967, 0.821, 0.39, 0.943, 1.579]
     c = controller(low=1, high=8, bound=2, patience=3, cooldown=4)
     changes = run(c, [calm(grad_norm=g) for g in norms])
-    assert [(step, ch.new) for step, ch in changes] == [(0, 4), (4, 8)]
+    assert [(step, ch.new) for step, ch in changes] == [(2, 4), (6, 8)]
     norms = [0.05, 0.06, 0.05, 0.06, 0.05, 0.3]
     jump = run(controller(bound=2), [calm(grad_norm=g, wait_share=0.05, ess=0.85) for g in norms])
     assert [(step, ch.new) for step, ch in jump] == [(5, 1)]  # a jump after the warm-up still is one
@@ -139,8 +139,8 @@ def test_a_raise_that_does_not_shorten_the_learners_step_is_reverted_and_tried_a
     c = controller(low=1, high=8, bound=1, patience=3, cooldown=4, raise_gain=0.05, revert_hold=12)
     changes = drive(c, 30, {1: 1.0, 2: 0.7, 3: 0.7, 4: 0.7})
     assert [(step, ch.way, ch.old, ch.new) for step, ch in changes] == [
-        (0, "raised", 1, 2), (4, "raised", 2, 4), (8, "reverted", 4, 2), (20, "raised", 2, 3), (24, "reverted", 3, 2)]
-    assert str(changes[2][1]) == ("max staleness reverted 4 -> 2 at step 8: raising it at step 4 did not speed the "
+        (2, "raised", 1, 2), (6, "raised", 2, 4), (10, "reverted", 4, 2), (22, "raised", 2, 3), (26, "reverted", 3, 2)]
+    assert str(changes[2][1]) == ("max staleness reverted 4 -> 2 at step 10: raising it at step 6 did not speed the "
                                   "learner up: 0.7 s a step before, 0.7 s after") and c.bound == 2
 
 
@@ -149,7 +149,7 @@ def test_each_raise_of_the_climb_is_judged_before_the_next():
     judged (on SmolLM2's agentic workload max staleness 2 trained 12% fewer samples/s than 1)."""
     c = controller(low=1, high=8, bound=1, patience=3, cooldown=4, raise_gain=0.05)
     changes = drive(c, 10, {1: 1.0, 2: 1.12})
-    assert [(step, ch.way, ch.new) for step, ch in changes] == [(0, "raised", 2), (4, "reverted", 1)]
+    assert [(step, ch.way, ch.new) for step, ch in changes] == [(2, "raised", 2), (6, "reverted", 1)]
 
 
 @pytest.mark.parametrize("after, kept", [(0.94, True), (0.96, False), (1.2, False)])
@@ -290,12 +290,13 @@ def test_a_fresh_run_fills_its_pipeline_under_low_and_the_controller_starts_afte
     change = auto.after_step(1, held)["staleness_change"]
     assert change == "max staleness opened 1 -> 2 at step 1: the first step, its data admitted under low, is trained"
     assert auto.bound == 2 == worker.bound()
-    # the climb: one held wait after the fill raises it (not the two patience asks for once it is over)
-    assert "raised 2 -> 4 at step 2" in auto.after_step(2, held)["staleness_change"]
+    assert auto.after_step(2, held) == {}  # a raise's trial needs `patience` steps under the bound it leaves
+    assert "raised 2 -> 4 at step 3" in auto.after_step(3, held)["staleness_change"]  # still doubling
     ns.conn.delete(ns.key("staleness_bound"))  # a fresh run whose start is low (the default) opens nothing
     at_low = AutoBound(AutoStalenessConfig(low=2, patience=2), Admission(ns, max_staleness=2, groups_per_step=2))
     assert at_low.after_step(1, held) == {} and worker.published() == 2  # published, not judged
-    assert "raised 2 -> 4 at step 2" in at_low.after_step(2, held)["staleness_change"]  # doubling from low
+    assert at_low.after_step(2, held) == {}
+    assert "raised 2 -> 4 at step 3" in at_low.after_step(3, held)["staleness_change"]  # doubling from low
 
 
 def test_the_bound_starts_at_low_unless_start_is_set():

@@ -200,8 +200,8 @@ class AutoStalenessConfig(Section):
                               "`patience` before it); else the bound goes back and raises stop there for "
                               "`revert_hold` steps")
     revert_hold: int = Field(12, ge=1, description="steps after a revert before raises may pass its bound again")
-    patience: int = Field(3, ge=1, description="steps in a row that must call for a raise (one while the bound "
-                          "doubles), or for easing")
+    patience: int = Field(3, ge=1, description="steps in a row that must call for a raise (the last one while "
+                          "the bound doubles), or for easing; a raise also needs this many steps under the bound")
     cooldown: int = Field(4, ge=1, description="steps after a change before the next")
 
     @model_validator(mode="after")

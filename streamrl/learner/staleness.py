@@ -12,7 +12,8 @@ down, additive up from then on (and after a restart), multiplicative down:
   ``StalenessController.warmup``-th step on) on data off-policy enough to explain it (ESS under ``ess_raise``);
 - **up**, to ``max(2k, 1)`` until the bound has first come down and to ``k + 1`` after (never past
   ``high``), when the learner waited for data for more than ``wait_share`` of each of the last ``patience`` steps
-  (of the last step while the bound doubles: each raise is judged before the next, so the climb is short),
+  (of the last step while the bound doubles, once ``patience`` steps have run under it: each raise is judged
+  before the next, against those steps),
   the bound held data back through each wait (it turned workers away at admission for at least ``held_share`` of
   it, or the learner dropped a group as stale: else generation, not the bound, starved the learner, and a raise
   would only put more groups in flight), and the data was healthy throughout, with margin: ESS at least
@@ -99,6 +100,7 @@ class StalenessController:
         self._ceiling = (r.high, 0)  # raises stop at this bound until this step: where a raise that did not pay
         # went back to, for `revert_hold` steps
         self._step_s: deque[float] = deque(maxlen=r.patience)  # the last steps' seconds
+        self._steps_at_bound = 0  # steps judged under the bound in force: a raise's trial needs `patience` of them
         self._trial: tuple[int, int, float] | None = None  # the last raise: its step, the old bound, step s before
         self._doubling = doubling  # raises double the bound until it first comes down: the climb from low is short
         self._last_change = -(10**9)
@@ -108,6 +110,7 @@ class StalenessController:
         r, cause = self.rules, self._degraded(s)
         self._track_grad_norm(s.grad_norm)
         self._step_s.append(s.step_s)
+        self._steps_at_bound += 1
         healthy = cause is None and s.ess >= r.ess_raise and s.clip_frac <= r.clip_ceiling / 2
         starved = s.wait_share > r.wait_share and s.held_share >= r.held_share  # by the bound, not by generation
         self._healthy_waits = self._healthy_waits + 1 if healthy and starved else 0
@@ -124,18 +127,26 @@ class StalenessController:
                 self._ceiling = (old, step + r.revert_hold)
                 return self._move(step, old, "reverted", f"raising it at step {raised_at} did not speed the learner "
                                   f"up: {before:.3g} s a step before, {after:.3g} s after")
-        # one held wait raises the bound while it doubles: each raise is judged before the next anyway
-        patience, ceiling = 1 if self._doubling else r.patience, self._raise_ceiling(step)
-        if self._healthy_waits >= patience and self._trial is None and self.bound < ceiling:
+        if self._may_raise(step):
             self._fed_floor = self.bound + 1  # the bound below starved the learner
             self._trial = (step, self.bound, self._mean_step_s())
-            new = min(ceiling, max(2 * self.bound, 1) if self._doubling else self.bound + 1)
+            new = min(self._raise_ceiling(step), max(2 * self.bound, 1) if self._doubling else self.bound + 1)
             return self._move(step, new, "raised", f"the learner waited {s.wait_share:.0%} of its step for data the "
-                                                    f"bound held back {_steps(patience)} running, ESS {s.ess:.2f}")
+                                                    f"bound held back {_steps(self._healthy_waits)} running, "
+                                                    f"ESS {s.ess:.2f}")
         if cause is None and self._idle_steps >= r.patience and self.bound > self._fed_floor:
             return self._move(step, self.bound - 1, "eased", f"the learner waited under {r.idle_share:.1%} of its step for "
                                                     f"data {_steps(r.patience)} running: fresher data, same speed")
         return None
+
+    def _may_raise(self, step: int) -> bool:
+        """Whether the held, healthy waits call for a raise now. While the bound doubles, the last step's wait is
+        enough: each raise is judged (its trial) before the next, against `patience` steps under the bound it
+        leaves, so the climb is short and cannot run past a raise that did not pay."""
+        r = self.rules
+        waits = self._healthy_waits >= (1 if self._doubling else r.patience)
+        return (waits and self._trial is None and self._steps_at_bound >= r.patience
+                and self.bound < self._raise_ceiling(step))
 
     def _raise_ceiling(self, step: int) -> int:
         bound, until = self._ceiling
@@ -171,6 +182,7 @@ class StalenessController:
         if way in ("lowered", "eased"):  # the run has changed: the bound may be worth raising again
             self._ceiling, self._trial = (self.rules.high, 0), None
         self.bound, self._last_change, self._healthy_waits, self._idle_steps = new, step, 0, 0
+        self._steps_at_bound = 0
         return change
 
 
