@@ -151,3 +151,20 @@ def test_e2e_one_workload_joins_the_study_and_leaves_the_others_runs_alone(tmp_p
     for wrong in (None, earlier, {**earlier, "max_steps": 3}):  # none; the arms' settings changed; another length
         with pytest.raises(SystemExit, match="--workload joins an earlier e2e_smollm2.json of 20 steps and the same"):
             e2e.one_workload_joins(wrong, recipe, recipe.steps)
+
+
+def test_the_e2e_report_tables_each_auto_runs_bound_changes_with_their_causes(tmp_path):
+    from benchmarks import e2e
+
+    change = "max staleness raised 1 -> 2 at step 4: the learner waited 80% of its step ..."
+    auto = [{**row(0, 2.4), "changes": [change]}, {**row(1, 2.2), "changes": []}]
+    data = {"max_steps": 40, "max_staleness": 4, "target": 0.9, "staleness_modes": {"async": 4, "async-auto": "auto"},
+            **e2e.summarise_modes({"agentic": {"sync": [row(0, 1.0), row(1, 1.1)], "async": [row(0, 3.0), row(1, 2.9)],
+                                              "async-auto": auto}})}
+    e2e.report(data, tmp_path)
+    tables = json.loads((tmp_path / "e2e.json").read_text())["tables"]
+    assert [t["rows"] for t in tables if "each change of the auto bound" in t["title"]] == [[["agentic", "0", change]]]
+    for x in auto:
+        x.pop("changes")  # results from before runs kept them: no table
+    e2e.report(data, tmp_path)
+    assert not [t for t in json.loads((tmp_path / "e2e.json").read_text())["tables"] if "each change" in t["title"]]
