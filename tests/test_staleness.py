@@ -152,6 +152,12 @@ def test_each_raise_of_the_climb_is_judged_before_the_next():
     assert [(step, ch.way, ch.new) for step, ch in changes] == [(2, "raised", 2), (6, "reverted", 1)]
 
 
+def test_by_default_a_raise_is_kept_unless_it_slowed_the_learner():
+    """`raise_gain` 0: 1 -> 2 left the step time as it was (kept), 2 -> 4 made it longer (reverted)."""
+    changes = drive(controller(bound=1), 12, {1: 1.0, 2: 1.0, 4: 1.1})
+    assert [(step, ch.way, ch.new) for step, ch in changes] == [(1, "raised", 2), (4, "raised", 4), (7, "reverted", 2)]
+
+
 @pytest.mark.parametrize("after, kept", [(0.94, True), (0.96, False), (1.2, False)])
 def test_a_raise_is_kept_when_it_cut_the_step_time_by_raise_gain(after, kept):
     c = controller(low=1, high=8, bound=2, patience=2, cooldown=3, raise_gain=0.05, doubling=False)
@@ -342,6 +348,6 @@ def test_groups_made_before_a_revert_keep_the_raised_bound(ns):
     waiting = {"wait_s": 1.0, "train_s": 1.0, "is_ess": 0.99, "clip_frac": 0.0, "grad_norm": 1.0, "dropped_stale": 1}
     assert auto.after_step(1, waiting) == {}  # the fill
     assert "raised 1 -> 2 at step 2" in auto.after_step(2, waiting)["staleness_change"]
-    # a 2 s step before the raise and after it: it did not pay
-    assert "reverted 2 -> 1 at step 3" in auto.after_step(3, waiting)["staleness_change"]
+    # a 2 s step before the raise, 3 s after it: it did not pay
+    assert "reverted 2 -> 1 at step 3" in auto.after_step(3, {**waiting, "wait_s": 2.0})["staleness_change"]
     assert [auto.bound_for(v) for v in (2, 3, 4)] == [2, 2, 1]

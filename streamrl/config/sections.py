@@ -195,14 +195,14 @@ class AutoStalenessConfig(Section):
     clip_ceiling: float = Field(0.1, gt=0, lt=1, description="lower when the clip fraction passes this")
     spike: float = Field(3.0, gt=1, description="lower when the gradient norm passes this many times its running "
                          "mean (of about the last 3 steps, judged from the 6th) while ESS is under ess_raise")
-    raise_gain: float = Field(0.05, ge=0, lt=1, description="a raise is kept only if it cut the learner's mean "
+    raise_gain: float = Field(0.0, ge=0, lt=1, description="a raise is kept only if it cut the learner's mean "
                               "step time by this share (its cooldown's last `patience` steps against the "
-                              "`patience` before it); else the bound goes back and raises stop there for "
-                              "`revert_hold` steps")
+                              "`patience` before it; 0: unless it made it longer); else the bound goes back and "
+                              "raises stop there for `revert_hold` steps")
     revert_hold: int = Field(12, ge=1, description="steps after a revert before raises may pass its bound again")
-    patience: int = Field(3, ge=1, description="steps in a row that must call for a raise (the last one while "
+    patience: int = Field(2, ge=1, description="steps in a row that must call for a raise (the last one while "
                           "the bound doubles), or for easing; a raise also needs this many steps under the bound")
-    cooldown: int = Field(4, ge=1, description="steps after a change before the next")
+    cooldown: int = Field(3, ge=1, description="steps after a change before the next")
 
     @model_validator(mode="after")
     def _ordered(self) -> AutoStalenessConfig:
