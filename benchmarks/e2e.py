@@ -69,6 +69,7 @@ from benchmarks.common import (
     console,
     earlier_results,
     join_seeds,
+    machine_info,
     median,
     new_figure,
     paired_difference,
@@ -259,6 +260,7 @@ def run(quick: bool, repeats: int | None = None, recipe: Recipe = TOY, first_see
     repeats, bounds = repeats or default_repeats, default_bounds if bounds is None else bounds
     modes = {**({"sync": 0} if with_sync else {}), **{async_mode(k): k for k in bounds}}  # mode -> max staleness
     results: dict[str, dict[str, list[dict]]] = {w: {m: [] for m in modes} for w in workloads or recipe.workloads}
+    invocation = invocation_of(machine_info())
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         console.log("warm start (once, shared by every run)")
@@ -270,7 +272,7 @@ def run(quick: bool, repeats: int | None = None, recipe: Recipe = TOY, first_see
                     system_mode = "sync" if mode == "sync" else "async"  # (sync ignores the staleness bound)
                     row = one_run(tmp / "runs", prepared, workload, system_mode, steps, modes[mode] or STALENESS[0],
                                   seed=r, recipe=recipe, overrides=recipe.overrides(system_mode))
-                    results[workload][mode].append({**row, "seed": r})
+                    results[workload][mode].append({**row, "seed": r, "invocation": invocation})
                     console.log(f"{workload} {mode}: {row['samples_per_s']:.1f} samples/s, wall {row['wall_s']:.0f}s, "
                                 f"eval {row['eval_first']:.2f} → {row['eval_final']:.2f}, "
                                 f"held-out {row['held_out_final']:.2f}"
@@ -289,23 +291,36 @@ def summarise_modes(results: dict[str, dict[str, list[dict]]]) -> dict:
     for workload, by_mode in results.items():
         med = {m: medians(rows) for m, rows in by_mode.items()}
         ratios = {m: {"ratio": med[m]["samples_per_s"] / med["sync"]["samples_per_s"],
+                      "one_invocation": one_invocation(by_mode[m], by_mode["sync"]),
                       "steady_ratio": med[m]["steady_samples_per_s"] / med["sync"]["steady_samples_per_s"],
                       # repeat r runs every mode at seed r: the held-out difference is paired by seed
                       **{f"{k}_vs_sync": by_seed(by_mode[m], by_mode["sync"], k)
                          for k in ("held_out_final", "held_out_reward")}}
                   for m in med if m != "sync"}
-        summary[workload] = {**med, **ratios.get("async", {}), "ratios": ratios, **auto_vs_best_fixed(med)}
+        summary[workload] = {**med, **ratios.get("async", {}), "ratios": ratios, **auto_vs_best_fixed(med, by_mode)}
     return {"repeats": len(next(iter(results.values()))["sync"]), "runs": results, "summary": summary}
 
 
-def auto_vs_best_fixed(med: dict[str, dict]) -> dict:
+def auto_vs_best_fixed(med: dict[str, dict], by_mode: dict[str, list[dict]]) -> dict:
     """``auto``'s samples/s over the fastest fixed bound's: what choosing the bound cost against the best
     hand-picked one (empty unless both ran)."""
     auto, fixed = async_mode("auto"), [m for m in med if m not in ("sync", async_mode("auto"))]
     if auto not in med or not fixed:
         return {}
     best = max(fixed, key=lambda m: med[m]["samples_per_s"])
-    return {"auto_vs_best_fixed": {"best": best, "ratio": med[auto]["samples_per_s"] / med[best]["samples_per_s"]}}
+    return {"auto_vs_best_fixed": {"best": best, "ratio": med[auto]["samples_per_s"] / med[best]["samples_per_s"],
+                                   "one_invocation": one_invocation(by_mode[auto], by_mode[best])}}
+
+
+def invocation_of(machine: dict) -> str:
+    """An invocation's name in its runs: when and on what it ran (a ratio across two compares machines too)."""
+    return f"{machine['time']} ({machine.get('cpu', 'unknown CPU')})"
+
+
+def one_invocation(rows: list[dict], base: list[dict]) -> bool:
+    """Whether every run of two arms ran in one invocation (runs from before runs were stamped: unknown, so
+    taken as one)."""
+    return len({x.get("invocation") for x in rows + base}) == 1
 
 
 def by_seed(rows: list[dict], base: list[dict], key: str) -> dict:
@@ -349,15 +364,20 @@ def report(data: dict, out: Path) -> None:
                          f"{m['time_to_target_s']:.0f} ({m['reached_target']})", m["eval_final"],
                          m["held_out_final"], m["held_out_reward"], percent(m.get("dropped_fraction"))])
         for mode, r in s["ratios"].items():
-            rows.append([f"{workload}: {mode} / sync", r["ratio"], r["steady_ratio"], "", "", "",
+            rows.append([f"{workload}: {mode} / sync{ACROSS * (not r.get('one_invocation', True))}", r["ratio"],
+                         r["steady_ratio"], "", "", "",
                          points(r["held_out_final_vs_sync"]), points(r["held_out_reward_vs_sync"]), ""])
         if best := s.get("auto_vs_best_fixed"):
-            rows.append([f"{workload}: {async_mode('auto')} / {best['best']} (the fastest fixed bound)", best["ratio"],
-                         "", "", "", "", "", "", ""])
+            rows.append([f"{workload}: {async_mode('auto')} / {best['best']} (the fastest fixed bound)"
+                         f"{ACROSS * (not best.get('one_invocation', True))}", best["ratio"], "", "", "", "", "", "", ""])
     model = f"{data['model']}, " if data.get("model") else ""
     held_out, name = data.get("held_out", HELD_OUT), data.get("result", "e2e")
+    invocations = sorted({x.get("invocation", "unrecorded") for by_mode in data["runs"].values()
+                          for rows_ in by_mode.values() for x in rows_})
     print_table(f"End to end, {model}{data['max_steps']} steps, medians of {data['repeats']}; held-out of a ratio row: "
-                "mean difference from sync over seed-paired runs, ± its 95% t interval",
+                "mean difference from sync over seed-paired runs, ± its 95% t interval"
+                + (f"; runs from {len(invocations)} invocations ({', '.join(invocations)}): a ratio of two arms "
+                   f"run in different ones is marked {ACROSS.strip()}" if len(invocations) > 1 else ""),
                 ["run", "samples/s", "steady samples/s", "wall s", f"s to eval ≥ {data['target']} (runs)",
                  "final eval (64)", f"held-out first try ({held_out})", "held-out reward", "dropped stale"], rows)
     if changes := [[workload, x["seed"], c] for workload, by_mode in data["runs"].items()
@@ -384,6 +404,9 @@ def report(data: dict, out: Path) -> None:
     ax2.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
     ax2.legend(loc="upper center", ncol=2, fontsize=8)
     save_figure(fig, out, name, json_path)
+
+
+ACROSS = " (across invocations)"  # a ratio row's mark: its arms ran at different times, maybe on different machines
 
 
 def bounds_of(staleness: tuple[str, ...], sync_only: bool = False) -> tuple[int | str, ...] | None:

@@ -87,7 +87,9 @@ def headlines(results: Path) -> list[str]:
             runs = [x for rows in e2e.get("runs", {}).get(workload, {}).values() for x in rows]
             two_scores = any(x.get("held_out_reward", x.get("held_out_final")) != x.get("held_out_final") for x in runs)
             for mode, r in s.get("ratios", {"async": s}).items():
-                line = (f"- **{model}async (max staleness {bounds[mode]}) / sync, {workload}**: {r['ratio']:.2f}× samples/s "
+                across = "" if r.get("one_invocation", True) else " (across invocations: other times, maybe machines)"
+                line = (f"- **{model}async (max staleness {bounds[mode]}) / sync, {workload}**{across}: "
+                        f"{r['ratio']:.2f}× samples/s "
                         f"(steady state {r['steady_ratio']:.2f}×), medians of {s[mode].get('runs', e2e['repeats'])}")
                 for key, what in (("held_out_final", "final first-try accuracy"), ("held_out_reward", "final reward")):
                     if key in s[mode] and (key == "held_out_final" or two_scores):

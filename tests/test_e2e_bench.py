@@ -61,7 +61,8 @@ def test_e2e_seeds_join_an_earlier_run_of_the_same_study_and_pair_by_seed(tmp_pa
     assert s["async-auto"]["runs"] == 1 and s["ratios"]["async-auto"]["ratio"] == pytest.approx(2.4 / 1.0)
     assert s["ratios"]["async-auto"]["held_out_final_vs_sync"]["mean"] == pytest.approx(0.1)
     assert s["ratios"]["async-auto"]["held_out_final_vs_sync"]["pairs"] == 1
-    assert s["auto_vs_best_fixed"] == {"best": "async", "ratio": pytest.approx(2.4 / 3.0)}  # the measure
+    assert s["auto_vs_best_fixed"] == {"best": "async", "ratio": pytest.approx(2.4 / 3.0),  # the measure
+                                       "one_invocation": True}
     assert "auto_vs_best_fixed" not in joined["summary"]["agentic"]  # no auto arm: nothing to compare
     with pytest.raises(SystemExit, match="--staleness 3"):
         e2e.bounds_of(("auto", "3"))
@@ -100,7 +101,7 @@ def test_e2e_sync_arm_run_with_other_settings_replaces_the_earlier_sync_runs_and
     assert e2e.RECIPES["toy"].overrides("async") == e2e.RECIPES["toy"].overrides("sync") == ()
 
 
-def test_e2e_async_arms_alone_pair_with_the_earlier_sync_runs_and_are_refused_without_them():
+def test_e2e_async_arms_alone_pair_with_the_earlier_sync_runs_and_are_refused_without_them(tmp_path):
     from benchmarks import e2e
 
     recipe, workloads = e2e.RECIPES["smollm2"], e2e.RECIPES["smollm2"].workloads
@@ -112,15 +113,29 @@ def test_e2e_async_arms_alone_pair_with_the_earlier_sync_runs_and_are_refused_wi
         with pytest.raises(SystemExit, match="--async-only pairs its runs with the sync runs of an earlier "
                                              f"e2e_smollm2.json of {recipe.steps + (why == 'other steps')} steps"):
             e2e.sync_to_pair(wrong, recipe, recipe.steps + (why == "other steps"))
+    later = "2026-12-04T13:11:48+0000 (AMD EPYC)"  # the earlier runs are from before runs were stamped
     auto = {"max_steps": recipe.steps, "staleness_modes": {"async-auto": "auto"}, "workloads": workloads,
-            "runs": {w: {"async-auto": [row(0, 2.4, 0.65), row(1, 2.2, 0.6)]}}}  # as run() returns it without sync
+            "runs": {w: {"async-auto": [{**row(0, 2.4, 0.65), "invocation": later},
+                                        {**row(1, 2.2, 0.6), "invocation": later}]}}}  # run() without sync
     joined = e2e.more_seeds(earlier, auto)
     runs, s = joined["runs"][w], joined["summary"][w]
     assert [x["samples_per_s"] for x in runs["sync"]] == [1.0, 2.0] and len(runs["async"]) == 1  # both stay
     assert s["ratios"]["async-auto"]["ratio"] == pytest.approx(2.3 / 1.5)  # medians against the earlier sync
     pairs = s["ratios"]["async-auto"]["held_out_final_vs_sync"]
     assert pairs["pairs"] == 2 and pairs["mean"] == pytest.approx(((0.65 - 0.6) + (0.6 - 0.7)) / 2)
-    assert s["auto_vs_best_fixed"] == {"best": "async", "ratio": pytest.approx(2.3 / 3.0)}
+    assert s["auto_vs_best_fixed"] == {"best": "async", "ratio": pytest.approx(2.3 / 3.0), "one_invocation": False}
+    assert not s["ratios"]["async-auto"]["one_invocation"] and s["ratios"]["async"]["one_invocation"]
+    e2e.report({**joined, "target": recipe.target, "max_staleness": "auto", "result": recipe.result}, tmp_path)
+    # a ratio across invocations is marked, and the invocations named
+    table = json.loads((tmp_path / "e2e_smollm2.json").read_text())["tables"][0]
+    assert f"runs from 2 invocations ({later}, unrecorded)" in table["title"]
+    marked = [r[0] for r in table["rows"] if r[0].endswith(e2e.ACROSS)]
+    assert marked == [f"{w}: async-auto / sync{e2e.ACROSS}", f"{w}: async-auto / async (the fastest fixed bound){e2e.ACROSS}"]
+    from benchmarks import report
+
+    lines = report.headlines(tmp_path)  # the headline of the ratio across invocations says so, the other does not
+    assert [line for line in lines if "across invocations" in line] == [
+        line for line in lines if line.startswith("- **SmolLM2-135M: async (max staleness auto)")] and len(lines) == 2
     with pytest.raises(SystemExit, match="choose one"):
         e2e.main(sync_only=True, async_only=True)
 
