@@ -20,6 +20,7 @@ from rich.table import Table
 console = Console()
 _printed: list[dict[str, Any]] = []  # tables shown since the last write_json; saved with the results
 settings: dict[str, Any] = {"quick": False}  # how the study was run, saved with the results
+ACROSS = " (across invocations)"  # a ratio's mark: its arms ran at different times, maybe on different machines
 
 
 def machine_info() -> dict[str, Any]:

@@ -65,6 +65,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common import (
+    ACROSS,
     cli,
     console,
     earlier_results,
@@ -404,9 +405,6 @@ def report(data: dict, out: Path) -> None:
     ax2.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
     ax2.legend(loc="upper center", ncol=2, fontsize=8)
     save_figure(fig, out, name, json_path)
-
-
-ACROSS = " (across invocations)"  # a ratio row's mark: its arms ran at different times, maybe on different machines
 
 
 def bounds_of(staleness: tuple[str, ...], sync_only: bool = False) -> tuple[int | str, ...] | None:

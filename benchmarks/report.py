@@ -14,7 +14,7 @@ import json
 import shutil
 from pathlib import Path
 
-from benchmarks.common import console, points
+from benchmarks.common import ACROSS, console, points
 
 TITLES = {"queue": "Replay stream", "partition": "Micro-batch partitioning", "generate": "Generation",
           "learner": "Learner", "weight_push": "Weight push", "e2e": "End to end: async vs sync",
@@ -87,7 +87,7 @@ def headlines(results: Path) -> list[str]:
             runs = [x for rows in e2e.get("runs", {}).get(workload, {}).values() for x in rows]
             two_scores = any(x.get("held_out_reward", x.get("held_out_final")) != x.get("held_out_final") for x in runs)
             for mode, r in s.get("ratios", {"async": s}).items():
-                across = "" if r.get("one_invocation", True) else " (across invocations: other times, maybe machines)"
+                across = "" if r.get("one_invocation", True) else ACROSS
                 line = (f"- **{model}async (max staleness {bounds[mode]}) / sync, {workload}**{across}: "
                         f"{r['ratio']:.2f}× samples/s "
                         f"(steady state {r['steady_ratio']:.2f}×), medians of {s[mode].get('runs', e2e['repeats'])}")
