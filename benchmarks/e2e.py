@@ -61,6 +61,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -252,9 +253,11 @@ def async_mode(staleness: int | str) -> str:
 
 
 def run(quick: bool, repeats: int | None = None, recipe: Recipe = TOY, first_seed: int = 0,
-        bounds: tuple[int | str, ...] | None = None, with_sync: bool = True, workloads: tuple[str, ...] = ()) -> dict:
-    """``bounds``: the async arms run beside sync (None: the study's; empty: sync alone); without sync the runs
-    are returned unsummarised, for ``more_seeds`` to pair with an earlier run's sync; ``workloads``: the ones
+        bounds: tuple[int | str, ...] | None = None, with_sync: bool = True,
+        workloads: tuple[str, ...] = ()) -> Iterator[dict]:
+    """The study's results so far after each seed (every arm run on it), so a run cut short keeps its finished
+    seeds. ``bounds``: the async arms run beside sync (None: the study's; empty: sync alone); without sync the
+    runs are given unsummarised, for ``more_seeds`` to pair with an earlier run's sync; ``workloads``: the ones
     run (empty: all)."""
     default_repeats, steps, default_bounds = ((1, recipe.quick_steps, STALENESS[:1]) if quick
                                               else (3, recipe.steps, STALENESS))
@@ -278,12 +281,12 @@ def run(quick: bool, repeats: int | None = None, recipe: Recipe = TOY, first_see
                                 f"eval {row['eval_first']:.2f} → {row['eval_final']:.2f}, "
                                 f"held-out {row['held_out_final']:.2f}"
                                 + (f", bound by step {row['bound_by_step']}" if row["bound_by_step"] else ""))
-    return {"study": "e2e", "max_steps": steps, "max_staleness": (bounds or STALENESS)[0],
-            "sync_overrides": list(recipe.sync_overrides), "async_overrides": list(recipe.async_overrides),
-            "staleness_modes": {m: k for m, k in modes.items() if k}, "target": recipe.target,
-            "held_out": recipe.held_out, "result": recipe.result, "model": recipe.model, "task": recipe.task,
-            "config": next(iter(recipe.workloads.values())), "workloads": recipe.workloads,
-            **(summarise_modes(results) if with_sync else {"runs": results})}
+            yield {"study": "e2e", "max_steps": steps, "max_staleness": (bounds or STALENESS)[0],
+                   "sync_overrides": list(recipe.sync_overrides), "async_overrides": list(recipe.async_overrides),
+                   "staleness_modes": {m: k for m, k in modes.items() if k}, "target": recipe.target,
+                   "held_out": recipe.held_out, "result": recipe.result, "model": recipe.model, "task": recipe.task,
+                   "config": next(iter(recipe.workloads.values())), "workloads": recipe.workloads,
+                   **(summarise_modes(results) if with_sync else {"runs": results})}
 
 
 def summarise_modes(results: dict[str, dict[str, list[dict]]]) -> dict:
@@ -459,11 +462,10 @@ def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: i
         sync_to_pair(earlier, recipe, steps)
     if workload:
         one_workload_joins(earlier, recipe, steps)
-    data = run(quick, repeats, recipe, first_seed, bounds_of(staleness, sync_only), with_sync=not async_only,
-               workloads=workload)
-    if earlier:
-        data = more_seeds(earlier, data)
-    report(data, out)
+    for data in run(quick, repeats, recipe, first_seed, bounds_of(staleness, sync_only), with_sync=not async_only,
+                    workloads=workload):
+        data = more_seeds(earlier, data) if earlier else data
+        report(data, out)  # after every seed: what ran is kept if the study is cut short
     return data
 
 

@@ -183,3 +183,26 @@ def test_the_e2e_report_tables_each_auto_runs_bound_changes_with_their_causes(tm
         x.pop("changes")  # results from before runs kept them: no table
     e2e.report(data, tmp_path)
     assert not [t for t in json.loads((tmp_path / "e2e.json").read_text())["tables"] if "each change" in t["title"]]
+
+
+def test_an_e2e_study_cut_short_keeps_the_seeds_it_finished(tmp_path, monkeypatch):
+    from benchmarks import e2e
+
+    ran = []
+
+    def one_run(runs, prepared, workload, mode, steps, staleness, seed, recipe, overrides):
+        if seed == 1 and ran.count(1) == 1:
+            raise KeyboardInterrupt  # cut short on seed 1's second run
+        ran.append(seed)
+        return {**row(seed, 2.0 if mode == "async" else 1.0), "reached_target": 1, "eval_first": 0.1,
+                "bound_by_step": None, "changes": []}
+
+    monkeypatch.setattr(e2e, "one_run", one_run)
+    monkeypatch.setattr(e2e, "prepare_shared", lambda tmp, recipe: (None, tmp))
+    with pytest.raises(KeyboardInterrupt):
+        e2e.main(out=tmp_path, repeats=3, staleness=("4",), workload=())
+    saved = json.loads((tmp_path / "e2e.json").read_text())
+    assert ran == [0, 0, 0, 0, 1]  # seed 0 on both workloads, both arms; then one run of seed 1
+    assert {m: [x["seed"] for x in rows] for m, rows in saved["runs"]["env-latency"].items()} == {
+        "sync": [0], "async": [0]}
+    assert saved["repeats"] == 1 and saved["summary"]["single-turn"]["ratio"] == pytest.approx(2.0)
