@@ -19,6 +19,10 @@ from streamrl.learner.reference import Reference
 from streamrl.protocol import Group, Sample
 from streamrl.testing import synthetic_group
 
+# two learner ranks: gloo on a CPU, a GPU each under CUDA (NCCL puts one rank on a device)
+two_ranks = pytest.mark.skipif(0 < torch.cuda.device_count() < 2,
+                               reason="two learner ranks under CUDA need two GPUs; this machine has one")
+
 
 def _sample(reward, versions=(0, 0), seq_lens=None):
     return Sample(tokens=[1, 2, 3, 4], loss_mask=[0, 1, 0, 1], logprobs=[0, -1, 0, -1],
@@ -47,6 +51,7 @@ def test_rank_shards_round_trip_without_pickle():
     assert batch["input_ids"].shape == (1, 20) and batch["mask"].sum() == 12
 
 
+@two_ranks
 @pytest.mark.slow
 @pytest.mark.parametrize("zero_stage, launcher, minibatches", [(0, "torchrun", 1), (3, "deepspeed", 2)])
 def test_two_rank_learner_trains_from_the_replay_stream(redis_server, tiny_model_dir, tmp_path, zero_stage, launcher,
@@ -162,6 +167,7 @@ def test_sequences_without_signal_are_skipped_and_the_update_is_the_same(redis_s
         assert torch.allclose(skipped[k], trained[k], atol=1e-6), k
 
 
+@two_ranks
 @pytest.mark.slow
 def test_a_killed_learner_resumes_from_its_checkpoint_applying_every_group_exactly_once(
         redis_server, tiny_model_dir, tmp_path):
@@ -236,6 +242,7 @@ def test_kl_in_the_reward_is_the_behaviour_minus_reference_logprob_sum(tiny_mode
     assert [float(s.advantages[0]) for s in seqs] == pytest.approx([-0.15, 0.15], abs=1e-5)
 
 
+@two_ranks
 @pytest.mark.slow
 @pytest.mark.parametrize("agg, zero, kl, lora, ess", [("token", 0, 0, 0, 0), ("sequence", 0, 0, 0, 1),
                                                        ("token", 3, 0.5, 0, 0), ("token", 3, 0.5, 1, 0)])  # ZeRO-3 with KL runs its path without too
