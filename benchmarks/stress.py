@@ -31,6 +31,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -131,8 +132,10 @@ def trace(run_path: Path) -> dict:
             "ess_min": min((r["is_ess"] for r in steps if "is_ess" in r), default=None)}
 
 
-def run(quick: bool, repeats: int | None, first_seed: int, overrides: tuple[str, ...], out: Path, plot: str) -> dict:
-    """Every arm on each seed; each auto run's own plots.png is kept as ``out/{plot}_auto_seed{seed}.png``."""
+def run(quick: bool, repeats: int | None, first_seed: int, overrides: tuple[str, ...], out: Path,
+        plot: str) -> Iterator[dict]:
+    """Every arm on each seed, the runs so far given after each seed (a study cut short keeps its finished
+    seeds); each auto run's own plots.png is kept as ``out/{plot}_auto_seed{seed}.png``."""
     steps, pauses = (QUICK_STEPS, QUICK_PAUSES) if quick else (STEPS, PAUSES)
     runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     with tempfile.TemporaryDirectory() as tmp:
@@ -149,7 +152,8 @@ def run(quick: bool, repeats: int | None, first_seed: int, overrides: tuple[str,
                     shutil.copy(tmp / "runs" / f"auto-{seed}" / "plots.png", out / f"{plot}_auto_seed{seed}.png")
                 console.log(f"{arm} seed {seed}: {row['samples_per_s']:.1f} samples/s, held-out "
                             f"{row['held_out_final']:.3f}, {len(row['changes'])} bound changes, pauses {row['pauses']}")
-    return {"study": "stress", "max_steps": steps, "pauses": list(pauses), "overrides": list(overrides), "runs": runs}
+            yield {"study": "stress", "max_steps": steps, "pauses": list(pauses), "overrides": list(overrides),
+                   "runs": runs}
 
 
 def summarise_arms(data: dict) -> dict:
@@ -226,10 +230,10 @@ def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: i
     except ConfigError as e:
         raise SystemExit(f"--streamrl-set: {e}") from None
     key = variant(tuple(streamrl_set), quick)
-    data = run(quick, repeats, first_seed, tuple(streamrl_set), out, plot_name(key))
     earlier = earlier_results(out, "stress")
-    variants = keep(earlier["variants"] if earlier else {}, key, data)
-    report(variants, out)
+    for data in run(quick, repeats, first_seed, tuple(streamrl_set), out, plot_name(key)):
+        variants = keep(earlier["variants"] if earlier else {}, key, data)
+        report(variants, out)  # after every seed: what ran is kept if the study is cut short
     return variants[key]
 
 

@@ -88,3 +88,28 @@ def test_stress_keeps_each_variant_apart_and_joins_a_variants_later_seeds(tmp_pa
     assert set(saved["variants"]) == {shipped, harsh}
     assert sum(t["title"].startswith(f"Stress, {harsh}:") for t in saved["tables"]) == 2
     assert {p.name for p in tmp_path.glob("*.png")} == {"stress.png", "stress_learner.lr-2e-4.png"}
+
+
+def test_a_stress_study_cut_short_keeps_the_seeds_it_finished(tmp_path, monkeypatch):
+    from benchmarks import stress
+
+    ran = []
+
+    def one_run(runs, prepared, arm, steps, pauses, seed, overrides):
+        if seed == 1:
+            raise KeyboardInterrupt  # cut short on seed 1's first run
+        ran.append(arm)
+        if stress.ARMS[arm][1] == "auto":  # the run's own plot, which the study keeps
+            (runs / f"auto-{seed}").mkdir(parents=True)
+            (runs / f"auto-{seed}" / "plots.png").write_bytes(b"png")
+        return {"seed": seed, "samples_per_s": 1.0, "held_out_final": 0.9, "ess_min": 0.8, "staleness": {"0": 1},
+                "changes": [], "eval_by_step": [[0, 0.5], [4, 0.9]], "pauses": [[2, 1.0]],
+                "by_step": {"staleness_bound": [[1, 1], [4, 2]], "is_ess": [[1, None], [4, 0.8]]}}
+
+    monkeypatch.setattr(stress, "one_run", one_run)
+    monkeypatch.setattr(stress, "prepare_shared", lambda tmp: (None, tmp))
+    with pytest.raises(KeyboardInterrupt):
+        stress.main(out=tmp_path, repeats=2)
+    saved = json.loads((tmp_path / "stress.json").read_text())["variants"]["as shipped"]
+    assert sorted(ran) == sorted(stress.ARMS) and saved["repeats"] == 1
+    assert {arm: [x["seed"] for x in rows] for arm, rows in saved["runs"].items()} == {arm: [0] for arm in stress.ARMS}
