@@ -47,7 +47,8 @@ run's of the same study, ``--staleness B`` (repeatable) runs sync and only those
 sync alone (after its settings changed: its runs replace the same seeds' earlier sync runs), and ``--async-only``
 the async arms alone, paired with the sync runs of the same seeds already in the results (on a real model an arm
 of 3 seeds takes an hour; sync's runs do not depend on the async arms', so they need not run again).
-``--workload W`` (repeatable) runs only that workload; the other's runs stay as they were.
+``--workload W`` (repeatable) runs only that workload; the other's runs stay as they were. The results are
+written after every seed, so a study stopped part way keeps the seeds it finished.
 
     python -m benchmarks.e2e [--quick] [--real-model] [--first-seed S] [--staleness B] [--sync-only | --async-only] [--workload W]
 """
