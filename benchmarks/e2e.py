@@ -323,9 +323,11 @@ def invocation_of(machine: dict) -> str:
 
 
 def one_invocation(rows: list[dict], base: list[dict]) -> bool:
-    """Whether every run of two arms ran in one invocation (runs from before runs were stamped: unknown, so
-    taken as one)."""
-    return len({x.get("invocation") for x in rows + base}) == 1
+    """Whether each seed that two arms both ran, ran in one invocation for both: side by side, on one machine
+    (seeds added by a later invocation pair among themselves). Runs from before runs were stamped count as one
+    unknown invocation."""
+    of = {x["seed"]: x.get("invocation") for x in base}
+    return all(of.get(x["seed"], x.get("invocation")) == x.get("invocation") for x in rows)
 
 
 def by_seed(rows: list[dict], base: list[dict], key: str) -> dict:
@@ -382,7 +384,7 @@ def report(data: dict, out: Path) -> None:
     print_table(f"End to end, {model}{data['max_steps']} steps, medians of {data['repeats']}; held-out of a ratio row: "
                 "mean difference from sync over seed-paired runs, ± its 95% t interval"
                 + (f"; runs from {len(invocations)} invocations ({', '.join(invocations)}): a ratio of two arms "
-                   f"run in different ones is marked {ACROSS.strip()}" if len(invocations) > 1 else ""),
+                   f"that ran a seed in different ones is marked {ACROSS.strip()}" if len(invocations) > 1 else ""),
                 ["run", "samples/s", "steady samples/s", "wall s", f"s to eval ≥ {data['target']} (runs)",
                  "final eval (64)", f"held-out first try ({held_out})", "held-out reward", "dropped stale"], rows)
     if changes := [[workload, x["seed"], c] for workload, by_mode in data["runs"].items()

@@ -128,7 +128,7 @@ def test_e2e_async_arms_alone_pair_with_the_earlier_sync_runs_and_are_refused_wi
     e2e.report({**joined, "target": recipe.target, "max_staleness": "auto", "result": recipe.result}, tmp_path)
     # a ratio across invocations is marked, and the invocations named
     table = json.loads((tmp_path / "e2e_smollm2.json").read_text())["tables"][0]
-    assert f"runs from 2 invocations ({later}, unrecorded)" in table["title"]
+    assert f"runs from 2 invocations ({later}, unrecorded): a ratio of two arms that ran a seed in different ones" in table["title"]
     marked = [r[0] for r in table["rows"] if r[0].endswith(e2e.ACROSS)]
     assert marked == [f"{w}: async-auto / sync{e2e.ACROSS}", f"{w}: async-auto / async (the fastest fixed bound){e2e.ACROSS}"]
     from benchmarks import report
@@ -138,6 +138,12 @@ def test_e2e_async_arms_alone_pair_with_the_earlier_sync_runs_and_are_refused_wi
         line for line in lines if line.startswith("- **SmolLM2-135M: async (max staleness auto)")] and len(lines) == 2
     with pytest.raises(SystemExit, match="choose one"):
         e2e.main(sync_only=True, async_only=True)
+    # seeds added by a later invocation pair among themselves: each seed's two runs ran side by side
+    first, second = "2026-12-04T15:18:56+0000 (AMD EPYC)", "2026-12-05T09:00:00+0000 (Intel Xeon)"
+    fixed = [{**row(0, 2.0), "invocation": first}, {**row(1, 2.1), "invocation": first},
+             {**row(2, 1.9), "invocation": second}]
+    assert e2e.one_invocation([{**row(0, 2.4), "invocation": first}, {**row(2, 2.2), "invocation": second}], fixed)
+    assert not e2e.one_invocation([{**row(2, 2.2), "invocation": first}], fixed)  # seed 2's pair ran apart
 
 
 def test_e2e_one_workload_joins_the_study_and_leaves_the_others_runs_alone(tmp_path):
