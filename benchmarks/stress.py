@@ -41,6 +41,7 @@ from benchmarks.common import (
     console,
     earlier_results,
     join_seeds,
+    machine_info,
     median,
     new_figure,
     points,
@@ -48,7 +49,7 @@ from benchmarks.common import (
     save_figure,
     write_json,
 )
-from benchmarks.e2e import TOY, by_seed, prepare_shared, summarise, up_argv
+from benchmarks.e2e import TOY, by_seed, invocation_of, prepare_shared, summarise, up_argv
 from streamrl.config import ConfigError, load_config
 from streamrl.rollout.evaluate import read_records
 
@@ -138,6 +139,7 @@ def run(quick: bool, repeats: int | None, first_seed: int, overrides: tuple[str,
     seeds); each auto run's own plots.png is kept as ``out/{plot}_auto_seed{seed}.png``."""
     steps, pauses = (QUICK_STEPS, QUICK_PAUSES) if quick else (STEPS, PAUSES)
     runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    invocation = invocation_of(machine_info())
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         console.log("warm start (once, shared by every run)")
@@ -145,7 +147,7 @@ def run(quick: bool, repeats: int | None, first_seed: int, overrides: tuple[str,
         for seed in range(first_seed, first_seed + (repeats or (1 if quick else 2))):
             order = list(ARMS)[seed % len(ARMS):] + list(ARMS)[:seed % len(ARMS)]  # who goes first rotates
             for arm in order:
-                row = one_run(tmp / "runs", prepared, arm, steps, pauses, seed, overrides)
+                row = {**one_run(tmp / "runs", prepared, arm, steps, pauses, seed, overrides), "invocation": invocation}
                 runs[arm].append(row)
                 if ARMS[arm][1] == "auto":  # its own curves: the bound and the signals it moved on
                     out.mkdir(parents=True, exist_ok=True)
@@ -173,9 +175,10 @@ def report(variants: dict[str, dict], out: Path) -> None:
     """Each variant's tables (all saved in one results file), then each one's plot."""
     for key, data in variants.items():
         s, (first, every, seconds) = data["summary"], data["pauses"]
+        when = sorted({x.get("invocation", "unrecorded") for rows in data["runs"].values() for x in rows})
         print_table(f"Stress, {key}: the learner stopped {seconds:.0f} s every {every} steps from step {first}, "
                     f"{data['max_steps']} steps, medians of {data['repeats']}; held-out: difference from sync over "
-                    "seed-paired runs",
+                    f"seed-paired runs; run {', '.join(when)}",
                     ["arm", "samples/s", "max staleness trained", "lowest ESS", "bound changes",
                      "held-out first try (512)", "vs sync"],
                     [[arm, m["samples_per_s"], m["staleness_max"], m["ess_min"], m["changes"], m["held_out_final"],

@@ -87,6 +87,7 @@ def test_stress_keeps_each_variant_apart_and_joins_a_variants_later_seeds(tmp_pa
     saved = json.loads((tmp_path / "stress.json").read_text())
     assert set(saved["variants"]) == {shipped, harsh}
     assert sum(t["title"].startswith(f"Stress, {harsh}:") for t in saved["tables"]) == 2
+    assert saved["tables"][0]["title"].endswith("seed-paired runs; run unrecorded")  # runs without their invocation
     assert {p.name for p in tmp_path.glob("*.png")} == {"stress.png", "stress_learner.lr-2e-4.png"}
 
 
@@ -110,6 +111,9 @@ def test_a_stress_study_cut_short_keeps_the_seeds_it_finished(tmp_path, monkeypa
     monkeypatch.setattr(stress, "prepare_shared", lambda tmp: (None, tmp))
     with pytest.raises(KeyboardInterrupt):
         stress.main(out=tmp_path, repeats=2)
-    saved = json.loads((tmp_path / "stress.json").read_text())["variants"]["as shipped"]
+    results = json.loads((tmp_path / "stress.json").read_text())
+    saved = results["variants"]["as shipped"]
     assert sorted(ran) == sorted(stress.ARMS) and saved["repeats"] == 1
+    when = {x["invocation"] for rows in saved["runs"].values() for x in rows}  # each run says when and where it ran
+    assert len(when) == 1 and results["tables"][0]["title"].endswith(f"; run {when.pop()}")
     assert {arm: [x["seed"] for x in rows] for arm, rows in saved["runs"].items()} == {arm: [0] for arm in stress.ARMS}
