@@ -76,7 +76,8 @@ def test_easing_stops_one_above_the_bound_the_learner_last_waited_at():
 
 
 @pytest.mark.parametrize("bad, cause", [(calm(ess=0.6), "ESS 0.60 < 0.8"), (calm(second_moment=2.0), "E[w^2] 2.00"),
-                                        (calm(clip_frac=0.3), "clip fraction 0.30 > 0.1")])
+                                        (calm(clip_frac=0.3), "clip fraction 0.30 > 0.1"),
+                                        (calm(ess=0.79961), "ESS 0.7996 < 0.8")])  # not "0.80 < 0.8"
 def test_degraded_off_policy_data_halves_the_bound_at_once_with_its_cause(bad, cause):
     c = controller(low=1, high=8, bound=8, cooldown=4)
     changes = run(c, [bad] * 9)

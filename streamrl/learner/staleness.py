@@ -155,11 +155,11 @@ class StalenessController:
     def _degraded(self, s: Signals) -> str | None:
         r = self.rules
         if s.ess < r.ess_floor:
-            return f"ESS {s.ess:.2f} < {r.ess_floor}"
+            return f"ESS {apart(s.ess, r.ess_floor)} < {r.ess_floor}"
         if s.second_moment > r.m2_ceiling:
-            return f"E[w^2] {s.second_moment:.2f} > {r.m2_ceiling}"
+            return f"E[w^2] {apart(s.second_moment, r.m2_ceiling)} > {r.m2_ceiling}"
         if s.clip_frac > r.clip_ceiling:
-            return f"clip fraction {s.clip_frac:.2f} > {r.clip_ceiling}"
+            return f"clip fraction {apart(s.clip_frac, r.clip_ceiling)} > {r.clip_ceiling}"
         # a spike on data the weights show near on-policy is the policy's own (a rare group with signal, on the
         # toy near convergence): a smaller bound would not change it
         if self._grad_norms >= self.warmup and s.grad_norm > r.spike * self._grad_mean and s.ess < r.ess_raise:
@@ -262,3 +262,12 @@ class AutoBound:
         self.admission.set_bound(change.new)
         log.info("%s", change)
         return {"staleness_change": str(change)}
+
+
+def apart(value: float, limit: float) -> str:
+    """``value`` to two decimals, or to as many more as it takes not to read as the ``limit`` it crossed (an ESS of
+    0.7996 under 0.8 reads 0.7996, not 0.80)."""
+    for digits in range(2, 8):
+        if float(text := f"{value:.{digits}f}") != limit:
+            return text
+    return repr(value)
