@@ -38,6 +38,12 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def this_invocation() -> str:
+    """This invocation's name in its runs: when and on what it ran (a ratio across two compares machines too)."""
+    machine = machine_info()
+    return f"{machine['time']} ({machine.get('cpu', 'unknown CPU')})"
+
+
 def cpu_model() -> str:
     """The CPU's model name: a bf16 matmul runs 8x an fp32 one with AMX, 2x with AVX512-BF16 alone."""
     info = Path("/proc/cpuinfo")

@@ -72,7 +72,6 @@ from benchmarks.common import (
     console,
     earlier_results,
     join_seeds,
-    machine_info,
     median,
     new_figure,
     paired_difference,
@@ -80,6 +79,7 @@ from benchmarks.common import (
     points,
     print_table,
     save_figure,
+    this_invocation,
     write_json,
 )
 from benchmarks.scoring import held_out
@@ -265,7 +265,7 @@ def run(quick: bool, repeats: int | None = None, recipe: Recipe = TOY, first_see
     repeats, bounds = repeats or default_repeats, default_bounds if bounds is None else bounds
     modes = {**({"sync": 0} if with_sync else {}), **{async_mode(k): k for k in bounds}}  # mode -> max staleness
     results: dict[str, dict[str, list[dict]]] = {w: {m: [] for m in modes} for w in workloads or recipe.workloads}
-    invocation = invocation_of(machine_info())
+    invocation = this_invocation()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         console.log("warm start (once, shared by every run)")
@@ -315,11 +315,6 @@ def auto_vs_best_fixed(med: dict[str, dict], by_mode: dict[str, list[dict]]) -> 
     best = max(fixed, key=lambda m: med[m]["samples_per_s"])
     return {"auto_vs_best_fixed": {"best": best, "ratio": med[auto]["samples_per_s"] / med[best]["samples_per_s"],
                                    "one_invocation": one_invocation(by_mode[auto], by_mode[best])}}
-
-
-def invocation_of(machine: dict) -> str:
-    """An invocation's name in its runs: when and on what it ran (a ratio across two compares machines too)."""
-    return f"{machine['time']} ({machine.get('cpu', 'unknown CPU')})"
 
 
 def one_invocation(rows: list[dict], base: list[dict]) -> bool:

@@ -41,15 +41,15 @@ from benchmarks.common import (
     console,
     earlier_results,
     join_seeds,
-    machine_info,
     median,
     new_figure,
     points,
     print_table,
     save_figure,
+    this_invocation,
     write_json,
 )
-from benchmarks.e2e import TOY, by_seed, invocation_of, prepare_shared, summarise, up_argv
+from benchmarks.e2e import TOY, by_seed, prepare_shared, summarise, up_argv
 from streamrl.config import ConfigError, load_config
 from streamrl.rollout.evaluate import read_records
 
@@ -139,7 +139,7 @@ def run(quick: bool, repeats: int | None, first_seed: int, overrides: tuple[str,
     seeds); each auto run's own plots.png is kept as ``out/{plot}_auto_seed{seed}.png``."""
     steps, pauses = (QUICK_STEPS, QUICK_PAUSES) if quick else (STEPS, PAUSES)
     runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
-    invocation = invocation_of(machine_info())
+    invocation = this_invocation()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         console.log("warm start (once, shared by every run)")
