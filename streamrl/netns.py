@@ -92,9 +92,10 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _free_port_block(size: int) -> int:
-    """The first port of `size` consecutive free ports below the ephemeral range (the head's worker ports: Ray's
-    default 10002-19999 would be shared with any other Ray on the machine)."""
+def free_port_block(size: int) -> int:
+    """The first port of `size` consecutive free ports between Ray's default worker ports (10002-19999) and the
+    ephemeral range: no process on any node takes one unasked (the head's worker ports; servers' base ports, which
+    an outgoing connection on a node could otherwise hold when the server binds there)."""
     for _ in range(200):
         base = random.randrange(20000, 32000 - size)
         try:
@@ -104,7 +105,7 @@ def _free_port_block(size: int) -> int:
             return base
         except OSError:
             continue
-    raise RuntimeError("no free block of worker ports")
+    raise RuntimeError(f"no block of {size} free ports in 20000-32000")
 
 
 def _netns_of(pid: int) -> int | None:
@@ -273,7 +274,7 @@ class NetnsCluster:
         # every port the head listens on, chosen free: Ray's fixed defaults (8265, 10001, 52365) would collide
         # with any other Ray on this machine
         port, nm, om, client, dash, agent, agent_grpc, env_agent, metrics = _free_ports(9)
-        workers = _free_port_block(100)
+        workers = free_port_block(100)
         self.head_address = f"{ip}:{port}"
         self._ray_start(node, "--head", "--port", str(port), "--include-dashboard=false",
                         "--node-manager-port", str(nm), "--object-manager-port", str(om),

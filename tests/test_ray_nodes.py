@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from streamrl.buffer.redis_server import free_port
-from streamrl.netns import NetnsCluster, NetnsUnavailable
+from streamrl.netns import NetnsCluster, NetnsUnavailable, free_port_block
 from streamrl.rollout.evaluate import read_records
 
 pytestmark = pytest.mark.slow
@@ -134,7 +134,7 @@ def _run_across_nodes(cluster: NetnsCluster, prepared, tmp_path) -> None:
     train = cluster.add_node(1, labels={"role": "train"})
     run_path, log = tmp_path / "spread", tmp_path / "up.log"
     shutil.copytree(prepared, run_path / "prepared")
-    groups_per_step, steps, base_port = 16, 40, free_port()
+    groups_per_step, steps, base_port = 16, 40, free_port_block(2)  # servers on the gen node, one added
     argv = [sys.executable, "-m", "streamrl", "up", "configs/quickstart.yaml", "--ray", cluster.head_address,
             f"run.dir={tmp_path}", "run.name=spread", f"router.port={free_port()}", f"server.base_port={base_port}",
             "learner.nproc=2", "learner.checkpoint_every=5", "ray.learner.strategy=STRICT_SPREAD",
