@@ -102,6 +102,21 @@ def join_seeds(earlier: dict[str, list[dict]], new: dict[str, list[dict]]) -> di
             for arm, rs in new.items()}
 
 
+def one_invocation(rows: list[dict], base: list[dict]) -> bool:
+    """Whether each seed that two arms both ran, ran in one invocation for both: side by side, on one machine
+    (seeds added by a later invocation pair among themselves). Runs from before runs were stamped count as one
+    unknown invocation."""
+    of = {x["seed"]: x.get("invocation") for x in base}
+    return all(of.get(x["seed"], x.get("invocation")) == x.get("invocation") for x in rows)
+
+
+def by_seed(rows: list[dict], base: list[dict], key: str) -> dict:
+    """``paired_difference`` of ``key`` over the seeds both arms ran (an arm may have run fewer seeds)."""
+    base_of = {x["seed"]: x[key] for x in base}
+    pairs = [(x[key], base_of[x["seed"]]) for x in rows if x["seed"] in base_of]
+    return paired_difference([a for a, _ in pairs], [b for _, b in pairs])
+
+
 def points(diff: dict) -> str:
     """A paired difference in accuracy as percentage points: ``-1.2 ± 2.3 pts (3 pairs)``."""
     ci = "" if diff["ci95"] != diff["ci95"] else f" ± {100 * diff['ci95']:.1f}"  # nan: one pair, no interval

@@ -68,13 +68,14 @@ from pathlib import Path
 
 from benchmarks.common import (
     ACROSS,
+    by_seed,
     cli,
     console,
     earlier_results,
     join_seeds,
     median,
     new_figure,
-    paired_difference,
+    one_invocation,
     percent,
     points,
     print_table,
@@ -315,21 +316,6 @@ def auto_vs_best_fixed(med: dict[str, dict], by_mode: dict[str, list[dict]]) -> 
     best = max(fixed, key=lambda m: med[m]["samples_per_s"])
     return {"auto_vs_best_fixed": {"best": best, "ratio": med[auto]["samples_per_s"] / med[best]["samples_per_s"],
                                    "one_invocation": one_invocation(by_mode[auto], by_mode[best])}}
-
-
-def one_invocation(rows: list[dict], base: list[dict]) -> bool:
-    """Whether each seed that two arms both ran, ran in one invocation for both: side by side, on one machine
-    (seeds added by a later invocation pair among themselves). Runs from before runs were stamped count as one
-    unknown invocation."""
-    of = {x["seed"]: x.get("invocation") for x in base}
-    return all(of.get(x["seed"], x.get("invocation")) == x.get("invocation") for x in rows)
-
-
-def by_seed(rows: list[dict], base: list[dict], key: str) -> dict:
-    """``paired_difference`` of ``key`` over the seeds both arms ran (an arm may have run fewer seeds)."""
-    base_of = {x["seed"]: x[key] for x in base}
-    pairs = [(x[key], base_of[x["seed"]]) for x in rows if x["seed"] in base_of]
-    return paired_difference([a for a, _ in pairs], [b for _, b in pairs])
 
 
 def more_seeds(earlier: dict, new: dict) -> dict:

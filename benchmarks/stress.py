@@ -37,6 +37,7 @@ from pathlib import Path
 import psutil
 
 from benchmarks.common import (
+    by_seed,
     cli,
     console,
     earlier_results,
@@ -49,7 +50,7 @@ from benchmarks.common import (
     this_invocation,
     write_json,
 )
-from benchmarks.e2e import TOY, by_seed, prepare_shared, summarise, up_argv
+from benchmarks.e2e import TOY, prepare_shared, summarise, up_argv
 from streamrl.config import ConfigError, load_config
 from streamrl.rollout.evaluate import read_records
 

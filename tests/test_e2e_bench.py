@@ -139,11 +139,13 @@ def test_e2e_async_arms_alone_pair_with_the_earlier_sync_runs_and_are_refused_wi
     with pytest.raises(SystemExit, match="choose one"):
         e2e.main(sync_only=True, async_only=True)
     # seeds added by a later invocation pair among themselves: each seed's two runs ran side by side
+    from benchmarks.common import one_invocation
+
     first, second = "2026-12-04T15:18:56+0000 (AMD EPYC)", "2026-12-05T09:00:00+0000 (Intel Xeon)"
     fixed = [{**row(0, 2.0), "invocation": first}, {**row(1, 2.1), "invocation": first},
              {**row(2, 1.9), "invocation": second}]
-    assert e2e.one_invocation([{**row(0, 2.4), "invocation": first}, {**row(2, 2.2), "invocation": second}], fixed)
-    assert not e2e.one_invocation([{**row(2, 2.2), "invocation": first}], fixed)  # seed 2's pair ran apart
+    assert one_invocation([{**row(0, 2.4), "invocation": first}, {**row(2, 2.2), "invocation": second}], fixed)
+    assert not one_invocation([{**row(2, 2.2), "invocation": first}], fixed)  # seed 2's pair ran apart
 
 
 def test_e2e_one_workload_joins_the_study_and_leaves_the_others_runs_alone(tmp_path):
