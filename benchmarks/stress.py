@@ -15,8 +15,8 @@ each arm's online accuracy, bound and effective sample size against the step; ea
 ``plots.png`` is kept beside it.
 
 A variant with config overrides for every arm (``--streamrl-set learner.lr=2e-4``: a policy that moves further
-each step, so that the same staleness is further off-policy) is kept beside the as-shipped one, with its own
-tables and plot. The results are written after every seed.
+each step, so that the same staleness is further off-policy; the controller's own, ``off_policy.auto.*``, for the
+auto arm alone) is kept beside the as-shipped one, with its own tables and plot. The results are written after every seed.
 
     python -m benchmarks.stress [--quick] [--repeats N] [--first-seed S] [--streamrl-set K=V]   (streamrl bench stress)
 """
@@ -57,6 +57,7 @@ from streamrl.rollout.evaluate import read_records
 ARMS = {"fixed 8": ("async", 8), "auto": ("async", "auto"), "sync": ("sync", 1)}  # arm -> mode, max staleness
 STEPS, QUICK_STEPS = 60, 16
 PAUSES, QUICK_PAUSES = (15, 15, 20.0), (6, 6, 8.0)  # first step, steps between, seconds each
+AUTO_SETTINGS = "off_policy.auto."  # overrides for the auto arm alone
 
 
 class LearnerPauser(threading.Thread):
@@ -109,7 +110,7 @@ def _signal(p: psutil.Process, what: str) -> None:
 def one_run(run_dir: Path, prepared: Path, arm: str, steps: int, pauses: tuple, seed: int,
             overrides: tuple[str, ...]) -> dict:
     mode, bound = ARMS[arm]
-    argv, name = up_argv(run_dir, prepared, "env-latency", mode, steps, bound, seed, overrides,
+    argv, name = up_argv(run_dir, prepared, "env-latency", mode, steps, bound, seed, arm_overrides(arm, overrides),
                          name=f"{arm.replace(' ', '-')}-{seed}")
     pauser = LearnerPauser(run_dir / name, *pauses, last=steps)
     pauser.start()
@@ -121,6 +122,12 @@ def one_run(run_dir: Path, prepared: Path, arm: str, steps: int, pauses: tuple, 
     if out.returncode != 0:
         raise RuntimeError(f"{name} failed ({out.returncode}):\n{out.stdout[-3000:]}")
     return {**summarise(run_dir / name, TOY), **trace(run_dir / name), "pauses": pauser.pauses, "seed": seed}
+
+
+def arm_overrides(arm: str, overrides: tuple[str, ...]) -> tuple[str, ...]:
+    """The overrides ``arm`` runs with: the controller's (``off_policy.auto.*``) go to the auto arm alone (a fixed
+    bound's config refuses them)."""
+    return tuple(o for o in overrides if ARMS[arm][1] == "auto" or not o.startswith(AUTO_SETTINGS))
 
 
 def trace(run_path: Path) -> dict:
@@ -227,12 +234,14 @@ def variant(overrides: tuple[str, ...], quick: bool) -> str:
 def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: int | None = None,
          first_seed: int = 0, streamrl_set: tuple[str, ...] = ()) -> dict:
     """``first_seed``: the first seed (runs of other seeds of the same variant, in the results file, join);
-    ``streamrl_set``: config overrides for every arm, e.g. ``learner.lr=2e-4`` (a faster-moving policy): a
-    variant of its own, kept beside the others."""
-    try:
-        load_config(TOY.workloads["env-latency"], list(streamrl_set))  # a bad override fails here, before any run
-    except ConfigError as e:
-        raise SystemExit(f"--streamrl-set: {e}") from None
+    ``streamrl_set``: config overrides for every arm, e.g. ``learner.lr=2e-4`` (a faster-moving policy), and
+    ``off_policy.auto.*`` for the auto arm: a variant of its own, kept beside the others."""
+    for arm, (mode, bound) in ARMS.items():  # a bad override fails here, before any run
+        try:
+            load_config(TOY.workloads["env-latency"], [f"mode={mode}", f"off_policy.max_staleness={bound}",
+                                                       *arm_overrides(arm, tuple(streamrl_set))])
+        except ConfigError as e:
+            raise SystemExit(f"--streamrl-set ({arm}): {e}") from None
     key = variant(tuple(streamrl_set), quick)
     earlier = earlier_results(out, "stress")
     for data in run(quick, repeats, first_seed, tuple(streamrl_set), out, plot_name(key)):

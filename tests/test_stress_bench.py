@@ -117,3 +117,15 @@ def test_a_stress_study_cut_short_keeps_the_seeds_it_finished(tmp_path, monkeypa
     when = {x["invocation"] for rows in saved["runs"].values() for x in rows}  # each run says when and where it ran
     assert len(when) == 1 and results["tables"][0]["title"].endswith(f"; run {when.pop()}")
     assert {arm: [x["seed"] for x in rows] for arm, rows in saved["runs"].items()} == {arm: [0] for arm in stress.ARMS}
+
+
+def test_stress_gives_the_controllers_settings_to_the_auto_arm_alone_and_refuses_a_bad_one_before_any_run():
+    from benchmarks import stress
+
+    both = ("learner.lr=5e-4", "off_policy.auto.low=0")
+    assert stress.arm_overrides("auto", both) == both
+    assert stress.arm_overrides("fixed 8", both) == stress.arm_overrides("sync", both) == ("learner.lr=5e-4",)
+    with pytest.raises(SystemExit, match=r"(?s)--streamrl-set \(auto\):.*low 9 > high 8"):
+        stress.main(streamrl_set=("off_policy.auto.low=9",))
+    with pytest.raises(SystemExit, match=r"(?s)--streamrl-set \(fixed 8\):.*lr"):
+        stress.main(streamrl_set=("learner.lr=-1",))
