@@ -96,6 +96,7 @@ COMMANDS = {
     "streamrl bench trl --precision bf16": BENCH,
     "streamrl bench trl --trl-trainer async --lora": BENCH,
     "streamrl bench engines": BENCH,
+    "streamrl bench stress": BENCH,
 }
 
 

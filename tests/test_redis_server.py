@@ -8,7 +8,7 @@ from streamrl.testing import synthetic_group
 
 
 def test_binds_loopback_and_keeps_data_across_a_crash(tmp_path):
-    server = EmbeddedRedis(tmp_path)
+    server = EmbeddedRedis(tmp_path, appendfsync="always")  # the config's default: no acknowledged write is lost
     server.start()
     try:
         assert server.url.startswith("redis://127.0.0.1:")

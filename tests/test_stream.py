@@ -178,7 +178,7 @@ def test_concurrent_writers_in_several_processes(ns, redis_server):
 
 
 def test_puts_survive_a_redis_crash_and_restart(tmp_path):
-    server = EmbeddedRedis(tmp_path / "redis")
+    server = EmbeddedRedis(tmp_path / "redis", appendfsync="always")  # the config's default: no acknowledged put is lost
     server.start()
     ns = Namespace.open(server.url, "crash", retries=20, retry_cap_s=0.5)
     stream, groups, errors = ReplayStream(ns), [synthetic_group(2, 8, prompt_len=2) for _ in range(300)], []
