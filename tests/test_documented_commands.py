@@ -96,7 +96,9 @@ COMMANDS = {
     "streamrl bench trl --precision bf16": BENCH,
     "streamrl bench trl --trl-trainer async --lora": BENCH,
     "streamrl bench engines": BENCH,
-    "streamrl bench stress": BENCH,
+    "streamrl bench stress": "a benchmark study of minutes a run: tests/test_stress_bench.py::"
+                             "test_stress_stops_the_learners_whole_process_tree_at_the_steps_due_and_lets_it_go_on checks its "
+                             "pauses, and its other tests how it pairs, joins and keeps its runs",
 }
 
 
