@@ -40,8 +40,7 @@ def machine_info() -> dict[str, Any]:
 
 def this_invocation() -> str:
     """This invocation's name in its runs: when and on what it ran (a ratio across two compares machines too)."""
-    machine = machine_info()
-    return f"{machine['time']} ({machine.get('cpu', 'unknown CPU')})"
+    return f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} ({cpu_model()})"  # the time as machine_info() gives it
 
 
 def cpu_model() -> str:

@@ -16,7 +16,8 @@ each arm's online accuracy, bound and effective sample size against the step; ea
 
 A variant with config overrides for every arm (``--streamrl-set learner.lr=2e-4``: a policy that moves further
 each step, so that the same staleness is further off-policy; the controller's own, ``off_policy.auto.*``, for the
-auto arm alone) is kept beside the as-shipped one, with its own tables and plot. The results are written after every seed.
+auto arm alone) is kept beside the as-shipped one, with its own tables and plot. The results are written after
+every seed.
 
     python -m benchmarks.stress [--quick] [--repeats N] [--first-seed S] [--streamrl-set K=V]   (streamrl bench stress)
 """
