@@ -90,12 +90,11 @@ def test_tokens_carry_the_version_that_made_them_and_an_aborted_call_ends_the_ep
     sample = asyncio.run(main())
     assert [c.finish_type for c in calls][2] == "abort" and sample.finish_reason == "abort"
     generated = sample.versions[sample.loss_mask.astype(bool)].tolist()
-    assert generated[: len(calls[0].output_ids) + len(calls[1].output_ids)] == (
-        [0] * len(calls[0].output_ids) + [5] * len(calls[1].output_ids))
-    assert sample.env_info["turns"] == 3 and sample.reward == 0.0  # the agent's call failed: no reward claimed
+    assert generated == [0] * len(calls[0].output_ids) + [5] * len(calls[1].output_ids)  # none of the aborted call
+    assert sample.env_info["turns"] == 2 and sample.reward == 0.0  # the agent's call failed: no reward claimed
 
 
-def test_an_aborted_call_ends_the_episode_there(parts):
+def test_an_aborted_first_call_ends_the_episode_with_nothing_to_train_on(parts):
     _, tokenizer, engine = parts
     runner, calls = _runner(tokenizer, agents.tool_user), []
 
@@ -112,9 +111,9 @@ def test_an_aborted_call_ends_the_episode_there(parts):
         finally:
             await runner.close()
 
-    sample = asyncio.run(main())
+    with pytest.raises(EnvFault, match="aborted before any call was answered"):
+        asyncio.run(main())
     assert len(calls) == 1 and calls[0].finish_type == "abort"  # no call after it
-    assert sample.finish_reason == "abort" and sample.env_info["turns"] == 1
 
 
 def test_an_agent_that_edits_its_history_starts_a_new_sequence_the_learner_scores_apart(parts):

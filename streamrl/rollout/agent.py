@@ -24,6 +24,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -54,7 +55,8 @@ class _Call:
 
 @dataclass
 class _Plan:
-    """What a call does to the trajectory, decided before anything changes (a refused call changes nothing)."""
+    """What a call does to the trajectory, decided before anything changes: applied only once its answer has
+    reached the agent, so a call that fails for any reason leaves the episode as it was."""
 
     messages: list[dict]
     tools: list[dict] | None
@@ -62,6 +64,10 @@ class _Plan:
     new_sequence: bool
     ids: list[int]  # observation tokens that open the new turn
     text: str
+    context: list[int]  # what the call generates from: the trajectory's context once the plan is applied
+
+
+Deliver = Callable[[list[dict[str, Any]], dict[str, int]], Awaitable[None]]
 
 
 class AgentEpisode:
@@ -83,46 +89,49 @@ class AgentEpisode:
 
     # ------------------------------------------------------------------ the gateway's side
 
-    async def complete(self, request: ChatRequest) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    async def complete(self, request: ChatRequest, deliver: Deliver) -> None:
+        """Generate the call's choices, hand them to ``deliver`` (which raises if they cannot reach the agent),
+        and only then record the call. Raises ``RequestError`` for a call the episode refuses."""
         self.in_flight += 1  # a call waiting its turn is not the agent's own time either
         try:
             async with self._lock:
-                return await self._complete(request)
+                await self._complete(request, deliver)
         finally:
             self.in_flight -= 1
             self.last_active = time.monotonic()
 
-    async def _complete(self, request: ChatRequest) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    async def _complete(self, request: ChatRequest, deliver: Deliver) -> None:
         if self.aborted:
             raise Aborted()
         if self.calls >= self.max_calls:
             raise RequestError(f"this episode made its {self.max_calls} calls (rollout.agent_max_calls)")
         params = self._params(request)
         plan = self._plan(request)
-        prompt = len(plan.ids) + (0 if plan.new_sequence or self.pending is None else
-                                  len(self.seqs.context) + len(self.pending.choices[plan.commit].output_ids))
-        room = self.max_context - prompt
+        room = self.max_context - len(plan.context)
         if room < 1 or (request.limit or 0) > room:
             raise RequestError(f"the context holds {self.max_context} tokens (rollout.max_context) and the messages "
-                               f"take {prompt}: max_tokens can be at most {max(room, 0)}",
+                               f"take {len(plan.context)}: max_tokens can be at most {max(room, 0)}",
                                param="max_tokens" if room >= 1 else "messages")
-        self._apply(plan)
         params = replace(params, max_new_tokens=min(request.limit or params.max_new_tokens, room))
-        generate = self.opening if self.calls == 0 and request.n == 1 else self.generate
-        self.calls += 1
+        generate = self.opening if self.pending is None and request.n == 1 else self.generate
+        self.calls += 1  # failed calls count too: the limit bounds what an agent can make the engine do
         t0 = time.perf_counter()
-        choices = await asyncio.gather(*(generate(self.seqs.context, params) for _ in range(request.n)))
-        self.generate_s += time.perf_counter() - t0
-        raw = [self.renderer.reply_text(c.output_ids) for c in choices]
-        self.pending = _Call(plan.messages, plan.tools, plan.text, list(choices), raw)
+        try:
+            choices = await _all([generate(plan.context, _choice(params, i)) for i in range(request.n)])
+        finally:
+            self.generate_s += time.perf_counter() - t0
         if any(c.finish_type == "abort" for c in choices):
             self.aborted = True
             raise Aborted()
+        raw = [self.renderer.reply_text(c.output_ids) for c in choices]
+        parse = bool(request.tools) and request.tool_choice != "none"
+        answers = [self._answer(c, text, request.stop or [], parse) for c, text in zip(choices, raw)]
         completion = sum(len(c.output_ids) for c in choices)
-        usage = {"prompt_tokens": len(self.seqs.context), "completion_tokens": completion,
-                 "total_tokens": len(self.seqs.context) + completion}
-        parse = request.tools and request.tool_choice != "none"
-        return [self._answer(c, text, parse) for c, text in zip(choices, raw)], usage
+        await deliver(answers, {"prompt_tokens": len(plan.context), "completion_tokens": completion,
+                                "total_tokens": len(plan.context) + completion})
+        self._apply(plan)  # the agent has the answer: now, and only now, the call joins the trajectory
+        self.pending = _Call(plan.messages, plan.tools, plan.text, list(choices), raw)
+        self.mine.update((reply_key(a["message"]), text) for a, text in zip(answers, raw))
 
     def _params(self, request: ChatRequest) -> SamplingParams:
         if request.temperature is not None and request.temperature != self.temperature:
@@ -132,17 +141,13 @@ class AgentEpisode:
         return replace(self.params, top_p=request.top_p if request.top_p is not None else self.params.top_p,
                        stop=tuple(request.stop or ()), seed=request.seed)
 
-    def _answer(self, out: Completion, text: str, parse: bool) -> dict[str, Any]:
-        content = text
-        matched = out.finish_reason.get("matched")
-        if isinstance(matched, str) and content.endswith(matched):  # OpenAI leaves the stop string out
-            content = content[: -len(matched)]
+    def _answer(self, out: Completion, text: str, stops: list[str], parse: bool) -> dict[str, Any]:
+        content = _before_stop(text, stops)  # OpenAI leaves the stop string out, and what follows it in its token
         parsed = self.parser(content) if parse else None
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content if parsed else content}
         if parsed and parsed.calls:
             message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                                       "function": {"name": c.name, "arguments": c.arguments}} for c in parsed.calls]
-        self.mine[reply_key(message)] = text
         finish = "tool_calls" if "tool_calls" in message else "length" if out.finish_type == "length" else "stop"
         return {"message": message, "finish_reason": finish}
 
@@ -159,10 +164,12 @@ class AgentEpisode:
                 if cont is not None:
                     tail, ids = cont
                     text = closed_text(prev.text, prev.choices[k], prev.raw[k], self.renderer) + tail
-                    return _Plan(messages, tools, k, False, ids, text)
+                    return _Plan(messages, tools, k, False, ids, text,
+                                 self.seqs.context + prev.choices[k].output_ids + ids)
         text = self.renderer.render(messages, True, tools)
         commit = None if prev is None else k if k is not None else 0
-        return _Plan(messages, tools, commit, prev is not None, self.renderer.encode(text), text)
+        ids = self.renderer.encode(text)
+        return _Plan(messages, tools, commit, prev is not None, ids, text, ids)
 
     def _as_rendered(self, message: dict) -> dict:
         """A reply this episode returned stands for its generated text; other messages render as they are."""
@@ -198,7 +205,8 @@ class AgentEpisode:
         if self.pending is not None:
             self._commit(0)
         if not self.turns:
-            raise EnvFault("the agent returned without calling the model")
+            raise EnvFault("the episode was aborted before any call was answered" if self.aborted else
+                           "the agent returned without a successful call to the model")
         reward, info = _reward(result, len(self.turns))
         turn_rewards = info.pop("turn_rewards", None) or [0.0] * (len(self.turns) - 1) + [reward]
         finish = "abort" if self.aborted else self.turns[-1].finish_type
@@ -209,6 +217,28 @@ class AgentEpisode:
     def idle_s(self) -> float:
         """How long the agent has run its own code since its last call returned (0 while a call is out)."""
         return 0.0 if self.in_flight else time.monotonic() - self.last_active
+
+
+async def _all(calls: list[Awaitable[Completion]]) -> list[Completion]:
+    """Every choice, or the first failure with the rest cancelled (a failed call asks the engine for nothing more)."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _choice(params: SamplingParams, i: int) -> SamplingParams:
+    """Choice ``i`` of a call with a ``seed`` samples with ``seed + i``: a server's own rule for ``n``, kept per
+    choice so that siblings' identical seeded calls are answered alike, never merged into one request."""
+    return params if params.seed is None or i == 0 else replace(params, seed=(params.seed + i) % 2**63)
+
+
+def _before_stop(text: str, stops: list[str]) -> str:
+    """The text up to the first stop string, wherever the token that completed it ends."""
+    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return text[: min(cuts)] if cuts else text
 
 
 def reply_key(message: dict) -> tuple:

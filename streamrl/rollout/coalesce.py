@@ -4,7 +4,10 @@ The n episodes of a group start from the same prompt, so their first turn is n
 identical requests. Sent as one ``/generate`` with ``n`` they cost one HTTP round
 trip instead of n, and an engine with a prefix cache prefills the prompt once.
 A request waits at most ``window_s`` for siblings; later turns, whose contexts
-differ, go out alone after the same short wait.
+differ, go out alone after the same short wait. A request with a ``seed`` goes out
+alone at once: merged, the second of two siblings would sample with another seed
+(a server gives the i-th of n samples ``seed + i``), so identical seeded calls
+would be answered differently.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ class Coalescer:
                        siblings: int = 1) -> Completion:
         """One completion; ``siblings``: how many identical requests are on their way (the opening calls of a
         group's agent episodes), sent together as soon as all have come, or after ``SIBLINGS_WAIT_S``."""
-        if self.window_s <= 0:
+        if self.window_s <= 0 or params.seed is not None:
             return (await self.send_n(input_ids, params, 1, priority=priority))[0]
         loop = asyncio.get_running_loop()
         key = (tuple(input_ids), params, priority)

@@ -96,7 +96,12 @@ class HFEngine:
     async def generate(self, rid: str, input_ids: list[int], params: SamplingParams,
                        priority: int = 0, adapter: str | None = None) -> Completion:
         self._check_adapter(adapter)
-        return await asyncio.wrap_future(self.submit(rid, input_ids, params, priority))
+        future = self.submit(rid, input_ids, params, priority)
+        try:  # shielded: a cancelled future would fail the engine's set_result, and with it the whole batch
+            return await asyncio.shield(asyncio.wrap_future(future))
+        except asyncio.CancelledError:
+            self.abort(rid)  # the caller is gone: free its row
+            raise
 
     def _check_adapter(self, adapter: str | None) -> None:
         """An adapter named in a request must be the one served: the engine merges each version into its
