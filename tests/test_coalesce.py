@@ -109,3 +109,21 @@ def test_requests_told_of_siblings_wait_past_the_window_for_them_and_go_as_soon_
     together = asyncio.run(main())
     assert send.calls == [((1, 2), 3), ((1, 2), 2)]
     assert together < 0.045  # sent when the third came (0.02 s), plus the send's own 0.01 s; not at 0.05 s
+
+
+def test_seeded_siblings_go_out_alone_each_with_its_seed():
+    """Merged into one request with n, the second sibling would sample with seed + 1: the same seeded call would be
+    answered differently for each sibling."""
+    sent = []
+
+    async def send(input_ids, params, n, priority=0):
+        sent.append((tuple(input_ids), n, params.seed))
+        return [Completion(output_ids=[params.seed])] * n
+
+    async def main():
+        co = Coalescer(send, window_s=0.02)
+        seeded = SamplingParams(max_new_tokens=4, seed=7)
+        return await asyncio.gather(*[co.generate([1, 2], seeded, siblings=2) for _ in range(2)])
+
+    outs = asyncio.run(main())
+    assert sent == [((1, 2), 1, 7), ((1, 2), 1, 7)] and [o.output_ids for o in outs] == [[7], [7]]
