@@ -11,7 +11,7 @@ from streamrl.rollout.agent import AgentRunner
 from streamrl.rollout.engines.base import SamplingParams
 from streamrl.rollout.engines.hf import HFEngine
 from streamrl.rollout.episode import ChatRenderer
-from streamrl.rollout.tool_calls import hermes
+from streamrl.rollout.tool_calls import ParsedReply, ToolCall, hermes
 
 # ChatML as SmolLM2's template writes it: content concatenated (null content would raise), no tool support
 CONCATENATING = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
@@ -147,3 +147,41 @@ def test_a_seed_samples_choice_i_with_seed_plus_i_and_the_same_seed_answers_alik
     _play(parts, agent)
     assert replies["n1"][0] == replies["n1"][2] == replies["n2"][0]  # same seed, same messages: the same reply
     assert replies["n1"][1] == replies["n2"][1]  # choice 1 of seed 11 is seed 12's reply
+
+
+def _two_calls(text):
+    return ParsedReply(None, [ToolCall("echo", '{"text": "a"}'), ToolCall("add", '{"a": 1, "b": 2}')])
+
+
+TOOLS = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}} for name in ("echo", "add")]
+
+
+@pytest.mark.parametrize("choice, parallel, names", [
+    (None, None, ["echo", "add"]),
+    ("required", None, ["echo", "add"]),  # smolagents sends it on every call: calls are read as with auto
+    ({"type": "function", "function": {"name": "add"}}, None, ["add"]),
+    ("auto", False, ["echo"]),
+    ("none", None, []),
+])
+def test_tool_choice_and_parallel_tool_calls_choose_the_calls_returned(parts, choice, parallel, names):
+    tokenizer, engine = parts
+    got = []
+
+    async def agent(client, item):
+        extra = {k: v for k, v in (("tool_choice", choice), ("parallel_tool_calls", parallel)) if v is not None}
+        reply = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "go"}],
+                                                     tools=TOOLS, **extra)
+        got.append([c.function.name for c in reply.choices[0].message.tool_calls or []])
+        return 0.0
+
+    runner = AgentRunner(agent, {}, renderer=ChatRenderer(tokenizer), parser=_two_calls, temperature=1.0,
+                         max_context=1024, max_calls=4, timeout_s=60)
+
+    async def main():
+        try:
+            await runner.play({}, generate=lambda ids, p: engine.generate("tc", ids, p), params=SamplingParams())
+        finally:
+            await runner.close()
+
+    asyncio.run(main())
+    assert got == [names]

@@ -124,8 +124,7 @@ class AgentEpisode:
             self.aborted = True
             raise Aborted()
         raw = [self.renderer.reply_text(c.output_ids) for c in choices]
-        parse = bool(request.tools) and request.tool_choice != "none"
-        answers = [self._answer(c, text, request.stop or [], parse) for c, text in zip(choices, raw)]
+        answers = [self._answer(c, text, request) for c, text in zip(choices, raw)]
         completion = sum(len(c.output_ids) for c in choices)
         await deliver(answers, {"prompt_tokens": len(plan.context), "completion_tokens": completion,
                                 "total_tokens": len(plan.context) + completion})
@@ -141,13 +140,15 @@ class AgentEpisode:
         return replace(self.params, top_p=request.top_p if request.top_p is not None else self.params.top_p,
                        stop=tuple(request.stop or ()), seed=request.seed)
 
-    def _answer(self, out: Completion, text: str, stops: list[str], parse: bool) -> dict[str, Any]:
-        content = _before_stop(text, stops)  # OpenAI leaves the stop string out, and what follows it in its token
-        parsed = self.parser(content) if parse else None
-        message: dict[str, Any] = {"role": "assistant", "content": parsed.content if parsed else content}
-        if parsed and parsed.calls:
+    def _answer(self, out: Completion, text: str, request: ChatRequest) -> dict[str, Any]:
+        # OpenAI leaves the stop string out, and what follows it in the token that completed it
+        content = _before_stop(text, request.stop or [])
+        parsed = self.parser(content) if request.tools and request.tool_choice != "none" else None
+        calls = request.calls_wanted(parsed.calls) if parsed else []
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content if calls else content}
+        if calls:
             message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                                      "function": {"name": c.name, "arguments": c.arguments}} for c in parsed.calls]
+                                      "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
         finish = "tool_calls" if "tool_calls" in message else "length" if out.finish_type == "length" else "stop"
         return {"message": message, "finish_reason": finish}
 

@@ -161,6 +161,15 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 Stop = Annotated[str, Field(min_length=1)]
 
 
@@ -170,8 +179,9 @@ class ChatRequest(_Strict):
     model: str
     messages: list[Message] = Field(min_length=1)
     tools: list[Tool] | None = None
-    tool_choice: Literal["auto", "none"] | None = None
-    parallel_tool_calls: Literal[True] | None = None  # every call in a reply is returned
+    # which calls are read from the reply: generation itself is never constrained (its tokens are the policy's)
+    tool_choice: Literal["auto", "required", "none"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -186,6 +196,14 @@ class ChatRequest(_Strict):
     @classmethod
     def _stops(cls, stop: str | list[str] | None) -> list[str]:
         return [stop] if isinstance(stop, str) else list(stop or [])
+
+    def calls_wanted(self, calls: list) -> list:
+        """The tool calls the request asks to be returned, of those read from a reply."""
+        if not self.tools or self.tool_choice == "none":
+            return []
+        if isinstance(self.tool_choice, NamedToolChoice):
+            calls = [c for c in calls if c.name == self.tool_choice.function.name]
+        return calls[:1] if self.parallel_tool_calls is False else calls
 
     @property
     def limit(self) -> int | None:
@@ -383,8 +401,10 @@ async def _stream(request: web.Request, completion: dict, choices: list[dict], u
 def _error(e: RequestError) -> web.Response:
     kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
             413: "invalid_request_error"}.get(e.status, "api_error")
+    # the openai SDK retries 5xx unless told not to: a 503 (the episode is over) would only be refused again
+    headers = {"x-should-retry": "false"} if e.status == 503 else None
     return web.json_response({"error": {"message": str(e), "type": kind, "param": e.param, "code": None}},
-                             status=e.status)
+                             status=e.status, headers=headers)
 
 
 def _object(arguments: str) -> Any:
