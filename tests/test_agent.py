@@ -4,7 +4,7 @@ import asyncio
 import json
 from pathlib import Path
 
-import agents
+import user_agents as agents
 import httpx
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer

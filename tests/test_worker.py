@@ -136,7 +136,7 @@ def test_agent_episodes_land_token_exact_and_a_raising_agent_is_counted_not_fata
 
     from streamrl.testing import learner_logprob_gap
 
-    agents = Path(__file__).parent / "agents.py"
+    agents = Path(__file__).parent / "user_agents.py"
     questions = tmp_path / "questions.jsonl"
     questions.write_text("".join(json.dumps({"question": f"what is {i} plus {i}"}) + "\n" for i in range(20)))
     proc = _worker(fleet, f"rollout.env={agents}:tool_user", "rollout.env_args={fail_rate: 0.15}",

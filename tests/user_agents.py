@@ -66,3 +66,28 @@ async def single_turn(client, item, reward: str = "exact_match"):
     reply = await client.chat.completions.create(model="policy", messages=messages)
     result = await env.step(Action(text=reply.choices[0].message.content or "", token_ids=[]))
     return result.reward, result.info
+
+
+def odd_replies_call_the_calculator(text: str) -> ParsedReply:
+    """A tool parser for the tiny random model: a reply of odd length is a calculator call, any other its answer."""
+    if len(text) % 2:
+        return ParsedReply(None, [ToolCall("calculator", json.dumps({"expression": "3 * 4 + 5"}))])
+    return ParsedReply(text)
+
+
+async def by_framework(client, item, max_turns: int = 4, log: str | None = None):
+    """``item["framework"]``'s example agent (examples/frameworks/), as it is; each finished episode logged."""
+    import importlib.util
+    from pathlib import Path
+
+    name = {"langgraph": "langgraph_agent", "openai-agents": "openai_agents_agent",
+            "pydantic-ai": "pydantic_ai_agent"}[item["framework"]]
+    path = Path(__file__).parent.parent / "examples" / "frameworks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    reward, info = await module.solve(client, item, max_calls=max_turns)
+    if log:
+        with open(log, "a") as f:
+            f.write(json.dumps({"framework": item["framework"], "reward": reward}) + "\n")
+    return reward, {**info, "framework": item["framework"]}

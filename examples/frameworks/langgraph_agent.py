@@ -1,0 +1,58 @@
+"""The calculator task as a LangGraph agent: a graph of a model node (langchain-openai's ``ChatOpenAI``) and a tool
+node, looping while the model calls the calculator.
+
+Ordinary LangGraph code; only ``base_url`` and ``api_key`` point at the episode's gateway. Train it with
+
+    streamrl up configs/agent.yaml rollout.env=examples/frameworks/langgraph_agent.py:solve --fresh
+"""
+
+from __future__ import annotations
+
+import re
+
+from langchain_core.messages import SystemMessage
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
+from langgraph.graph import START, MessagesState, StateGraph
+from langgraph.prebuilt import ToolNode, tools_condition
+
+from streamrl.envs.calculator import calculate
+
+INSTRUCTIONS = "Use the calculator for arithmetic, then answer with the number only."
+
+
+@tool
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression (numbers, + - * / and parentheses)."""
+    try:
+        return calculate(expression)
+    except ValueError as e:
+        return f"error: {e}"
+
+
+def build(llm: ChatOpenAI):
+    model = llm.bind_tools([calculator])
+
+    async def think(state: MessagesState) -> dict:
+        return {"messages": [await model.ainvoke([SystemMessage(INSTRUCTIONS), *state["messages"]])]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("think", think)
+    graph.add_node("tools", ToolNode([calculator]))
+    graph.add_edge(START, "think")
+    graph.add_conditional_edges("think", tools_condition)  # to the tools while the model calls them, else done
+    graph.add_edge("tools", "think")
+    return graph.compile()
+
+
+async def solve(client, item, max_calls: int = 4):
+    agent = build(ChatOpenAI(model="policy", base_url=str(client.base_url), api_key=client.api_key))
+    state = await agent.ainvoke({"messages": [("user", item["question"])]},
+                                {"recursion_limit": 2 * max_calls})  # a model step and a tool step per call
+    return score(str(state["messages"][-1].content), item)
+
+
+def score(answer: str, item) -> tuple[float, dict]:
+    numbers = re.findall(r"-?\d+", answer)
+    correct = bool(numbers) and int(numbers[-1]) == int(item["answer"])
+    return float(correct), {"correct": correct}

@@ -1,0 +1,47 @@
+"""The calculator task with the OpenAI Agents SDK: an ``Agent`` with a ``@function_tool``, run by ``Runner``.
+
+Ordinary Agents SDK code; only the client's ``base_url`` and ``api_key`` point at the episode's gateway. The SDK's
+default model speaks the Responses API; the gateway serves chat completions, so the agent is given the SDK's
+``OpenAIChatCompletionsModel``, as the SDK's docs do for any other chat-completions provider. Train it with
+
+    streamrl up configs/agent.yaml rollout.env=examples/frameworks/openai_agents_agent.py:solve --fresh
+"""
+
+from __future__ import annotations
+
+import re
+
+from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+from openai import AsyncOpenAI
+
+from streamrl.envs.calculator import calculate
+
+set_tracing_disabled(True)  # traces would go to OpenAI's servers
+INSTRUCTIONS = "Use the calculator for arithmetic, then answer with the number only."
+
+
+@function_tool
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression (numbers, + - * / and parentheses).
+
+    Args:
+        expression: the expression, e.g. "2 * 3 + 4"
+    """
+    try:
+        return calculate(expression)
+    except ValueError as e:
+        return f"error: {e}"
+
+
+async def solve(client, item, max_calls: int = 4):
+    model = OpenAIChatCompletionsModel(
+        model="policy", openai_client=AsyncOpenAI(base_url=str(client.base_url), api_key=client.api_key))
+    agent = Agent(name="calculator", instructions=INSTRUCTIONS, tools=[calculator], model=model)
+    result = await Runner.run(agent, item["question"], max_turns=max_calls)
+    return score(str(result.final_output), item)
+
+
+def score(answer: str, item) -> tuple[float, dict]:
+    numbers = re.findall(r"-?\d+", answer)
+    correct = bool(numbers) and int(numbers[-1]) == int(item["answer"])
+    return float(correct), {"correct": correct}

@@ -1,0 +1,40 @@
+"""The calculator task with pydantic-ai: an ``Agent`` over ``OpenAIChatModel`` with a tool.
+
+Ordinary pydantic-ai code; only the provider's ``base_url`` and ``api_key`` point at the episode's gateway. Train it
+with
+
+    streamrl up configs/agent.yaml rollout.env=examples/frameworks/pydantic_ai_agent.py:solve --fresh
+"""
+
+from __future__ import annotations
+
+import re
+
+from pydantic_ai import Agent, UsageLimits
+from pydantic_ai.models.openai import OpenAIChatModel
+from pydantic_ai.providers.openai import OpenAIProvider
+
+from streamrl.envs.calculator import calculate
+
+INSTRUCTIONS = "Use the calculator for arithmetic, then answer with the number only."
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression (numbers, + - * / and parentheses).
+
+    Args:
+        expression: the expression, e.g. "2 * 3 + 4"
+    """
+    try:
+        return calculate(expression)
+    except ValueError as e:
+        return f"error: {e}"
+
+
+async def solve(client, item, max_calls: int = 4):
+    model = OpenAIChatModel("policy", provider=OpenAIProvider(base_url=str(client.base_url), api_key=client.api_key))
+    agent = Agent(model, instructions=INSTRUCTIONS, tools=[calculator])
+    result = await agent.run(item["question"], usage_limits=UsageLimits(request_limit=max_calls))
+    numbers = re.findall(r"-?\d+", str(result.output))
+    correct = bool(numbers) and int(numbers[-1]) == int(item["answer"])
+    return float(correct), {"correct": correct}
