@@ -4,9 +4,9 @@ import asyncio
 import json
 from pathlib import Path
 
-import user_agents as agents
 import httpx
 import pytest
+import user_agents as agents
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from streamrl.rollout.agent import AgentRunner

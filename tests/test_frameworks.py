@@ -95,7 +95,7 @@ def test_the_three_framework_agents_train_with_up(tmp_path, tiny_model_dir):
     dataset = tmp_path / "questions.jsonl"
     dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
     argv = [sys.executable, "-m", "streamrl", "up", "configs/agent.yaml", f"run.dir={tmp_path}", "run.name=fw",
-            "prepare.fn=null", f"model.path={tiny_model_dir}", f"rollout.dataset={dataset}", "rollout.shuffle=false",
+            "prepare.fn=null", "prepare.args={}", f"model.path={tiny_model_dir}", f"rollout.dataset={dataset}", "rollout.shuffle=false",
             "eval.dataset=null", f"rollout.env={Path(__file__).parent / 'user_agents.py'}:by_framework",
             f"rollout.tool_parser={Path(__file__).parent / 'user_agents.py'}:odd_replies_call_the_calculator",
             "rollout.sampling.n=4", "rollout.sampling.temperature=1.0", "rollout.sampling.max_new_tokens=12",
@@ -106,8 +106,9 @@ def test_the_three_framework_agents_train_with_up(tmp_path, tiny_model_dir):
     done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=ROOT,
                           env={**os.environ, "COLUMNS": "200"})
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    steps = read_records(tmp_path / "fw" / "metrics" / "learner.jsonl")
-    assert [s["step"] for s in steps][-1] == 3
+    steps = [s for s in read_records(tmp_path / "fw" / "metrics" / "learner.jsonl") if "groups" in s]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert sum(s["groups"] - s["groups_no_signal"] for s in steps) > 0  # some groups' rewards differed: gradients
     episodes = [json.loads(line) for line in (tmp_path / "episodes.jsonl").read_text().splitlines()]
     assert {e["framework"] for e in episodes} == set(FRAMEWORKS), episodes[:3]
     workers = read_records(tmp_path / "fw" / "metrics" / "rollout-worker-0.jsonl")

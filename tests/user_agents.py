@@ -76,7 +76,8 @@ def odd_replies_call_the_calculator(text: str) -> ParsedReply:
 
 
 async def by_framework(client, item, max_turns: int = 4, log: str | None = None):
-    """``item["framework"]``'s example agent (examples/frameworks/), as it is; each finished episode logged."""
+    """``item["framework"]``'s example agent (examples/frameworks/), as it is, under a reward of its own; each
+    finished episode logged to ``log``."""
     import importlib.util
     from pathlib import Path
 
@@ -86,7 +87,10 @@ async def by_framework(client, item, max_turns: int = 4, log: str | None = None)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    reward, info = await module.solve(client, item, max_calls=max_turns)
+    _, info = await module.solve(client, item, max_calls=max_turns)
+    # the tiny model cannot do arithmetic: reward answers whose length is a multiple of 4 instead (an answer has
+    # an even length under odd_replies_call_the_calculator), a signal that varies within a group about half the time
+    reward = float(len(info["answer"]) % 4 == 0)
     if log:
         with open(log, "a") as f:
             f.write(json.dumps({"framework": item["framework"], "reward": reward}) + "\n")

@@ -44,4 +44,4 @@ async def solve(client, item, max_calls: int = 4):
 def score(answer: str, item) -> tuple[float, dict]:
     numbers = re.findall(r"-?\d+", answer)
     correct = bool(numbers) and int(numbers[-1]) == int(item["answer"])
-    return float(correct), {"correct": correct}
+    return float(correct), {"correct": correct, "answer": answer}

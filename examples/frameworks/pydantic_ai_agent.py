@@ -35,6 +35,7 @@ async def solve(client, item, max_calls: int = 4):
     model = OpenAIChatModel("policy", provider=OpenAIProvider(base_url=str(client.base_url), api_key=client.api_key))
     agent = Agent(model, instructions=INSTRUCTIONS, tools=[calculator])
     result = await agent.run(item["question"], usage_limits=UsageLimits(request_limit=max_calls))
-    numbers = re.findall(r"-?\d+", str(result.output))
+    answer = str(result.output)
+    numbers = re.findall(r"-?\d+", answer)
     correct = bool(numbers) and int(numbers[-1]) == int(item["answer"])
-    return float(correct), {"correct": correct}
+    return float(correct), {"correct": correct, "answer": answer}
