@@ -15,10 +15,11 @@ from schemathesis import GenerationMode
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from streamrl.rollout.agent import AgentRunner
+from streamrl.rollout.chat_api import openapi
 from streamrl.rollout.engines.base import SamplingParams
 from streamrl.rollout.engines.hf import HFEngine
 from streamrl.rollout.episode import ChatRenderer
-from streamrl.rollout.gateway import MAX_BODY, openapi
+from streamrl.rollout.gateway import MAX_BODY
 from streamrl.rollout.tool_calls import hermes
 
 EXAMPLES = 150  # per generation mode: CI's bounded budget (about 20 s)

@@ -29,9 +29,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from streamrl.protocol import Sample
+from streamrl.rollout.chat_api import ChatRequest, RequestError
 from streamrl.rollout.engines.base import Completion, SamplingParams
 from streamrl.rollout.episode import ChatRenderer, EnvFault, Generate, Sequences, closed_text, plain_info
-from streamrl.rollout.gateway import ChatRequest, Gateway, RequestError
+from streamrl.rollout.gateway import Gateway
 from streamrl.rollout.tool_calls import Parser
 
 
