@@ -76,8 +76,10 @@ STEP = st.one_of(
 )
 
 
-def script_agent(steps, served: Served, delivered: list[Delivered]):
+def script_agent(steps, served: Served, delivered: list[Delivered], door: str):
     async def agent(client, item):
+        if door == "http":  # a client of the agent's own, as frameworks make: the gateway's HTTP server
+            client = openai.AsyncOpenAI(base_url=str(client.base_url), api_key=client.api_key, max_retries=0)
         conversation: list[dict] = [{"role": "user", "content": "hello"}]
         call = 0
 
@@ -135,13 +137,14 @@ def continues(calls: list[Delivered], i: int) -> bool:
             and this.sent[n] == {"role": "assistant", "content": prev.contents[k]})
 
 
+@pytest.mark.parametrize("door", ["in-process", "http"])  # the client the agent is given; one it makes itself
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=st.lists(STEP, min_size=1, max_size=5))
-def test_the_trajectory_is_what_the_calls_that_succeeded_make(parts, steps):
+def test_the_trajectory_is_what_the_calls_that_succeeded_make(parts, door, steps):
     tokenizer, engine = parts
     note(f"steps: {steps}")
     served, delivered = Served(), []
-    runner = AgentRunner(script_agent(steps, served, delivered), {}, renderer=ChatRenderer(tokenizer), parser=hermes,
+    runner = AgentRunner(script_agent(steps, served, delivered, door), {}, renderer=ChatRenderer(tokenizer), parser=hermes,
                          temperature=1.0, max_context=1024, max_calls=64, timeout_s=60)
 
     async def main():

@@ -282,7 +282,7 @@ class AgentRunner:
         self.renderer, self.parser, self.temperature = renderer, parser, temperature
         self.max_context, self.max_calls, self.timeout_s = max_context, max_calls, timeout_s
         self.gateway = Gateway()
-        self._http = None
+        self._http = self._platform = None
         self._started = asyncio.Lock()
 
     async def play(self, item: dict[str, Any], *, generate: Generate, params: SamplingParams,
@@ -296,6 +296,8 @@ class AgentRunner:
                                opening=opening)
         eid, url, key = self.gateway.open(episode)
         client = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0, http_client=self._http)
+        if hasattr(client, "_platform"):  # else each new client asks a thread for what never changes
+            client._platform = self._platform
         t0 = time.perf_counter()
         try:
             result = await self._supervise(self.fn(client, item, **self.args), episode)
@@ -327,16 +329,20 @@ class AgentRunner:
                     await task
 
     async def _start(self) -> None:
+        if self.gateway.port is not None:
+            return
         async with self._started:
             if self.gateway.port is None:
-                import openai
+                import httpx2
+                from openai._base_client import get_platform
 
                 await self.gateway.start()
                 # the SDK's HTTP client logs every request at INFO: a line per model call of every episode
                 logging.getLogger("httpx2").setLevel(logging.WARNING)
-                # One connection pool for every episode's client, on the SDK's aiohttp transport: its default
-                # (httpx's pool) scans every connection per request, 2.4x the cost of a call at 64 in flight.
-                self._http = openai.DefaultAioHttpClient()
+                # The client handed to each agent reaches the gateway in-process: no sockets, no server round
+                # trip (over loopback HTTP a call cost 1.2 ms against 0.8 ms). Its base URL serves other clients.
+                self._http = httpx2.AsyncClient(transport=self.gateway.transport())
+                self._platform = await asyncio.to_thread(get_platform)
 
     async def close(self) -> None:
         await self.gateway.close()

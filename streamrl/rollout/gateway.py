@@ -8,13 +8,16 @@ means for the trajectory is the episode's business (``streamrl.rollout.agent``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import httpx2
 from aiohttp import web
 
 from streamrl.rollout.chat_api import ChatRequest, RequestError, openapi, parse
@@ -34,8 +37,23 @@ class Episode(Protocol):
         call is then not recorded); raises ``RequestError``."""
 
 
+@dataclass
+class Answer:
+    """An HTTP answer, whichever door it leaves by."""
+
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+Send = Callable[[Answer], Awaitable[None]]  # hands the answer to the caller; raises ConnectionError if it is gone
+
+
 class Gateway:
-    """An aiohttp server on loopback that routes each call to its episode."""
+    """Routes each call to its episode, by two doors: an aiohttp server on loopback (any client, any process), and
+    ``transport()``, an in-process HTTP transport for the openai client the worker hands each agent: the same
+    answers without sockets or a server round trip (a model call's largest cost when generation is cheap)."""
 
     def __init__(self, host: str = "127.0.0.1"):
         self.host = host
@@ -70,22 +88,55 @@ class Gateway:
     def forget(self, eid: str) -> None:
         self._episodes.pop(eid, None)
 
-    def _episode(self, request: web.Request) -> Episode:
-        found = self._episodes.get(request.match_info["episode"])
+    def transport(self) -> InProcess:
+        return InProcess(self)
+
+    # ------------------------------------------------------------------ what both doors answer
+
+    def models(self, eid: str, authorization: str) -> Answer:
+        try:
+            self._episode(eid, authorization)
+        except RequestError as e:
+            return _error(e)
+        return _json(200, {"object": "list", "data": [
+            {"id": MODEL, "object": "model", "created": 0, "owned_by": "streamrl"}]})
+
+    async def chat(self, eid: str, authorization: str, raw: bytes | RequestError, send: Send) -> None:
+        """Answer one chat call through ``send``; the call joins its episode only if ``send`` succeeds."""
+        async def deliver(choices: list[dict[str, Any]], usage: dict[str, int]) -> None:
+            completion = {"id": f"chatcmpl-{secrets.token_hex(8)}", "created": int(time.time()), "model": body.model}
+            await send(_events(completion, choices, usage, body) if body.stream else
+                       _json(200, {**completion, "object": "chat.completion", "usage": usage, "choices": [
+                           {"index": i, **c, "logprobs": None} for i, c in enumerate(choices)]}))
+
+        try:
+            episode = self._episode(eid, authorization)
+            if isinstance(raw, RequestError):
+                raise raw
+            body = parse(raw)
+            await episode.complete(body, deliver)
+        except RequestError as e:
+            await send(_error(e))
+        except ConnectionError:  # the caller hung up while its answer was being written: nothing was recorded
+            log.debug("an agent hung up before its answer was delivered")
+        except Exception as e:  # the episode's fault, not the caller's: a 500 the agent sees, never a crash
+            log.exception("agent call failed")
+            await send(_error(RequestError(f"generation failed: {type(e).__name__}: {e}", status=500)))
+
+    def _episode(self, eid: str, authorization: str) -> Episode:
+        found = self._episodes.get(eid)
         if found is None:
             raise RequestError("no such episode: it ended, or this URL was never handed out", status=404)
         key, episode = found
-        if not secrets.compare_digest(request.headers.get("Authorization", ""), f"Bearer {key}"):
+        if not secrets.compare_digest(authorization, f"Bearer {key}"):
             raise RequestError("missing or wrong API key (Authorization: Bearer <the episode's key>)", status=401)
         return episode
 
+    # ------------------------------------------------------------------ the aiohttp door
+
     async def _models(self, request: web.Request) -> web.Response:
-        try:
-            self._episode(request)
-        except RequestError as e:
-            return _error(e)
-        return web.json_response({"object": "list", "data": [
-            {"id": MODEL, "object": "model", "created": 0, "owned_by": "streamrl"}]})
+        answer = self.models(request.match_info["episode"], request.headers.get("Authorization", ""))
+        return web.Response(status=answer.status, body=answer.body, content_type=answer.content_type)
 
     async def _openapi(self, request: web.Request) -> web.Response:
         return web.json_response(openapi())
@@ -93,68 +144,82 @@ class Gateway:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         sent: list[web.StreamResponse] = []
 
-        async def deliver(choices: list[dict[str, Any]], usage: dict[str, int]) -> None:
-            completion = {"id": f"chatcmpl-{secrets.token_hex(8)}", "created": int(time.time()), "model": body.model}
-            sent.append(await (_stream if body.stream else _whole)(request, completion, choices, usage, body))
+        async def send(answer: Answer) -> None:
+            out = web.Response(status=answer.status, body=answer.body, headers=answer.headers,
+                               content_type=answer.content_type)
+            await out.prepare(request)
+            await out.write_eof()
+            sent.append(out)
 
         try:
-            episode = self._episode(request)
-            body = parse(await _read(request))
-            await episode.complete(body, deliver)
-        except RequestError as e:
-            return _error(e)
-        except ConnectionError:  # the caller hung up while its answer was being written: nothing was recorded
-            log.debug("an agent hung up before its answer was delivered")
-        except Exception as e:  # the episode's fault, not the caller's: a 500 the agent sees, never a crash
-            log.exception("agent call failed")
-            return _error(RequestError(f"generation failed: {type(e).__name__}: {e}", status=500))
+            raw: bytes | RequestError = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raw = RequestError(f"the body is larger than {MAX_BODY // 2**20} MiB", status=413)
+        await self.chat(request.match_info["episode"], request.headers.get("Authorization", ""), raw, send)
         return sent[0] if sent else web.Response(status=499)
 
 
-async def _read(request: web.Request) -> bytes:
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise RequestError(f"the body is larger than {MAX_BODY // 2**20} MiB", status=413) from None
+class InProcess(httpx2.AsyncBaseTransport):
+    """The gateway as an httpx2 transport (the openai client's): each request answered by ``Gateway.chat`` or
+    ``Gateway.models`` in the caller's own task. The client's read timeout is honoured: past it the call is
+    cancelled, as a client hanging up is."""
+
+    def __init__(self, gateway: Gateway):
+        self.gateway = gateway
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        parts = request.url.path.strip("/").split("/")  # e/<episode>/v1/<what...>
+        eid, what = (parts[1], "/".join(parts[3:])) if len(parts) > 3 and parts[0] == "e" else ("", "")
+        authorization = request.headers.get("Authorization", "")
+        if request.method == "GET" and what == "models":
+            return _response(self.gateway.models(eid, authorization))
+        if request.method != "POST" or what != "chat/completions":
+            return _response(_error(RequestError(f"no route {request.method} {request.url.path}", status=404)))
+        raw = await request.aread()
+        answers: list[Answer] = []
+
+        async def send(answer: Answer) -> None:
+            answers.append(answer)
+
+        timeout = (request.extensions.get("timeout") or {}).get("read")
+        try:
+            await asyncio.wait_for(self.gateway.chat(eid, authorization, raw, send), timeout)
+        except asyncio.TimeoutError:
+            raise httpx2.ReadTimeout("the call took longer than the client's timeout", request=request) from None
+        return _response(answers[0])
 
 
-async def _whole(request: web.Request, completion: dict, choices: list[dict], usage: dict,
-                 body: ChatRequest) -> web.StreamResponse:
-    out = web.json_response({**completion, "object": "chat.completion", "usage": usage,
-                             "choices": [{"index": i, **c, "logprobs": None} for i, c in enumerate(choices)]})
-    await out.prepare(request)
-    await out.write_eof()
-    return out
+def _response(answer: Answer) -> httpx2.Response:
+    return httpx2.Response(answer.status, content=answer.body,
+                           headers={"content-type": answer.content_type, **answer.headers})
 
 
-async def _stream(request: web.Request, completion: dict, choices: list[dict], usage: dict,
-                  body: ChatRequest) -> web.StreamResponse:
+def _json(status: int, value: Any, headers: dict[str, str] | None = None) -> Answer:
+    return Answer(status, json.dumps(value).encode(), headers=headers or {})
+
+
+def _events(completion: dict, choices: list[dict], usage: dict, body: ChatRequest) -> Answer:
     """The whole answer as server-sent events: each choice's role and content, its tool calls, its finish."""
-    out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await out.prepare(request)
     head = {**completion, "object": "chat.completion.chunk"}
-
-    async def send(choices_delta: list[dict], **extra) -> None:
-        await out.write(f"data: {json.dumps({**head, 'choices': choices_delta, **extra})}\n\n".encode())
-
+    chunks = []
     for i, choice in enumerate(choices):
         message = choice["message"]
-        await send([{"index": i, "delta": {"role": "assistant", "content": message["content"]}, "finish_reason": None}])
+        chunks.append([{"index": i, "delta": {"role": "assistant", "content": message["content"]},
+                        "finish_reason": None}])
         if message.get("tool_calls"):
             calls = [{"index": j, **call} for j, call in enumerate(message["tool_calls"])]
-            await send([{"index": i, "delta": {"tool_calls": calls}, "finish_reason": None}])
-        await send([{"index": i, "delta": {}, "finish_reason": choice["finish_reason"]}])
+            chunks.append([{"index": i, "delta": {"tool_calls": calls}, "finish_reason": None}])
+        chunks.append([{"index": i, "delta": {}, "finish_reason": choice["finish_reason"]}])
+    events = [{**head, "choices": c} for c in chunks]
     if body.stream_options and body.stream_options.include_usage:
-        await send([], usage=usage)
-    await out.write(b"data: [DONE]\n\n")
-    await out.write_eof()
-    return out
+        events.append({**head, "choices": [], "usage": usage})
+    text = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    return Answer(200, text.encode(), "text/event-stream", {"Cache-Control": "no-cache"})
 
 
-def _error(e: RequestError) -> web.Response:
+def _error(e: RequestError) -> Answer:
     kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
             413: "invalid_request_error"}.get(e.status, "api_error")
     # the openai SDK retries 5xx unless told not to: a 503 (the episode is over) would only be refused again
     headers = {"x-should-retry": "false"} if e.status == 503 else None
-    return web.json_response({"error": {"message": str(e), "type": kind, "param": e.param, "code": None}},
-                             status=e.status, headers=headers)
+    return _json(e.status, {"error": {"message": str(e), "type": kind, "param": e.param, "code": None}}, headers)
