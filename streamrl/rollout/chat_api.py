@@ -7,6 +7,7 @@ no tokenizer can encode), then the models. Every refusal is a ``RequestError`` w
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Annotated, Any, Literal
 
@@ -130,15 +131,26 @@ class FunctionDef(_Strict):
     def _json_schema(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
         if schema is None:
             return schema
-        import jsonschema
-
-        try:
-            jsonschema.validators.validator_for(schema).check_schema(schema)
-        except jsonschema.SchemaError as e:
-            raise ValueError(f"not a valid JSON schema: {e.message}") from None
-        if schema.get("type", "object") != "object":
-            raise ValueError("a function's parameters are a JSON schema of type object")
+        problem = _schema_problem(json.dumps(schema, sort_keys=True))
+        if problem:
+            raise ValueError(problem)
         return schema
+
+
+@functools.lru_cache(maxsize=1024)
+def _schema_problem(schema_json: str) -> str | None:
+    """What is wrong with a tool's parameters schema, by its JSON text: an agent sends the same tools with every
+    call, and checking one costs ~1.4 ms (its text, ~10 us)."""
+    import jsonschema
+
+    schema = json.loads(schema_json)
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        return f"not a valid JSON schema: {e.message}"
+    if schema.get("type", "object") != "object":
+        return "a function's parameters are a JSON schema of type object"
+    return None
 
 
 class Tool(_Strict):
