@@ -62,6 +62,9 @@ COMMANDS = {
         "tests/test_up.py::test_up_trains_a_lora_adapter_and_resumes_it_and_a_late_server_serves_it runs it with "
         "kills"),
     ".venv/bin/streamrl up configs/smollm2.yaml --fresh server.engine=vllm": GPU,
+    "streamrl up configs/agent.yaml rollout.env=examples/frameworks/langgraph_agent.py:solve --fresh": (
+        "a 20-step SmolLM2 run; tests/test_frameworks.py::test_the_three_framework_agents_train_with_up trains the "
+        "three examples/frameworks/ agents with `streamrl up configs/agent.yaml` on the tiny model"),
     "streamrl up configs/agent.yaml --fresh": ("a 20-step SmolLM2 run; tests/test_agent.py::"
                                                "test_the_quickstart_played_by_an_agent_learns_with_up runs the agent "
                                                "path with `streamrl up`"),

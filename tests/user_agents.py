@@ -87,7 +87,7 @@ async def by_framework(client, item, max_turns: int = 4, log: str | None = None)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    _, info = await module.solve(client, item, max_calls=max_turns)
+    _, info = await module.solve(client, item, max_turns=max_turns)
     # the tiny model cannot do arithmetic: reward answers whose length is a multiple of 4 instead (an answer has
     # an even length under odd_replies_call_the_calculator), a signal that varies within a group about half the time
     reward = float(len(info["answer"]) % 4 == 0)

@@ -18,7 +18,9 @@ from langgraph.prebuilt import ToolNode, tools_condition
 
 from streamrl.envs.calculator import calculate
 
-INSTRUCTIONS = "Use the calculator for arithmetic, then answer with the number only."
+# the tool-call markup is spelled out: SmolLM2's chat template does not render the tools it is offered
+INSTRUCTIONS = ('You can use a calculator. To call it, write <tool_call>{"name": "calculator", "arguments": '
+                '{"expression": "2 * 3 + 4"}}</tool_call> and wait for the result. Finish with the number only.')
 
 
 @tool
@@ -45,10 +47,10 @@ def build(llm: ChatOpenAI):
     return graph.compile()
 
 
-async def solve(client, item, max_calls: int = 4):
+async def solve(client, item, max_turns: int = 4):
     agent = build(ChatOpenAI(model="policy", base_url=str(client.base_url), api_key=client.api_key))
     state = await agent.ainvoke({"messages": [("user", item["question"])]},
-                                {"recursion_limit": 2 * max_calls})  # a model step and a tool step per call
+                                {"recursion_limit": 2 * max_turns})  # a model step and a tool step per call
     return score(str(state["messages"][-1].content), item)
 
 

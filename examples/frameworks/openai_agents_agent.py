@@ -17,7 +17,9 @@ from openai import AsyncOpenAI
 from streamrl.envs.calculator import calculate
 
 set_tracing_disabled(True)  # traces would go to OpenAI's servers
-INSTRUCTIONS = "Use the calculator for arithmetic, then answer with the number only."
+# the tool-call markup is spelled out: SmolLM2's chat template does not render the tools it is offered
+INSTRUCTIONS = ('You can use a calculator. To call it, write <tool_call>{"name": "calculator", "arguments": '
+                '{"expression": "2 * 3 + 4"}}</tool_call> and wait for the result. Finish with the number only.')
 
 
 @function_tool
@@ -33,11 +35,11 @@ def calculator(expression: str) -> str:
         return f"error: {e}"
 
 
-async def solve(client, item, max_calls: int = 4):
+async def solve(client, item, max_turns: int = 4):
     model = OpenAIChatCompletionsModel(
         model="policy", openai_client=AsyncOpenAI(base_url=str(client.base_url), api_key=client.api_key))
     agent = Agent(name="calculator", instructions=INSTRUCTIONS, tools=[calculator], model=model)
-    result = await Runner.run(agent, item["question"], max_turns=max_calls)
+    result = await Runner.run(agent, item["question"], max_turns=max_turns)
     return score(str(result.final_output), item)
 
 

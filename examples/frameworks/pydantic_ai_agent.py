@@ -16,7 +16,9 @@ from pydantic_ai.providers.openai import OpenAIProvider
 
 from streamrl.envs.calculator import calculate
 
-INSTRUCTIONS = "Use the calculator for arithmetic, then answer with the number only."
+# the tool-call markup is spelled out: SmolLM2's chat template does not render the tools it is offered
+INSTRUCTIONS = ('You can use a calculator. To call it, write <tool_call>{"name": "calculator", "arguments": '
+                '{"expression": "2 * 3 + 4"}}</tool_call> and wait for the result. Finish with the number only.')
 
 
 def calculator(expression: str) -> str:
@@ -31,10 +33,10 @@ def calculator(expression: str) -> str:
         return f"error: {e}"
 
 
-async def solve(client, item, max_calls: int = 4):
+async def solve(client, item, max_turns: int = 4):
     model = OpenAIChatModel("policy", provider=OpenAIProvider(base_url=str(client.base_url), api_key=client.api_key))
     agent = Agent(model, instructions=INSTRUCTIONS, tools=[calculator])
-    result = await agent.run(item["question"], usage_limits=UsageLimits(request_limit=max_calls))
+    result = await agent.run(item["question"], usage_limits=UsageLimits(request_limit=max_turns))
     answer = str(result.output)
     numbers = re.findall(r"-?\d+", answer)
     correct = bool(numbers) and int(numbers[-1]) == int(item["answer"])
