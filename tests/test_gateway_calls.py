@@ -76,7 +76,7 @@ STEP = st.one_of(
 )
 
 
-def script_agent(steps, served: Served, delivered: list[Delivered], door: str):
+def script_agent(steps, served: Served, delivered: list[Delivered], failed: list[str], door: str):
     async def agent(client, item):
         if door == "http":  # a client of the agent's own, as frameworks make: the gateway's HTTP server
             client = openai.AsyncOpenAI(base_url=str(client.base_url), api_key=client.api_key, max_retries=0)
@@ -96,6 +96,7 @@ def script_agent(steps, served: Served, delivered: list[Delivered], door: str):
                     model="policy", messages=messages, n=n, seed=100 * me, **extra)
             except (openai.APIStatusError, openai.APITimeoutError) as e:
                 assert fail is not None, e
+                failed.append(fail)
                 return None
             assert fail is None
             done = Delivered(me, list(messages), [c.message.content for c in reply.choices])
@@ -143,8 +144,8 @@ def continues(calls: list[Delivered], i: int) -> bool:
 def test_the_trajectory_is_what_the_calls_that_succeeded_make(parts, door, steps):
     tokenizer, engine = parts
     note(f"steps: {steps}")
-    served, delivered = Served(), []
-    runner = AgentRunner(script_agent(steps, served, delivered, door), {}, renderer=ChatRenderer(tokenizer), parser=hermes,
+    served, delivered, failed = Served(), [], []
+    runner = AgentRunner(script_agent(steps, served, delivered, failed, door), {}, renderer=ChatRenderer(tokenizer), parser=hermes,
                          temperature=1.0, max_context=1024, max_calls=64, timeout_s=60)
 
     async def main():
@@ -163,6 +164,7 @@ def test_the_trajectory_is_what_the_calls_that_succeeded_make(parts, door, steps
     calls = sorted(delivered, key=lambda d: order[d.call])
     picks = [served.outputs(d.call)[chosen(calls, i)] for i, d in enumerate(calls)]
     assert sample.env_info["turns"] == len(calls)
+    assert sample.env_info["failed_calls"] == len(failed)  # counted, though none is recorded
     mask = sample.loss_mask.astype(bool)
     assert sample.tokens[mask].tolist() == [t for p in picks for t in p]  # no failed call's tokens, none twice
 
@@ -176,3 +178,30 @@ def test_the_trajectory_is_what_the_calls_that_succeeded_make(parts, door, steps
         sequence = sample.tokens[offset: offset + length].tolist()
         assert tokenizer.decode(sequence) == rendered + tokenizer.decode(picks[end - 1])
         offset += length
+
+
+def test_a_call_left_running_when_the_agent_returns_is_cancelled_and_not_recorded(parts):
+    tokenizer, engine = parts
+    served = Served(fail={2: "hangup"})  # the second call's generation takes longer than the episode
+
+    async def agent(client, item):
+        own = openai.AsyncOpenAI(base_url=str(client.base_url), api_key=client.api_key, max_retries=0)
+        first = [{"role": "user", "content": "one"}]
+        await own.chat.completions.create(model="policy", messages=first, seed=100)
+        asyncio.ensure_future(own.chat.completions.create(model="policy", messages=first, seed=200))
+        await asyncio.sleep(0.3)  # the second call is being generated
+        return 1.0
+
+    runner = AgentRunner(agent, {}, renderer=ChatRenderer(tokenizer), parser=hermes, temperature=1.0,
+                         max_context=1024, max_calls=8, timeout_s=60)
+
+    async def main():
+        try:
+            return await runner.play({}, generate=served.hook(engine), params=PARAMS)
+        finally:
+            await runner.close()
+
+    sample = asyncio.run(main())
+    assert [(call, out is not None) for call, _, _, out in served.log] == [(1, True), (2, False)]
+    assert sample.env_info["turns"] == 1 and sample.env_info["failed_calls"] == 1
+    assert sample.tokens[sample.loss_mask.astype(bool)].tolist() == served.outputs(1)[0]

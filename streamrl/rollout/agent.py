@@ -84,7 +84,8 @@ class AgentEpisode:
         self.pending: _Call | None = None
         self.mine: dict[tuple, str] = {}  # each returned reply's message (its key) -> the text generated
         self.turns: list[Completion] = []  # the choices in the trajectory, in order
-        self.calls, self.in_flight, self.aborted = 0, 0, False
+        self.calls, self.failed_calls, self.in_flight, self.aborted, self.closed = 0, 0, 0, False, False
+        self._out: set[asyncio.Task] = set()  # the calls being answered
         self.generate_s, self.last_active = 0.0, time.monotonic()
         self._lock = asyncio.Lock()  # calls of one episode are ordered: each builds on the last
 
@@ -93,13 +94,30 @@ class AgentEpisode:
     async def complete(self, request: ChatRequest, deliver: Deliver) -> None:
         """Generate the call's choices, hand them to ``deliver`` (which raises if they cannot reach the agent),
         and only then record the call. Raises ``RequestError`` for a call the episode refuses."""
+        if self.closed:
+            raise RequestError("the episode has ended: the agent returned", status=404)
+        task = asyncio.current_task()
+        self._out.add(task)
         self.in_flight += 1  # a call waiting its turn is not the agent's own time either
         try:
             async with self._lock:
                 await self._complete(request, deliver)
+        except BaseException:
+            self.failed_calls += 1  # counted, never recorded
+            raise
         finally:
+            self._out.discard(task)
             self.in_flight -= 1
             self.last_active = time.monotonic()
+
+    async def close(self) -> None:
+        """The agent has returned: a call it left running is cancelled, and counted as failed."""
+        self.closed = True
+        out = [t for t in self._out if t is not asyncio.current_task()]
+        for task in out:
+            task.cancel()
+        if out:
+            await asyncio.wait(out)
 
     async def _complete(self, request: ChatRequest, deliver: Deliver) -> None:
         if self.aborted:
@@ -213,7 +231,8 @@ class AgentEpisode:
         turn_rewards = info.pop("turn_rewards", None) or [0.0] * (len(self.turns) - 1) + [reward]
         finish = "abort" if self.aborted else self.turns[-1].finish_type
         return self.seqs.sample(reward=reward, finish_reason=finish, turn_rewards=[float(r) for r in turn_rewards],
-                                env_info={**plain_info(info), "turns": len(self.turns)},
+                                env_info={**plain_info(info), "turns": len(self.turns),
+                                          "failed_calls": self.failed_calls},
                                 timings={"generate_s": self.generate_s, "env_s": max(elapsed_s - self.generate_s, 0.0)})
 
     def idle_s(self) -> float:
@@ -308,6 +327,7 @@ class AgentRunner:
                 raise EnvFault(f"the agent raised {type(e).__name__}: {e}") from e
             result = 0.0
         finally:
+            await episode.close()
             self.gateway.forget(eid)
         return episode.sample(result, time.perf_counter() - t0)
 
