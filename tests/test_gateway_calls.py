@@ -139,7 +139,7 @@ def continues(calls: list[Delivered], i: int) -> bool:
 
 
 @pytest.mark.parametrize("door", ["in-process", "http"])  # the client the agent is given; one it makes itself
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=st.lists(STEP, min_size=1, max_size=5))
 def test_the_trajectory_is_what_the_calls_that_succeeded_make(parts, door, steps):
     tokenizer, engine = parts

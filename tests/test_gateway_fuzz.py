@@ -22,7 +22,7 @@ from streamrl.rollout.episode import ChatRenderer
 from streamrl.rollout.gateway import MAX_BODY
 from streamrl.rollout.tool_calls import hermes
 
-EXAMPLES = 150  # per generation mode: CI's bounded budget (about 20 s)
+EXAMPLES = 100  # per generation mode: CI's bounded budget (about 7 s)
 
 
 # ChatML as SmolLM2's template (and most others) writes it: content concatenated, so null content would raise
