@@ -121,6 +121,10 @@ def _deep_tool(depth: int) -> dict:
     (json.dumps(_deep_tool(80)).encode(), 400, "tools.0.function.parameters.properties"),
     (b'{"model": "p", "messages": [{"role": "user", "content": "\\ud800"}]}', 400, "lone surrogate"),
     (b"x" * (MAX_BODY + 1), 413, "larger than 16 MiB"),
+    (json.dumps({"model": "p", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function",
+        "function": {"name": "f", "parameters": {"$schema": {}}}}]}).encode(), 400, "not a valid JSON schema"),
+    (json.dumps({"model": "p", "messages": [{"role": "user", "content": "x"}], "seed": True}).encode(), 400,
+     "seed: Input should be a valid integer"),
 ])
 def test_bodies_the_gateway_cannot_take_get_4xx_that_say_why(parts, body, status, where):
     answers = []

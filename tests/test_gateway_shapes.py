@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from streamrl.rollout.agent import AgentRunner
 from streamrl.rollout.engines.base import SamplingParams
 from streamrl.rollout.engines.hf import HFEngine
-from streamrl.rollout.episode import ChatRenderer
+from streamrl.rollout.episode import ChatRenderer, EnvFault
 from streamrl.rollout.tool_calls import ParsedReply, ToolCall, hermes
 
 # ChatML as SmolLM2's template writes it: content concatenated (null content would raise), no tool support
@@ -185,3 +185,71 @@ def test_tool_choice_and_parallel_tool_calls_choose_the_calls_returned(parts, ch
 
     asyncio.run(main())
     assert got == [names]
+
+
+def test_deeply_nested_tool_call_arguments_are_kept_as_text_not_a_server_error(parts):
+    async def agent(client, item):
+        history = [{"role": "user", "content": "go"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 5000}}]},
+            {"role": "tool", "tool_call_id": "c", "content": "ok"}]
+        await client.chat.completions.create(model="policy", messages=history)
+        return 1.0
+
+    sample, _ = _play(parts, agent)
+    assert sample.env_info["turns"] == 1
+
+
+def test_messages_the_chat_template_refuses_get_a_400(tiny_model_dir, parts):
+    _, engine = parts
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}"
+                               "{% endif %}" + CONCATENATING)
+    refused = []
+
+    async def agent(client, item):
+        try:
+            await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+        except openai.BadRequestError as e:
+            refused.append(e.body)
+        await client.chat.completions.create(model="policy", messages=[
+            {"role": "system", "content": "s"}, {"role": "user", "content": "hi"}])
+        return 0.0
+
+    sample, _ = _play((tokenizer, engine), agent)
+    assert refused[0]["param"] == "messages" and "system first" in refused[0]["message"]
+    assert sample.env_info["turns"] == 1 and sample.env_info["failed_calls"] == 1
+
+
+def test_the_episodes_own_client_gets_the_http_doors_answers(parts):
+    """413 for size, 404 off the routes, and a 500 naming the engine's failure (even a ConnectionError)."""
+    tokenizer, engine = parts
+    seen = []
+
+    async def agent(client, item):
+        for call in (lambda: client.chat.completions.create(model="policy", messages=[
+                         {"role": "user", "content": "x" * (17 * 2**20)}]),
+                     lambda: client.with_options(base_url=str(client.base_url).replace("/v1", "/v2")).models.list(),
+                     lambda: client.chat.completions.create(model="policy", messages=[
+                         {"role": "user", "content": "engine down"}])):
+            try:
+                await call()
+            except openai.APIStatusError as e:
+                seen.append((e.status_code, e.body["message"]))
+        return 0.0
+
+    async def generate(ids, params):
+        raise ConnectionRefusedError("the router is gone")
+
+    runner = AgentRunner(agent, {}, renderer=ChatRenderer(tokenizer), parser=hermes, temperature=1.0,
+                         max_context=1024, max_calls=8, timeout_s=60)
+
+    async def main():
+        try:
+            await runner.play({}, generate=generate, params=SamplingParams())
+        finally:
+            await runner.close()
+
+    with pytest.raises(EnvFault, match="without a successful call"):
+        asyncio.run(main())
+    assert [status for status, _ in seen] == [413, 404, 500], seen
+    assert "larger than 16 MiB" in seen[0][1] and "ConnectionRefusedError: the router is gone" in seen[2][1]

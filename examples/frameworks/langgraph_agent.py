@@ -13,6 +13,7 @@ import re
 from langchain_core.messages import SystemMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
+from langgraph.errors import GraphRecursionError
 from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 
@@ -49,8 +50,11 @@ def build(llm: ChatOpenAI):
 
 async def solve(client, item, max_turns: int = 4):
     agent = build(ChatOpenAI(model="policy", base_url=str(client.base_url), api_key=client.api_key))
-    state = await agent.ainvoke({"messages": [("user", item["question"])]},
-                                {"recursion_limit": 2 * max_turns})  # a model step and a tool step per call
+    try:
+        state = await agent.ainvoke({"messages": [("user", item["question"])]},
+                                    {"recursion_limit": 2 * max_turns})  # a model step and a tool step per call
+    except GraphRecursionError:  # still calling the tool when its turns ran out: a wrong answer, not a broken episode
+        return 0.0, {"correct": False, "answer": ""}
     return score(str(state["messages"][-1].content), item)
 
 

@@ -1,6 +1,6 @@
 """The calculator task with the OpenAI Agents SDK: an ``Agent`` with a ``@function_tool``, run by ``Runner``.
 
-Ordinary Agents SDK code; only the client's ``base_url`` and ``api_key`` point at the episode's gateway. The SDK's
+Ordinary Agents SDK code, given the episode's client (an ``AsyncOpenAI`` bound to its gateway). The SDK's
 default model speaks the Responses API; the gateway serves chat completions, so the agent is given the SDK's
 ``OpenAIChatCompletionsModel``, as the SDK's docs do for any other chat-completions provider. Train it with
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
-from openai import AsyncOpenAI
+from agents.exceptions import MaxTurnsExceeded
 
 from streamrl.envs.calculator import calculate
 
@@ -36,10 +36,13 @@ def calculator(expression: str) -> str:
 
 
 async def solve(client, item, max_turns: int = 4):
-    model = OpenAIChatCompletionsModel(
-        model="policy", openai_client=AsyncOpenAI(base_url=str(client.base_url), api_key=client.api_key))
+    # the episode's own client; AsyncOpenAI(base_url=str(client.base_url), api_key=client.api_key) works as well
+    model = OpenAIChatCompletionsModel(model="policy", openai_client=client)
     agent = Agent(name="calculator", instructions=INSTRUCTIONS, tools=[calculator], model=model)
-    result = await Runner.run(agent, item["question"], max_turns=max_turns)
+    try:
+        result = await Runner.run(agent, item["question"], max_turns=max_turns)
+    except MaxTurnsExceeded:  # still calling the tool when its turns ran out: a wrong answer, not a broken episode
+        return 0.0, {"correct": False, "answer": ""}
     return score(str(result.final_output), item)
 
 

@@ -1,7 +1,6 @@
 """The calculator task with pydantic-ai: an ``Agent`` over ``OpenAIChatModel`` with a tool.
 
-Ordinary pydantic-ai code; only the provider's ``base_url`` and ``api_key`` point at the episode's gateway. Train it
-with
+Ordinary pydantic-ai code, given the episode's client (an ``AsyncOpenAI`` bound to its gateway). Train it with
 
     streamrl up configs/agent.yaml rollout.env=examples/frameworks/pydantic_ai_agent.py:solve --fresh
 """
@@ -11,6 +10,7 @@ from __future__ import annotations
 import re
 
 from pydantic_ai import Agent, UsageLimits
+from pydantic_ai.exceptions import UsageLimitExceeded
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
 
@@ -34,9 +34,13 @@ def calculator(expression: str) -> str:
 
 
 async def solve(client, item, max_turns: int = 4):
-    model = OpenAIChatModel("policy", provider=OpenAIProvider(base_url=str(client.base_url), api_key=client.api_key))
+    # the episode's own client; OpenAIProvider(base_url=str(client.base_url), api_key=client.api_key) works as well
+    model = OpenAIChatModel("policy", provider=OpenAIProvider(openai_client=client))
     agent = Agent(model, instructions=INSTRUCTIONS, tools=[calculator])
-    result = await agent.run(item["question"], usage_limits=UsageLimits(request_limit=max_turns))
+    try:
+        result = await agent.run(item["question"], usage_limits=UsageLimits(request_limit=max_turns))
+    except UsageLimitExceeded:  # still calling the tool when its turns ran out: a wrong answer, not a broken episode
+        return 0.0, {"correct": False, "answer": ""}
     answer = str(result.output)
     numbers = re.findall(r"-?\d+", answer)
     correct = bool(numbers) and int(numbers[-1]) == int(item["answer"])

@@ -28,6 +28,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import jinja2
+
 from streamrl.protocol import Sample
 from streamrl.rollout.chat_api import ChatRequest, RequestError
 from streamrl.rollout.engines.base import Completion, SamplingParams
@@ -116,8 +118,8 @@ class AgentEpisode:
         out = [t for t in self._out if t is not asyncio.current_task()]
         for task in out:
             task.cancel()
-        if out:
-            await asyncio.wait(out)
+        if out:  # bounded: a call that swallows its cancellation cannot hold the episode open
+            await asyncio.wait(out, timeout=5)
 
     async def _complete(self, request: ChatRequest, deliver: Deliver) -> None:
         if self.aborted:
@@ -125,7 +127,10 @@ class AgentEpisode:
         if self.calls >= self.max_calls:
             raise RequestError(f"this episode made its {self.max_calls} calls (rollout.agent_max_calls)")
         params = self._params(request)
-        plan = self._plan(request)
+        try:
+            plan = self._plan(request)
+        except jinja2.TemplateError as e:  # the template's own checks (role order, say): the messages' fault
+            raise RequestError(f"messages: the model's chat template refused them: {e}", param="messages") from None
         room = self.max_context - len(plan.context)
         if room < 1 or (request.limit or 0) > room:
             raise RequestError(f"the context holds {self.max_context} tokens (rollout.max_context) and the messages "
@@ -272,7 +277,7 @@ def _canonical(arguments: Any) -> str:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return arguments
     return json.dumps(arguments, sort_keys=True)
 

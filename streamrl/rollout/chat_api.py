@@ -131,7 +131,8 @@ class FunctionDef(_Strict):
     def _json_schema(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
         if schema is None:
             return schema
-        problem = _schema_problem(json.dumps(schema, sort_keys=True))
+        text = json.dumps(schema, sort_keys=True)
+        problem = _schema_problem(text) if len(text) <= 65536 else _schema_problem.__wrapped__(text)
         if problem:
             raise ValueError(problem)
         return schema
@@ -148,6 +149,8 @@ def _schema_problem(schema_json: str) -> str | None:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
         return f"not a valid JSON schema: {e.message}"
+    except Exception as e:  # jsonschema's own failures on odd input ($schema not a string): still the schema's fault
+        return f"not a valid JSON schema: {type(e).__name__}: {e}"
     if schema.get("type", "object") != "object":
         return "a function's parameters are a JSON schema of type object"
     return None
@@ -185,11 +188,11 @@ class ChatRequest(_Strict):
     parallel_tool_calls: bool | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, strict=True)  # strict: true is not 1
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
     stop: Stop | Annotated[list[Stop], Field(max_length=4)] | None = None
-    n: int = Field(1, ge=1, le=16)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    n: int = Field(1, ge=1, le=16, strict=True)
+    seed: int | None = Field(None, ge=0, lt=2**63, strict=True)
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -235,10 +238,11 @@ def parse(raw: bytes) -> ChatRequest:
 
 def _where(error: dict) -> str:
     """A validation error's field as the request names it: ``messages.2.content``, not pydantic's
-    ``messages.2.user.content`` (which names the union member by its role)."""
+    ``messages.2.user.content`` or ``messages.2.content.str`` (which name the union member tried)."""
     loc, path = error["loc"], []
     for i, part in enumerate(loc):
-        if not (i and isinstance(loc[i - 1], int) and part in ROLES):
+        member = isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "list", "dict"))
+        if not (member or (i and isinstance(loc[i - 1], int) and part in ROLES)):
             path.append(str(part))
     if error["type"] in ("union_tag_invalid", "union_tag_not_found"):
         path.append("role")
@@ -274,7 +278,7 @@ def _object(arguments: str) -> Any:
     """Tool-call arguments as the template expects them: the JSON object, or the text if it is not one."""
     try:
         return json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return arguments
 
 

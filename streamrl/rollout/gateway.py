@@ -47,7 +47,11 @@ class Answer:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-Send = Callable[[Answer], Awaitable[None]]  # hands the answer to the caller; raises ConnectionError if it is gone
+Send = Callable[[Answer], Awaitable[None]]  # hands the answer to the caller; raises HungUp if it is gone
+
+
+class HungUp(Exception):
+    """The caller went away before its answer was delivered."""
 
 
 class Gateway:
@@ -66,7 +70,8 @@ class Gateway:
         app.router.add_post("/e/{episode}/v1/chat/completions", self._chat)
         app.router.add_get("/e/{episode}/v1/models", self._models)
         app.router.add_get("/openapi.json", self._openapi)
-        # a caller that hangs up cancels its call: the engine stops, and the episode records nothing of it
+        # a caller that hangs up cancels its call, and the episode records nothing of it (a generation already at a
+        # server may still run to its end there: nothing tells the server to abort it)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, 0)
@@ -117,7 +122,7 @@ class Gateway:
             await episode.complete(body, deliver)
         except RequestError as e:
             await send(_error(e))
-        except ConnectionError:  # the caller hung up while its answer was being written: nothing was recorded
+        except HungUp:  # the caller went away while its answer was being written: nothing was recorded
             log.debug("an agent hung up before its answer was delivered")
         except Exception as e:  # the episode's fault, not the caller's: a 500 the agent sees, never a crash
             log.exception("agent call failed")
@@ -147,8 +152,11 @@ class Gateway:
         async def send(answer: Answer) -> None:
             out = web.Response(status=answer.status, body=answer.body, headers=answer.headers,
                                content_type=answer.content_type)
-            await out.prepare(request)
-            await out.write_eof()
+            try:
+                await out.prepare(request)
+                await out.write_eof()
+            except ConnectionError as e:
+                raise HungUp() from e
             sent.append(out)
 
         try:
@@ -168,14 +176,16 @@ class InProcess(httpx2.AsyncBaseTransport):
         self.gateway = gateway
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-        parts = request.url.path.strip("/").split("/")  # e/<episode>/v1/<what...>
-        eid, what = (parts[1], "/".join(parts[3:])) if len(parts) > 3 and parts[0] == "e" else ("", "")
+        parts = request.url.path.strip("/").split("/")  # the HTTP door's routes: e/<episode>/v1/...
+        eid, route = (parts[1], (request.method, *parts[2:])) if parts[0] == "e" and len(parts) > 2 else ("", ())
         authorization = request.headers.get("Authorization", "")
-        if request.method == "GET" and what == "models":
+        if route == ("GET", "v1", "models"):
             return _response(self.gateway.models(eid, authorization))
-        if request.method != "POST" or what != "chat/completions":
+        if route != ("POST", "v1", "chat", "completions"):
             return _response(_error(RequestError(f"no route {request.method} {request.url.path}", status=404)))
         raw = await request.aread()
+        if len(raw) > MAX_BODY:
+            raw = RequestError(f"the body is larger than {MAX_BODY // 2**20} MiB", status=413)
         answers: list[Answer] = []
 
         async def send(answer: Answer) -> None:
@@ -186,7 +196,7 @@ class InProcess(httpx2.AsyncBaseTransport):
             await asyncio.wait_for(self.gateway.chat(eid, authorization, raw, send), timeout)
         except asyncio.TimeoutError:
             raise httpx2.ReadTimeout("the call took longer than the client's timeout", request=request) from None
-        return _response(answers[0])
+        return _response(answers[0])  # in-process, send never fails: every call gets an answer
 
 
 def _response(answer: Answer) -> httpx2.Response:

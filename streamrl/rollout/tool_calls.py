@@ -61,7 +61,7 @@ def json_calls(text: str) -> ParsedReply:
     fenced = JSON_FENCE.match(body)
     try:
         value = json.loads(fenced.group(1) if fenced else body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return ParsedReply(text)
     objects = value if isinstance(value, list) else [value]
     calls = [_call_from(obj) for obj in objects]
@@ -86,7 +86,7 @@ def load_parser(name: str) -> Parser:
 def _call(text: str) -> ToolCall | None:
     try:
         return _call_from(json.loads(text))
-    except ValueError:
+    except (ValueError, RecursionError):  # a policy can write JSON nested past Python's recursion limit
         return None
 
 
@@ -99,7 +99,7 @@ def _call_from(obj: Any) -> ToolCall | None:
         try:
             if not isinstance(json.loads(args), dict):
                 return None
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         return ToolCall(obj["name"], args)
     if not isinstance(args, dict):
