@@ -24,7 +24,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -34,7 +34,7 @@ from streamrl.protocol import Sample
 from streamrl.rollout.chat_api import ChatRequest, RequestError
 from streamrl.rollout.engines.base import Completion, SamplingParams
 from streamrl.rollout.episode import ChatRenderer, EnvFault, Generate, Sequences, closed_text, plain_info
-from streamrl.rollout.gateway import Gateway
+from streamrl.rollout.gateway import Deliver, Gateway
 from streamrl.rollout.tool_calls import Parser
 
 
@@ -68,9 +68,6 @@ class _Plan:
     ids: list[int]  # observation tokens that open the new turn
     text: str
     context: list[int]  # what the call generates from: the trajectory's context once the plan is applied
-
-
-Deliver = Callable[[list[dict[str, Any]], dict[str, int]], Awaitable[None]]
 
 
 class AgentEpisode:
