@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,7 @@ def test_a_framework_agent_is_recorded_token_for_token(parts, framework):
     calls = []
 
     async def generate(ids, params):
-        out = await engine.generate(f"{framework}{len(calls)}", ids, params)
+        out = await engine.generate(uuid.uuid4().hex, ids, params)
         calls.append((list(ids), out))
         return out
 

@@ -8,6 +8,7 @@ sequence the chat template's rendering of its last call followed by that call's 
 """
 
 import asyncio
+import uuid
 from dataclasses import dataclass, field
 
 import openai
@@ -51,7 +52,7 @@ class Served:
                 raise RuntimeError("the engine refused a parameter")
             if failure == "hangup":
                 await asyncio.sleep(30)  # the agent's client gives up first
-            out = await engine.generate(f"c{len(self.log)}", ids, params)
+            out = await engine.generate(uuid.uuid4().hex, ids, params)  # unique: a cancelled request is aborted by its id
             entry[3] = list(out.output_ids)
             return out
 
@@ -139,7 +140,7 @@ def continues(calls: list[Delivered], i: int) -> bool:
 
 
 @pytest.mark.parametrize("door", ["in-process", "http"])  # the client the agent is given; one it makes itself
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=st.lists(STEP, min_size=1, max_size=5))
 def test_the_trajectory_is_what_the_calls_that_succeeded_make(parts, door, steps):
     tokenizer, engine = parts

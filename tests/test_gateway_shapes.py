@@ -2,6 +2,7 @@
 gateway, hf engine and tokenizer."""
 
 import asyncio
+import uuid
 
 import openai
 import pytest
@@ -35,7 +36,7 @@ def _play(parts, agent, outputs=None, max_new_tokens=8):
     outputs = [] if outputs is None else outputs
 
     async def generate(ids, params):
-        out = await engine.generate(f"s{len(outputs)}", ids, params)
+        out = await engine.generate(uuid.uuid4().hex, ids, params)
         outputs.append(out.output_ids)
         return out
 
@@ -179,7 +180,8 @@ def test_tool_choice_and_parallel_tool_calls_choose_the_calls_returned(parts, ch
 
     async def main():
         try:
-            await runner.play({}, generate=lambda ids, p: engine.generate("tc", ids, p), params=SamplingParams())
+            await runner.play({}, generate=lambda ids, p: engine.generate(uuid.uuid4().hex, ids, p),
+                              params=SamplingParams())
         finally:
             await runner.close()
 
