@@ -8,8 +8,6 @@ Ordinary LangGraph code; only ``base_url`` and ``api_key`` point at the episode'
 
 from __future__ import annotations
 
-import re
-
 from langchain_core.messages import SystemMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
@@ -18,6 +16,7 @@ from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 
 from streamrl.envs.calculator import calculate
+from streamrl.envs.rewards import last_number
 
 # the tool-call markup is spelled out: SmolLM2's chat template does not render the tools it is offered
 INSTRUCTIONS = ('You can use a calculator. To call it, write <tool_call>{"name": "calculator", "arguments": '
@@ -27,10 +26,7 @@ INSTRUCTIONS = ('You can use a calculator. To call it, write <tool_call>{"name":
 @tool
 def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression (numbers, + - * / and parentheses)."""
-    try:
-        return calculate(expression)
-    except ValueError as e:
-        return f"error: {e}"
+    return calculate(expression)  # errors come back as text the model reads
 
 
 def build(llm: ChatOpenAI):
@@ -59,6 +55,5 @@ async def solve(client, item, max_turns: int = 4):
 
 
 def score(answer: str, item) -> tuple[float, dict]:
-    numbers = re.findall(r"-?\d+", answer)
-    correct = bool(numbers) and int(numbers[-1]) == int(item["answer"])
-    return float(correct), {"correct": correct, "answer": answer}
+    reward = last_number(item, answer)  # the last number in the answer is the item's
+    return reward, {"correct": reward == 1.0, "answer": answer}

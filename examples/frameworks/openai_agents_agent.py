@@ -9,12 +9,11 @@ default model speaks the Responses API; the gateway serves chat completions, so 
 
 from __future__ import annotations
 
-import re
-
 from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
 from agents.exceptions import MaxTurnsExceeded
 
 from streamrl.envs.calculator import calculate
+from streamrl.envs.rewards import last_number
 
 set_tracing_disabled(True)  # traces would go to OpenAI's servers
 # the tool-call markup is spelled out: SmolLM2's chat template does not render the tools it is offered
@@ -29,10 +28,7 @@ def calculator(expression: str) -> str:
     Args:
         expression: the expression, e.g. "2 * 3 + 4"
     """
-    try:
-        return calculate(expression)
-    except ValueError as e:
-        return f"error: {e}"
+    return calculate(expression)  # errors come back as text the model reads
 
 
 async def solve(client, item, max_turns: int = 4):
@@ -47,6 +43,5 @@ async def solve(client, item, max_turns: int = 4):
 
 
 def score(answer: str, item) -> tuple[float, dict]:
-    numbers = re.findall(r"-?\d+", answer)
-    correct = bool(numbers) and int(numbers[-1]) == int(item["answer"])
-    return float(correct), {"correct": correct, "answer": answer}
+    reward = last_number(item, answer)  # the last number in the answer is the item's
+    return reward, {"correct": reward == 1.0, "answer": answer}

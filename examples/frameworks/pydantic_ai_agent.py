@@ -7,14 +7,13 @@ Ordinary pydantic-ai code, given the episode's client (an ``AsyncOpenAI`` bound 
 
 from __future__ import annotations
 
-import re
-
 from pydantic_ai import Agent, UsageLimits
 from pydantic_ai.exceptions import UsageLimitExceeded
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
 
 from streamrl.envs.calculator import calculate
+from streamrl.envs.rewards import last_number
 
 # the tool-call markup is spelled out: SmolLM2's chat template does not render the tools it is offered
 INSTRUCTIONS = ('You can use a calculator. To call it, write <tool_call>{"name": "calculator", "arguments": '
@@ -27,10 +26,7 @@ def calculator(expression: str) -> str:
     Args:
         expression: the expression, e.g. "2 * 3 + 4"
     """
-    try:
-        return calculate(expression)
-    except ValueError as e:
-        return f"error: {e}"
+    return calculate(expression)  # errors come back as text the model reads
 
 
 async def solve(client, item, max_turns: int = 4):
@@ -42,6 +38,5 @@ async def solve(client, item, max_turns: int = 4):
     except UsageLimitExceeded:  # still calling the tool when its turns ran out: a wrong answer, not a broken episode
         return 0.0, {"correct": False, "answer": ""}
     answer = str(result.output)
-    numbers = re.findall(r"-?\d+", answer)
-    correct = bool(numbers) and int(numbers[-1]) == int(item["answer"])
-    return float(correct), {"correct": correct, "answer": answer}
+    reward = last_number(item, answer)  # the last number in the answer is the item's
+    return reward, {"correct": reward == 1.0, "answer": answer}

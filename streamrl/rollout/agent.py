@@ -83,8 +83,8 @@ class AgentEpisode:
         self.pending: _Call | None = None
         self.mine: dict[tuple, str] = {}  # each returned reply's message (its key) -> the text generated
         self.turns: list[Completion] = []  # the choices in the trajectory, in order
-        self.calls, self.failed_calls, self.in_flight, self.aborted, self.closed = 0, 0, 0, False, False
-        self._out: set[asyncio.Task] = set()  # the calls being answered
+        self.calls, self.failed_calls, self.aborted, self.closed = 0, 0, False, False
+        self._out: set[asyncio.Task] = set()  # the calls being answered, waiting their turn included
         self.generate_s, self.last_active = 0.0, time.monotonic()
         self._lock = asyncio.Lock()  # calls of one episode are ordered: each builds on the last
 
@@ -97,7 +97,6 @@ class AgentEpisode:
             raise RequestError("the episode has ended: the agent returned", status=404)
         task = asyncio.current_task()
         self._out.add(task)
-        self.in_flight += 1  # a call waiting its turn is not the agent's own time either
         try:
             async with self._lock:
                 await self._complete(request, deliver)
@@ -106,7 +105,6 @@ class AgentEpisode:
             raise
         finally:
             self._out.discard(task)
-            self.in_flight -= 1
             self.last_active = time.monotonic()
 
     async def close(self) -> None:
@@ -239,7 +237,7 @@ class AgentEpisode:
 
     def idle_s(self) -> float:
         """How long the agent has run its own code since its last call returned (0 while a call is out)."""
-        return 0.0 if self.in_flight else time.monotonic() - self.last_active
+        return 0.0 if self._out else time.monotonic() - self.last_active  # a call waiting its turn is not the agent's
 
 
 async def _all(calls: list[Awaitable[Completion]]) -> list[Completion]:
