@@ -353,15 +353,14 @@ class AgentRunner:
             return
         async with self._started:
             if self.gateway.port is None:
-                import httpx2
                 from openai._base_client import get_platform
 
                 await self.gateway.start()
-                # the SDK's HTTP client logs every request at INFO: a line per model call of every episode
+                # httpx2 logs every request at INFO: a line per model call of an agent that makes its own client
                 logging.getLogger("httpx2").setLevel(logging.WARNING)
                 # The client handed to each agent reaches the gateway in-process: no sockets, no server round
                 # trip (over loopback HTTP a call cost 1.2 ms against 0.8 ms). Its base URL serves other clients.
-                self._http = httpx2.AsyncClient(transport=self.gateway.transport())
+                self._http = self.gateway.client()
                 self._platform = await asyncio.to_thread(get_platform)
 
     async def close(self) -> None:
