@@ -35,10 +35,9 @@ from benchmarks.generate import router
 from streamrl.buffer import EmbeddedRedis
 from streamrl.envs.base import Action
 from streamrl.envs.calculator import Calculator
-from streamrl.models import convert_smollm2
+from streamrl.models import convert_smollm2, make_tiny_model
 from streamrl.rollout.evaluate import read_records
 from streamrl.rollout.gateway import Gateway
-from streamrl.testing import make_tiny_model
 
 SERVER_THREADS = {var: str(max(1, (os.cpu_count() or 2) // 2)) for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
 ARMS = {"env": "calculator", "agent": "benchmarks.agent:calculator_agent"}

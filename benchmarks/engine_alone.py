@@ -23,9 +23,9 @@ from benchmarks.common import chat_prompt_ids, console, serve_processes
 from benchmarks.profile_run import server_counters
 from streamrl.config import load_config
 from streamrl.envs.registry import env_factory
+from streamrl.generation import SamplingParams
 from streamrl.launch.local import _threads
 from streamrl.rollout.client import GenerateClient
-from streamrl.rollout.engines.base import SamplingParams
 
 
 def prompts(cfg, limit: int = 512) -> list[list[int]]:

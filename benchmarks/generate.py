@@ -26,11 +26,10 @@ import numpy as np
 
 from benchmarks.common import cli, console, median, new_figure, print_table, save_figure, serve_processes, write_json
 from streamrl.buffer.redis_server import free_port
-from streamrl.models import convert_smollm2
+from streamrl.generation import SamplingParams
+from streamrl.inference.router import Router
+from streamrl.models import convert_smollm2, make_tiny_model
 from streamrl.rollout.client import GenerateClient
-from streamrl.rollout.engines.base import SamplingParams
-from streamrl.rollout.router import Router
-from streamrl.testing import make_tiny_model
 
 MODEL = {"hidden": 512, "layers": 8}  # ~21M parameters: compute-bound on a CPU, small enough to run in minutes
 

@@ -44,7 +44,8 @@ from streamrl.learner import batch as batching
 from streamrl.learner import packing, prefix
 from streamrl.learner.losses import PolicyLoss
 from streamrl.learner.partition import plan_micro_batches
-from streamrl.testing import make_tiny_model, synthetic_group
+from streamrl.models import make_tiny_model
+from streamrl.testing import synthetic_group
 
 MODEL = {"hidden": 512, "layers": 8}  # the ZeRO study's model
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,5 +1,5 @@
 """One node or two: the quickstart placed by `streamrl up --ray` on a Ray cluster of hosts simulated on this
-machine (network namespaces, ``streamrl.netns``), every part on one node, against generation (servers, rollout
+machine (network namespaces, ``benchmarks.netns``), every part on one node, against generation (servers, rollout
 workers, router, evaluator) on one node and the learner on another.
 
 Both arms run on the same cores of one machine, so spreading buys no compute: the ratio measures what crossing
@@ -22,7 +22,7 @@ from pathlib import Path
 from benchmarks.common import cli, console, median, new_figure, print_table, save_figure, write_json
 from streamrl.buffer.redis_server import free_port
 from streamrl.config import load_config
-from streamrl.netns import NetnsCluster
+from benchmarks.netns import NetnsCluster
 from streamrl.recipes.reverse import prepare
 from streamrl.rollout.evaluate import read_records
 

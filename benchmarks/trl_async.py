@@ -210,7 +210,7 @@ def vllm_server(model_dir: str, *, seed: int, max_model_len: int, max_seqs: int,
             "--weight-transfer-config", '{"backend": "streamrl"}',
             "--max-num-batched-tokens", str(max_seqs * max_model_len)]  # patch 6
     if lora_rank is not None:
-        from streamrl.rollout.engines.vllm import VLLM_LORA_RANKS
+        from streamrl.inference.engines.vllm import VLLM_LORA_RANKS
 
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
         argv += ["--enable-lora", "--max-lora-rank", str(min(r for r in VLLM_LORA_RANKS if r >= lora_rank)), "--max-loras", str(lora_slots),

@@ -34,7 +34,7 @@ from streamrl.buffer import EmbeddedRedis, Namespace, ServerRegistry
 from streamrl.buffer.redis_server import free_port
 from streamrl.config import load_config
 from streamrl.learner.push import WeightPusher
-from streamrl.testing import make_tiny_model
+from streamrl.models import make_tiny_model
 from streamrl.weightsync import broadcast, make_group
 
 # (hidden, layers): ~0.1M, ~8M, ~34M, ~135M parameters (the last is SmolLM2-135M's size)

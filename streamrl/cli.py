@@ -74,7 +74,7 @@ def up(
 @app.command()
 def evaluate(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
     """Evaluate the policy on held-out prompts (greedy, through the router) as the learner's version moves."""
-    from streamrl.rollout.dataset import DatasetError
+    from streamrl.dataset import DatasetError
     from streamrl.rollout.evaluate import launch
 
     cfg = _load(config, overrides)
@@ -93,7 +93,7 @@ def serve(
     port: Annotated[int | None, typer.Option(help="Port (default: server.base_port).")] = None,
 ) -> None:
     """Start one rollout server (an inference engine behind SGLang's HTTP API)."""
-    from streamrl.rollout.serve import serve as run_server
+    from streamrl.inference.serve import serve as run_server
 
     cfg = _load(config, overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -107,7 +107,7 @@ def serve(
 @app.command("serve-reward")
 def serve_reward(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
     """Start a reward-model server: a sequence-classification model behind POST /score."""
-    from streamrl.rollout.reward_server import serve_reward as run
+    from streamrl.inference.reward_server import serve_reward as run
 
     cfg = _load(config, overrides)
     try:
@@ -127,8 +127,8 @@ def launch_router(
     import threading
 
     from streamrl.buffer import Namespace, RouterAddress, ServerRegistry
+    from streamrl.inference.router import Router, follow_registry
     from streamrl.node import node_address
-    from streamrl.rollout.router import Router, follow_registry
 
     cfg = _load(config, overrides)
     cfg.run.path.mkdir(parents=True, exist_ok=True)
@@ -177,7 +177,7 @@ def launch_rollout(
     groups: Annotated[int | None, typer.Option(help="Stop after starting this many groups.")] = None,
 ) -> None:
     """Start a rollout worker that streams groups of trajectories into the replay stream."""
-    from streamrl.rollout.dataset import DatasetError
+    from streamrl.dataset import DatasetError
     from streamrl.rollout.worker import launch
 
     cfg = _load(config, overrides)

@@ -54,56 +54,6 @@ def synthetic_group(
     return Group(prompt_id=prompt_id, env="synthetic", samples=samples, meta={"dataset_index": 0})
 
 
-TINY_CORPUS = [
-    "the quick brown fox jumps over the lazy dog",
-    "what is 12 plus 7 ? the answer is 19",
-    "a tool call returns a result and the model answers",
-    "guess the number between 1 and 100 : higher , lower , correct",
-] * 20
-
-
-CHATML = (  # ChatML; offered tools go in a system turn first and tool calls render Hermes-style, as Qwen's do
-    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] if m['content'] is not none else '' }}"
-    "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}"
-    "<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def make_tiny_model(path, *, vocab_size: int = 512, hidden: int = 64, layers: int = 2, seed: int = 0,
-                    tied: bool = False) -> str:
-    """Save a small Llama and a byte-level BPE tokenizer (ChatML template) trained on a built-in corpus.
-
-    Loadable by ``AutoModelForCausalLM`` / ``AutoTokenizer`` like any local HF directory;
-    nothing is downloaded.
-    """
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(TINY_CORPUS, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tokenizer.chat_template = CHATML
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        eos_token_id=eos, bos_token_id=None, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tied,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
 class Flaky(Arithmetic):
     """Arithmetic whose every third reset raises: for tests of failure handling."""
 

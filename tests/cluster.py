@@ -1,8 +1,8 @@
-"""The pytest fixture over ``streamrl.netns``: a Ray cluster whose nodes are hosts in network namespaces."""
+"""The pytest fixture over ``benchmarks.netns``: a Ray cluster whose nodes are hosts in network namespaces."""
 
 import pytest
 
-from streamrl.netns import NetnsCluster, NetnsUnavailable
+from benchmarks.netns import NetnsCluster, NetnsUnavailable
 
 
 @pytest.fixture

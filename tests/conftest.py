@@ -32,7 +32,7 @@ def ns(redis_server) -> Namespace:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A small Llama with a locally trained BPE tokenizer, saved as a plain HF directory."""
-    from streamrl.testing import make_tiny_model
+    from streamrl.models import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 

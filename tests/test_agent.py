@@ -9,9 +9,9 @@ import pytest
 import user_agents as agents
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from streamrl.generation import SamplingParams
+from streamrl.inference.engines.hf import HFEngine
 from streamrl.rollout.agent import AgentRunner
-from streamrl.rollout.engines.base import SamplingParams
-from streamrl.rollout.engines.hf import HFEngine
 from streamrl.rollout.episode import ChatRenderer, EnvFault
 from streamrl.rollout.tool_calls import ToolCall, hermes, json_calls, load_parser
 from streamrl.testing import learner_logprob_gap

@@ -204,7 +204,7 @@ def test_chat_prompt_ids_are_the_rendered_prompts_tokens(tmp_path):
     from transformers import AutoTokenizer
 
     from benchmarks.common import chat_prompt_ids
-    from streamrl.testing import make_tiny_model
+    from streamrl.models import make_tiny_model
 
     tokenizer = AutoTokenizer.from_pretrained(make_tiny_model(tmp_path / "m"))
     chat = [{"role": "user", "content": "What is 12 + 30?"}]

@@ -1,4 +1,4 @@
-"""The network-namespace Ray cluster (streamrl.netns, the fixture in tests/cluster.py): real Ray nodes with their own
+"""The network-namespace Ray cluster (benchmarks.netns, the fixture in tests/cluster.py): real Ray nodes with their own
 addresses, node death, teardown."""
 
 import json
@@ -9,7 +9,7 @@ import sys
 import psutil
 import pytest
 
-from streamrl.netns import MARKER
+from benchmarks.netns import MARKER
 
 # A driver that answers one JSON command a line, so one connection sees the cluster change under it.
 DRIVER = r"""

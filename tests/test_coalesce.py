@@ -2,8 +2,8 @@
 
 import asyncio
 
+from streamrl.generation import Completion, SamplingParams
 from streamrl.rollout.coalesce import Coalescer
-from streamrl.rollout.engines.base import Completion, SamplingParams
 
 P = SamplingParams(max_new_tokens=4)
 

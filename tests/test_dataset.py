@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from streamrl.buffer.redis_server import free_port
+from streamrl.dataset import DatasetError, Prompts, load_rows
 from streamrl.protocol import Sample
-from streamrl.rollout.dataset import DatasetError, Prompts, load_rows
 from streamrl.rollout.worker import EnvFault, WorkerMetrics
 
 

@@ -7,9 +7,9 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from streamrl.envs.base import Action, Env, Observation, StepResult
+from streamrl.generation import SamplingParams
+from streamrl.inference.engines.hf import HFEngine
 from streamrl.protocol import Group, decode_group, encode_group
-from streamrl.rollout.engines.base import SamplingParams
-from streamrl.rollout.engines.hf import HFEngine
 from streamrl.rollout.episode import ChatRenderer, run_episode
 
 

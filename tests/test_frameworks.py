@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from streamrl.generation import SamplingParams
+from streamrl.inference.engines.hf import HFEngine
 from streamrl.rollout.agent import AgentRunner
-from streamrl.rollout.engines.base import SamplingParams
-from streamrl.rollout.engines.hf import HFEngine
 from streamrl.rollout.episode import ChatRenderer
 from streamrl.rollout.tool_calls import ParsedReply, ToolCall
 from streamrl.testing import learner_logprob_gap

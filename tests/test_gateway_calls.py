@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from streamrl.generation import SamplingParams
+from streamrl.inference.engines.hf import HFEngine
 from streamrl.rollout.agent import AgentRunner
-from streamrl.rollout.engines.base import SamplingParams
-from streamrl.rollout.engines.hf import HFEngine
 from streamrl.rollout.episode import ChatRenderer, EnvFault
 from streamrl.rollout.tool_calls import hermes
 

@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from streamrl.generation import SamplingParams
+from streamrl.inference.engines.hf import HFEngine
 from streamrl.rollout.agent import AgentRunner
 from streamrl.rollout.chat_api import openapi
-from streamrl.rollout.engines.base import SamplingParams
-from streamrl.rollout.engines.hf import HFEngine
 from streamrl.rollout.episode import ChatRenderer
 from streamrl.rollout.gateway import MAX_BODY
 from streamrl.rollout.tool_calls import hermes

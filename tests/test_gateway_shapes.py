@@ -8,9 +8,9 @@ import openai
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from streamrl.generation import SamplingParams
+from streamrl.inference.engines.hf import HFEngine
 from streamrl.rollout.agent import AgentRunner
-from streamrl.rollout.engines.base import SamplingParams
-from streamrl.rollout.engines.hf import HFEngine
 from streamrl.rollout.episode import ChatRenderer, EnvFault
 from streamrl.rollout.tool_calls import ParsedReply, ToolCall, hermes
 

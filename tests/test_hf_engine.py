@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from streamrl.rollout.engines.base import SamplingParams
-from streamrl.rollout.engines.hf import HFEngine
+from streamrl.generation import SamplingParams
+from streamrl.inference.engines.hf import HFEngine
 
 
 @pytest.fixture

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 from streamrl.buffer import StreamReader
 from streamrl.config import ConfigError, load_config
+from streamrl.dataset import DatasetError, load_rows
 from streamrl.envs.base import Env, Observation, StepResult
 from streamrl.protocol import Group, WireError, decode_group, encode_group
-from streamrl.rollout.dataset import DatasetError, load_rows
 from streamrl.testing import synthetic_group
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -196,8 +196,8 @@ schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is not i
 def server_app(tiny_model_dir):
     from transformers import AutoTokenizer
 
-    from streamrl.rollout.engines import load_engine
-    from streamrl.rollout.server import create_app
+    from streamrl.inference.engines import load_engine
+    from streamrl.inference.server import create_app
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     engine = load_engine("hf", tiny_model_dir, dtype="float32", max_batch_size=64, tokenizer=tokenizer)

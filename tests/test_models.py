@@ -2,8 +2,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from streamrl.rollout.engines.base import SamplingParams
-from streamrl.rollout.engines.hf import HFEngine
+from streamrl.generation import SamplingParams
+from streamrl.inference.engines.hf import HFEngine
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from streamrl.buffer.redis_server import free_port
-from streamrl.netns import NetnsCluster, NetnsUnavailable, free_port_block
+from benchmarks.netns import NetnsCluster, NetnsUnavailable, free_port_block
 from streamrl.rollout.evaluate import read_records
 
 pytestmark = pytest.mark.slow

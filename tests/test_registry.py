@@ -58,8 +58,7 @@ def test_workers_wait_for_the_router_and_follow_it_to_another_node(ns, tmp_path)
 
     from streamrl.buffer import RouterAddress
     from streamrl.config import load_config
-    from streamrl.rollout.client import GenerateClient
-    from streamrl.rollout.router import RouterLocator
+    from streamrl.rollout.client import GenerateClient, RouterLocator
 
     cfg = load_config(None, [f"run.name={ns.run}", f"run.dir={tmp_path}"])
     address = RouterAddress(ns)

@@ -8,8 +8,8 @@ from fastapi.testclient import TestClient
 from streamrl.buffer.redis_server import free_port
 from streamrl.envs import Action
 from streamrl.envs.reward_model import RewardModelEnv
+from streamrl.inference.reward_server import Pair, RewardModel, create_reward_app
 from streamrl.rollout.client import wait_healthy
-from streamrl.rollout.reward_server import Pair, RewardModel, create_reward_app
 
 PAIRS = [Pair(prompt="what is 12 plus 7", response="19"), Pair(prompt="the quick brown fox", response="jumps over"),
          Pair(prompt=[{"role": "user", "content": "guess"}], response="a much longer answer than the others")]

@@ -11,8 +11,8 @@ import pytest
 
 from streamrl.buffer import ServerRegistry
 from streamrl.config import load_config
+from streamrl.generation import SamplingParams
 from streamrl.rollout.client import GenerateClient, GenerateError
-from streamrl.rollout.engines.base import SamplingParams
 from streamrl.rollout.evaluate import Evaluator
 
 pytestmark = pytest.mark.slow

@@ -2,8 +2,8 @@ import math
 
 import torch
 
-from streamrl.rollout.engines.base import SamplingParams
-from streamrl.rollout.sampling import sample_batch, truncate
+from streamrl.generation import SamplingParams
+from streamrl.inference.engines.sampling import sample_batch, truncate
 
 
 def test_truncate_top_k_and_top_p_by_hand():

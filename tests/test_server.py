@@ -3,8 +3,8 @@ import torch
 from fastapi.testclient import TestClient
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from streamrl.rollout.engines.hf import HFEngine
-from streamrl.rollout.server import create_app
+from streamrl.inference.engines.hf import HFEngine
+from streamrl.inference.server import create_app
 
 TOKEN = "s3cret"
 

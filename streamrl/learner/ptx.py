@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from streamrl.dataset import DatasetError, load_rows
 from streamrl.learner.batch import TrainSequence
-from streamrl.rollout.dataset import DatasetError, load_rows
 
 
 class PtxData:

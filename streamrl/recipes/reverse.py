@@ -58,7 +58,7 @@ def prepare(cfg, *, hidden: int = 128, layers: int = 2, sft_steps: int = 1000, s
 
 def make_model(path: Path, *, hidden: int, layers: int, seed: int) -> str:
     """A small Llama over a byte-level tokenizer without merges: one token per character."""
-    from streamrl.testing import make_tiny_model
+    from streamrl.models import make_tiny_model
 
     return make_tiny_model(path, vocab_size=259, hidden=hidden, layers=layers, seed=seed)  # 256 bytes + 3 specials
 

@@ -30,9 +30,9 @@ from typing import Any
 
 import jinja2
 
+from streamrl.generation import Completion, SamplingParams
 from streamrl.protocol import Sample
 from streamrl.rollout.chat_api import ChatRequest, RequestError
-from streamrl.rollout.engines.base import Completion, SamplingParams
 from streamrl.rollout.episode import ChatRenderer, EnvFault, Generate, Sequences, closed_text, plain_info
 from streamrl.rollout.gateway import Deliver, Gateway
 from streamrl.rollout.tool_calls import Parser

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import subprocess
 import time
@@ -23,7 +24,11 @@ from dataclasses import asdict
 import aiohttp
 import httpx
 
-from streamrl.rollout.engines.base import Completion, SamplingParams
+from streamrl.buffer import Namespace, RouterAddress
+from streamrl.config import Config
+from streamrl.generation import Completion, SamplingParams
+
+log = logging.getLogger("streamrl.client")
 
 
 def run_event_loop(main: Coroutine) -> None:
@@ -149,3 +154,40 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: floa
             pass
         time.sleep(0.2)
     raise TimeoutError(f"{url}/health did not answer within {timeout_s:.0f}s")
+
+
+class RouterLocator:
+    """Where a rollout worker or the evaluator sends ``/generate``: the configured router, else the one that
+    announced itself in Redis, followed when a restart on another node announces a new address."""
+
+    def __init__(self, cfg: Config, ns: Namespace):
+        host = cfg.router.host
+        self.fixed = cfg.rollout.router_url or (f"http://{host}:{cfg.router.port}" if host else None)
+        self.address = RouterAddress(ns, ttl_s=cfg.server.registry_ttl_s)
+
+    async def url(self, every_s: float = 0.5) -> str:
+        """The router's URL; waits for its announcement (the router may start after us, or move)."""
+        said = False
+        while (url := self.fixed or await asyncio.to_thread(self.address.get)) is None:
+            if not said:
+                log.info("waiting for the router to announce itself in Redis (router.host or rollout.router_url "
+                         "would name it)")
+                said = True
+            await asyncio.sleep(every_s)
+        return url
+
+    async def follow(self, client, every_s: float = 1.0) -> None:
+        """Point ``client`` at the router's newest announced URL, until cancelled. Requests already sent to the
+        old address fail and are retried by the client, now against the new one."""
+        if self.fixed:
+            return
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                url = await asyncio.to_thread(self.address.get)
+            except Exception as e:  # Redis away for a moment: keep the address we have
+                log.warning("could not look up the router: %s", e)
+                continue
+            if url and url != client.base_url:
+                log.info("the router moved: %s -> %s", client.base_url, url)
+                client.base_url = url

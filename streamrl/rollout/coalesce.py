@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from streamrl.rollout.engines.base import Completion, SamplingParams
+from streamrl.generation import Completion, SamplingParams
 
 SendN = Callable[..., Awaitable[list[Completion]]]  # (input_ids, params, n, priority=...)
 

@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 
 from streamrl.envs.base import Action, Env, Message, Observation
+from streamrl.generation import Completion, SamplingParams
 from streamrl.protocol import Sample
-from streamrl.rollout.engines.base import Completion, SamplingParams
 
 Generate = Callable[[list[int], SamplingParams], Awaitable[Completion]]
 

@@ -17,13 +17,12 @@ from typing import Any
 
 from streamrl.buffer import Namespace, PolicyVersion, ServerRegistry
 from streamrl.config import Config
+from streamrl.dataset import load_rows
+from streamrl.generation import SamplingParams
 from streamrl.models import load_tokenizer
 from streamrl.protocol import Sample
-from streamrl.rollout.client import GenerateClient, GenerateError, run_event_loop
-from streamrl.rollout.dataset import load_rows
-from streamrl.rollout.engines.base import SamplingParams
+from streamrl.rollout.client import GenerateClient, GenerateError, RouterLocator, run_event_loop
 from streamrl.rollout.episode import ChatRenderer, run_episode
-from streamrl.rollout.router import RouterLocator
 from streamrl.rollout.worker import episode_player
 
 log = logging.getLogger("streamrl.evaluate")

@@ -30,17 +30,16 @@ from streamrl.buffer import Admission, BufferUnavailable, Namespace, PolicyVersi
 from streamrl.buffer.admission import RETRY_S
 from streamrl.buffer.admission import group_id as admitted_group_id
 from streamrl.config import Config, RolloutConfig
+from streamrl.dataset import Prompts, load_rows
 from streamrl.envs import Env, Observation, StepResult, env_factory
 from streamrl.envs.registry import env_plugin, is_agent
+from streamrl.generation import Completion, SamplingParams
 from streamrl.models import load_tokenizer
 from streamrl.protocol import Group, Sample, WireError
 from streamrl.rollout.agent import AgentRunner
-from streamrl.rollout.client import GenerateClient, GenerateError, run_event_loop
+from streamrl.rollout.client import GenerateClient, GenerateError, RouterLocator, run_event_loop
 from streamrl.rollout.coalesce import Coalescer
-from streamrl.rollout.dataset import Prompts, load_rows
-from streamrl.rollout.engines.base import Completion, SamplingParams
 from streamrl.rollout.episode import ChatRenderer, EnvFault, run_episode
-from streamrl.rollout.router import RouterLocator
 from streamrl.rollout.tool_calls import load_parser
 
 log = logging.getLogger("streamrl.worker")

@@ -1,30 +1,22 @@
-"""A rollout server: one engine behind SGLang's native HTTP API (ARCHITECTURE §2.1).
-
-The same client, sglang-router and learner work against this server, our vLLM
-server and a stock SGLang server. Bad requests get a 400 with the reason; an
-engine fault gets a 500 (sglang-router retries those on another server). Control
-endpoints require ``Authorization: Bearer <token>`` when a token is configured.
-"""
+"""``/generate``: SGLang's native generation request, token ids or text in, sampled ids with behaviour logprobs and
+their weight versions out; ``max_new_tokens: 0`` scores the prompt instead."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 import uuid
 from dataclasses import replace
 from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from fastapi import APIRouter, HTTPException
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import BaseModel, ConfigDict, Field
 
-from streamrl import __version__
-from streamrl.adapters import AdapterSpec
-from streamrl.rollout.engines.base import Completion, Engine, PromptScores, SamplingParams
+from streamrl.generation import Completion, PromptScores, SamplingParams
+from streamrl.inference.engines.base import Engine
 
 log = logging.getLogger("streamrl.server")
 
@@ -75,53 +67,7 @@ class GenerateIn(BaseModel):
                                   "served name NAME-vN (default: the newest)")
 
 
-class AbortIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    rid: str = ""
-    abort_all: bool = False
-
-
-class WeightsFromDiskIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model_path: str
-    weight_version: int | None = None
-
-
-class InitWeightsGroupIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    master_address: str
-    master_port: int = Field(ge=1, le=65535)
-    rank_offset: int = Field(ge=1)  # rank 0 is the learner
-    world_size: int = Field(ge=2)
-    group_name: str = "weight_update_group"
-    backend: str = Field("gloo", pattern="^(gloo|nccl)$")
-    timeout_s: float = Field(60.0, gt=0)
-
-
-class AdapterIn(BaseModel):
-    """The adapter a push carries (a LoRA learner's): the bucket's tensors are its, not the model's."""
-
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field(pattern=r"^[A-Za-z0-9_.]+$")
-    rank: int = Field(ge=1)
-    alpha: float = Field(gt=0)
-    tensors: int = Field(ge=2, description="the whole adapter's tensor count")
-
-    def spec(self) -> AdapterSpec:
-        return AdapterSpec(self.rank, self.alpha, self.tensors, self.name)
-
-
-class WeightsFromDistributedIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
-    group_name: str = "weight_update_group"
-    weight_version: int | None = None
-    lora: AdapterIn | None = None
-
-
-class _Metrics:
+class Metrics:
     def __init__(self, engine: Engine):
         self.registry = CollectorRegistry()
         self.requests = Counter("streamrl_requests", "generate requests by outcome", ["status"], registry=self.registry)
@@ -147,55 +93,10 @@ class _Metrics:
         self.latency.observe(latency)
 
 
-def create_app(engine: Engine, *, model_path: str, tokenizer: Any = None, token: str | None = None,
-               engine_name: str = "hf") -> FastAPI:
-    app = FastAPI(title="streamrl rollout server", version=__version__)
-    metrics = _Metrics(engine)
-    receiver = engine.weight_receiver()
+def routes(engine: Engine, tokenizer: Any, metrics: Metrics) -> APIRouter:
+    router = APIRouter()
 
-    def authorized(request: Request) -> None:
-        if token is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            raise HTTPException(401, "this endpoint needs 'Authorization: Bearer <token>'")
-
-    control = [Depends(authorized)]
-
-    @app.exception_handler(RequestValidationError)
-    async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
-        reasons = "; ".join(f"{'.'.join(map(str, e['loc'][1:])) or 'body'}: {e['msg']}" for e in exc.errors())
-        return JSONResponse({"error": {"message": reasons, "code": 400}}, status_code=400)
-
-    @app.exception_handler(HTTPException)
-    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        return JSONResponse({"error": {"message": exc.detail, "code": exc.status_code}}, status_code=exc.status_code)
-
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200 if engine.healthy() else 503)
-
-    @app.get("/get_model_info")
-    @app.get("/model_info")
-    async def model_info() -> dict:
-        return {"model_path": model_path, "tokenizer_path": model_path, "is_generation": True,
-                "weight_version": engine.version}
-
-    @app.get("/get_server_info")
-    @app.get("/server_info")
-    async def server_info() -> dict:
-        return {"model_path": model_path, "engine": engine_name, "version": __version__,
-                "weight_version": engine.version, **engine.load()}
-
-    @app.get("/get_load")
-    async def get_load() -> list[dict]:
-        return [{"dp_rank": 0, **engine.load()}]
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.post("/generate")
+    @router.post("/generate")
     async def generate(req: GenerateIn):
         prompts, batch = _prompts(req, tokenizer)
         rids = _rids(req.rid, len(prompts), batch)
@@ -226,61 +127,7 @@ def create_app(engine: Engine, *, model_path: str, tokenizer: Any = None, token:
         # plain JSON already: a JSONResponse skips FastAPI's per-element encoder (a tenth of the front end's CPU)
         return JSONResponse(bodies if batch or len(bodies) > 1 else bodies[0])
 
-    @app.post("/abort_request", dependencies=control)
-    async def abort_request(req: AbortIn) -> dict:
-        engine.abort(None if req.abort_all or not req.rid else req.rid)
-        return {"success": True}
-
-    @app.post("/pause_generation", dependencies=control)
-    async def pause_generation() -> dict:
-        engine.pause()
-        return {"success": True}
-
-    @app.post("/continue_generation", dependencies=control)
-    async def continue_generation() -> dict:
-        engine.resume()
-        return {"success": True}
-
-    @app.post("/flush_cache", dependencies=control)
-    async def flush_cache() -> dict:
-        return {"success": True, "message": "no prefix cache to flush"}
-
-    @app.post("/update_weights_from_disk", dependencies=control)
-    async def update_weights_from_disk(req: WeightsFromDiskIn) -> dict:
-        version = req.weight_version if req.weight_version is not None else engine.version + 1
-        try:
-            count = await receiver.load_from_disk(req.model_path, version)
-        except (KeyError, RuntimeError, ValueError) as e:
-            raise HTTPException(400, f"weights do not fit this model: {e}") from None
-        return {"success": True, "message": f"loaded {count} tensors", "weight_version": version}
-
-    @app.post("/init_weights_update_group", dependencies=control)
-    async def init_weights_update_group(req: InitWeightsGroupIn) -> dict:
-        try:
-            await receiver.init(req.master_address, req.master_port, req.rank_offset, req.world_size, req.backend,
-                                req.group_name, req.timeout_s)
-        except Exception as e:  # the learner never came, or the backend refused
-            raise HTTPException(500, f"could not join weight update group: {e}") from None
-        return {"success": True, "message": f"joined {req.group_name} as rank {req.rank_offset}"}
-
-    @app.post("/update_weights_from_distributed", dependencies=control)
-    async def update_weights_from_distributed(req: WeightsFromDistributedIn) -> dict:
-        if not len(req.names) == len(req.dtypes) == len(req.shapes):
-            raise HTTPException(400, "names, dtypes and shapes must have the same length")
-        version = req.weight_version if req.weight_version is not None else engine.version + 1
-        try:
-            count = await receiver.receive(req.names, req.dtypes, req.shapes, version,
-                                           req.lora.spec() if req.lora else None)
-        except (KeyError, RuntimeError, ValueError) as e:
-            raise HTTPException(400, f"weight update failed: {e}") from None
-        return {"success": True, "message": f"updated {count} tensors", "weight_version": version}
-
-    @app.post("/destroy_weights_update_group", dependencies=control)
-    async def destroy_weights_update_group() -> dict:
-        receiver.destroy()
-        return {"success": True}
-
-    return app
+    return router
 
 
 def _prompts(req: GenerateIn, tokenizer: Any) -> tuple[list[list[int]], bool]:

@@ -15,10 +15,10 @@ import uvicorn
 from streamrl.adapters import LoraServing
 from streamrl.buffer import Namespace, ServerInfo, ServerRegistry
 from streamrl.config import Config
+from streamrl.inference.engines import load_engine
+from streamrl.inference.server import create_app
 from streamrl.models import load_tokenizer
 from streamrl.node import node_address
-from streamrl.rollout.engines import load_engine
-from streamrl.rollout.server import create_app
 
 log = logging.getLogger("streamrl.serve")
 

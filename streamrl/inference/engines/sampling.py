@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from streamrl.rollout.engines.base import SamplingParams
+from streamrl.generation import SamplingParams
 
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams],

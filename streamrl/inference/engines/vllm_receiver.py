@@ -3,13 +3,14 @@ the steering of vLLM's weight-transfer lifecycle (its workers receive; see ``vll
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from streamrl.adapters import AdapterSpec
-    from streamrl.rollout.engines.vllm import VLLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -71,68 +72,87 @@ class _Push:
         self.names: set[str] = set()
 
 
-class VLLMReceiver:
-    """The server's end of the weight push for a vLLM engine: vLLM's workers receive, the server steers."""
+class Steered(Protocol):
+    """What the receiver steers: a vLLM engine (``VLLMEngine``), its weights changed one change at a time."""
 
-    def __init__(self, engine: VLLMEngine):
-        self.engine = engine
+    version: int
+    vllm: Any  # the vLLM names the engine imported
+    swap_lock: asyncio.Lock
+
+    @property
+    def llm(self) -> Any: ...
+
+    async def on_loop(self, coro: Coroutine) -> Any:
+        """Await ``coro`` on the engine's own loop."""
+
+    async def swap(self, apply: Coroutine, version: int) -> None:
+        """Run ``apply`` (it changes the weights) with generation frozen, then serve ``version``."""
+
+
+class VLLMReceiver:
+    """The server's end of the weight push for a vLLM engine: vLLM's workers receive, the server steers. It
+    holds the push being received; ``expected``/``required``: what a push may and must bring (``model_tensors``)."""
+
+    def __init__(self, engine: Steered, expected: dict[str, tuple[str, tuple[int, ...]]], required: set[str]):
+        self.engine, self.expected, self.required = engine, expected, required
+        self.push: _Push | None = None
         self.joined = False
 
     async def init(self, master_address: str, master_port: int, rank: int, world_size: int, backend: str,
                    group_name: str, timeout_s: float) -> None:
         info = {"master_address": master_address, "master_port": master_port, "rank_offset": rank,
                 "world_size": world_size, "backend": backend, "group_name": group_name, "timeout_s": timeout_s}
-        llm = self.engine._llm
-        await self.engine._on_loop(llm.init_weight_transfer_engine(self.engine._v.InitRequest(init_info=info)))
+        llm = self.engine.llm
+        await self.engine.on_loop(llm.init_weight_transfer_engine(self.engine.vllm.InitRequest(init_info=info)))
         self.joined = True
 
     async def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int,
                       lora: AdapterSpec | None = None) -> int:
         if not self.joined:
             raise RuntimeError("no weight update group: call /init_weights_update_group first")
-        return await self.engine._on_loop(self._receive(names, dtypes, shapes, version, lora))
+        return await self.engine.on_loop(self._receive(names, dtypes, shapes, version, lora))
 
     async def _receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int,
                        lora: AdapterSpec | None) -> int:
-        engine, llm = self.engine, self.engine._llm
-        async with engine._swap_lock:
-            if engine._push is not None and engine._push.version != version:
-                log.warning("push of version %d stopped half way; dropped", engine._push.version)
+        engine, llm = self.engine, self.engine.llm
+        async with engine.swap_lock:
+            if self.push is not None and self.push.version != version:
+                log.warning("push of version %d stopped half way; dropped", self.push.version)
                 await self._drop(None)
             try:
                 if lora is not None:
                     raise ValueError("this server was started without LoRA support (learner.lora is not set in "
                                      "its config): it takes whole weights; restart it with the learner's config")
-                check_tensors(engine._expected, names, dtypes, shapes)
+                check_tensors(self.expected, names, dtypes, shapes)
             except ValueError:
                 await self._drop((names, dtypes, shapes))  # take the bucket the learner is sending, then refuse
                 raise
-            if engine._push is None:
+            if self.push is None:
                 await llm.start_weight_update()
-                engine._push = _Push(version)
+                self.push = _Push(version)
             bucket = {"names": names, "dtype_names": dtypes, "shapes": shapes}
             try:
-                await llm.update_weights(engine._v.UpdateRequest(update_info=bucket))
+                await llm.update_weights(engine.vllm.UpdateRequest(update_info=bucket))
             except BaseException:
-                engine._push = None  # vLLM's worker ends the update when a bucket fails
+                self.push = None  # vLLM's worker ends the update when a bucket fails
                 raise
-            engine._push.names.update(names)
+            self.push.names.update(names)
             # complete: every parameter came; or tensors after a complete push (a state dict's tied head)
-            if engine._push.names >= engine._required or version == engine.version:
-                engine._push = None
-                await engine._swap(llm.finish_weight_update(), version)
+            if self.push.names >= self.required or version == engine.version:
+                self.push = None
+                await engine.swap(llm.finish_weight_update(), version)
         return len(names)
 
     async def _drop(self, bucket: tuple[list, list, list] | None) -> None:
         """Abandon the push being received, receiving ``bucket`` first if the learner is broadcasting it."""
-        engine, llm = self.engine, self.engine._llm
-        if engine._push is None:
+        engine, llm = self.engine, self.engine.llm
+        if self.push is None:
             await llm.start_weight_update()
         names, dtypes, shapes = bucket or ([], [], [])
         info = {"names": names, "dtype_names": dtypes, "shapes": shapes, "discard": True}
-        await llm.update_weights(engine._v.UpdateRequest(update_info=info))
+        await llm.update_weights(engine.vllm.UpdateRequest(update_info=info))
         await llm.finish_weight_update()  # loads nothing: the push was discarded
-        engine._push = None
+        self.push = None
 
     async def load_from_disk(self, path: str, version: int) -> int:
         """The weights of a checkpoint directory, through the same lifecycle as a push."""
@@ -143,21 +163,21 @@ class VLLMReceiver:
                              "(learner.lora is not set in its config)")
         engine = self.engine
         found = checkpoint_metas(path)
-        check_tensors(engine._expected, list(found), [d for d, _ in found.values()], [list(s) for _, s in found.values()])
-        if missing := engine._required - found.keys():
+        check_tensors(self.expected, list(found), [d for d, _ in found.values()], [list(s) for _, s in found.values()])
+        if missing := self.required - found.keys():
             raise ValueError(f"{path!r} lacks {len(missing)} tensors of the served model, e.g. {min(missing)!r}")
 
         async def reload() -> None:
-            llm = engine._llm
-            async with engine._swap_lock:
-                if engine._push is not None:
-                    log.warning("push of version %d dropped for the weights in %s", engine._push.version, path)
+            llm = engine.llm
+            async with engine.swap_lock:
+                if self.push is not None:
+                    log.warning("push of version %d dropped for the weights in %s", self.push.version, path)
                     await self._drop(None)
                 await llm.start_weight_update()
-                await llm.update_weights(engine._v.UpdateRequest(update_info={"path": path}))
-                await engine._swap(llm.finish_weight_update(), version)
+                await llm.update_weights(engine.vllm.UpdateRequest(update_info={"path": path}))
+                await engine.swap(llm.finish_weight_update(), version)
 
-        await engine._on_loop(reload())
+        await engine.on_loop(reload())
         return len(found)
 
     def destroy(self) -> None:

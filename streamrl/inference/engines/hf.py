@@ -27,10 +27,10 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from streamrl import adapters
 from streamrl.adapters import AdapterSpec, LoraServing
-from streamrl.rollout.engines.base import Completion, PromptScores, SamplingParams
-from streamrl.rollout.engines.hf_cache import SlackLayer
-from streamrl.rollout.sampling import sample_batch
-from streamrl.rollout.weight_receiver import AdapterReceiver, HostReceiver
+from streamrl.generation import Completion, PromptScores, SamplingParams
+from streamrl.inference.engines.hf_cache import SlackLayer
+from streamrl.inference.engines.sampling import sample_batch
+from streamrl.inference.engines.weight_receiver import AdapterReceiver, HostReceiver
 
 
 @dataclass

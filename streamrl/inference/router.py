@@ -9,7 +9,6 @@ and the evaluator look it up (``RouterLocator``) and follow it if it moves to an
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import subprocess
 import sys
@@ -19,9 +18,8 @@ from pathlib import Path
 
 import httpx
 
-from streamrl.buffer import Namespace, RouterAddress, ServerRegistry
+from streamrl.buffer import RouterAddress, ServerRegistry
 from streamrl.buffer.redis_server import die_with_parent
-from streamrl.config import Config
 
 log = logging.getLogger("streamrl.router")
 
@@ -153,40 +151,3 @@ def follow_registry(router: Router, registry: ServerRegistry, *, every_s: float,
         except Exception as e:  # Redis or router hiccup: try again next round
             log.warning("router sync failed: %s", e)
         stop.wait(every_s)
-
-
-class RouterLocator:
-    """Where a rollout worker or the evaluator sends ``/generate``: the configured router, else the one that
-    announced itself in Redis, followed when a restart on another node announces a new address."""
-
-    def __init__(self, cfg: Config, ns: Namespace):
-        host = cfg.router.host
-        self.fixed = cfg.rollout.router_url or (f"http://{host}:{cfg.router.port}" if host else None)
-        self.address = RouterAddress(ns, ttl_s=cfg.server.registry_ttl_s)
-
-    async def url(self, every_s: float = 0.5) -> str:
-        """The router's URL; waits for its announcement (the router may start after us, or move)."""
-        said = False
-        while (url := self.fixed or await asyncio.to_thread(self.address.get)) is None:
-            if not said:
-                log.info("waiting for the router to announce itself in Redis (router.host or rollout.router_url "
-                         "would name it)")
-                said = True
-            await asyncio.sleep(every_s)
-        return url
-
-    async def follow(self, client, every_s: float = 1.0) -> None:
-        """Point ``client`` at the router's newest announced URL, until cancelled. Requests already sent to the
-        old address fail and are retried by the client, now against the new one."""
-        if self.fixed:
-            return
-        while True:
-            await asyncio.sleep(every_s)
-            try:
-                url = await asyncio.to_thread(self.address.get)
-            except Exception as e:  # Redis away for a moment: keep the address we have
-                log.warning("could not look up the router: %s", e)
-                continue
-            if url and url != client.base_url:
-                log.info("the router moved: %s -> %s", client.base_url, url)
-                client.base_url = url

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from streamrl import adapters
 from streamrl.adapters import AdapterSpec
-from streamrl.rollout.engines.base import Engine
+from streamrl.inference.engines.base import Engine
 from streamrl.weightsync import Staging, TensorMeta, broadcast, make_group, unpack
 
 log = logging.getLogger(__name__)

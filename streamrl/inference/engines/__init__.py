@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from streamrl.adapters import LoraServing
-from streamrl.rollout.engines.base import Completion, Engine, SamplingParams
+from streamrl.inference.engines.base import Engine
 
-__all__ = ["Completion", "Engine", "SamplingParams", "load_engine"]
+__all__ = ["Engine", "load_engine"]
 
 
 def load_engine(name: str, model_path: str, *, dtype: str = "float32", max_batch_size: int = 64,
@@ -16,12 +16,12 @@ def load_engine(name: str, model_path: str, *, dtype: str = "float32", max_batch
     """Build the engine called ``name`` over a local Hugging Face model directory (with ``lora``: a LoRA server,
     which serves adapter versions over that model)."""
     if name == "hf":
-        from streamrl.rollout.engines.hf import HFEngine
+        from streamrl.inference.engines.hf import HFEngine
 
         return HFEngine.from_pretrained(model_path, dtype=dtype, max_batch_size=max_batch_size, tokenizer=tokenizer,
                                         lora=lora)
     if name == "vllm":
-        from streamrl.rollout.engines.vllm import VLLMEngine
+        from streamrl.inference.engines.vllm import VLLMEngine
 
         # vLLM loads its own tokenizer (stop strings, detokenising): from model.tokenizer's directory too
         named = {"tokenizer": tokenizer.name_or_path} if getattr(tokenizer, "name_or_path", None) else {}

@@ -1,0 +1,94 @@
+"""The server's end of the learner's weight push (SGLang's endpoints): join the update group, take a version's
+tensors bucket by bucket, or load a checkpoint from disk; all take the server's token."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import APIRouter, HTTPException
+from pydantic import BaseModel, ConfigDict, Field
+
+from streamrl.adapters import AdapterSpec
+from streamrl.inference.engines.base import Engine, WeightReceiver
+
+
+class WeightsFromDiskIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model_path: str
+    weight_version: int | None = None
+
+
+class InitWeightsGroupIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)  # rank 0 is the learner
+    world_size: int = Field(ge=2)
+    group_name: str = "weight_update_group"
+    backend: str = Field("gloo", pattern="^(gloo|nccl)$")
+    timeout_s: float = Field(60.0, gt=0)
+
+
+class AdapterIn(BaseModel):
+    """The adapter a push carries (a LoRA learner's): the bucket's tensors are its, not the model's."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.]+$")
+    rank: int = Field(ge=1)
+    alpha: float = Field(gt=0)
+    tensors: int = Field(ge=2, description="the whole adapter's tensor count")
+
+    def spec(self) -> AdapterSpec:
+        return AdapterSpec(self.rank, self.alpha, self.tensors, self.name)
+
+
+class WeightsFromDistributedIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    weight_version: int | None = None
+    lora: AdapterIn | None = None
+
+
+def routes(engine: Engine, receiver: WeightReceiver, control: Sequence[Any]) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/update_weights_from_disk", dependencies=control)
+    async def update_weights_from_disk(req: WeightsFromDiskIn) -> dict:
+        version = req.weight_version if req.weight_version is not None else engine.version + 1
+        try:
+            count = await receiver.load_from_disk(req.model_path, version)
+        except (KeyError, RuntimeError, ValueError) as e:
+            raise HTTPException(400, f"weights do not fit this model: {e}") from None
+        return {"success": True, "message": f"loaded {count} tensors", "weight_version": version}
+
+    @router.post("/init_weights_update_group", dependencies=control)
+    async def init_weights_update_group(req: InitWeightsGroupIn) -> dict:
+        try:
+            await receiver.init(req.master_address, req.master_port, req.rank_offset, req.world_size, req.backend,
+                                req.group_name, req.timeout_s)
+        except Exception as e:  # the learner never came, or the backend refused
+            raise HTTPException(500, f"could not join weight update group: {e}") from None
+        return {"success": True, "message": f"joined {req.group_name} as rank {req.rank_offset}"}
+
+    @router.post("/update_weights_from_distributed", dependencies=control)
+    async def update_weights_from_distributed(req: WeightsFromDistributedIn) -> dict:
+        if not len(req.names) == len(req.dtypes) == len(req.shapes):
+            raise HTTPException(400, "names, dtypes and shapes must have the same length")
+        version = req.weight_version if req.weight_version is not None else engine.version + 1
+        try:
+            count = await receiver.receive(req.names, req.dtypes, req.shapes, version,
+                                           req.lora.spec() if req.lora else None)
+        except (KeyError, RuntimeError, ValueError) as e:
+            raise HTTPException(400, f"weight update failed: {e}") from None
+        return {"success": True, "message": f"updated {count} tensors", "weight_version": version}
+
+    @router.post("/destroy_weights_update_group", dependencies=control)
+    async def destroy_weights_update_group() -> dict:
+        receiver.destroy()
+        return {"success": True}
+
+    return router
