@@ -7,25 +7,17 @@ value the user changed: a default that does not apply to a mode is harmless.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
 
 from pydantic import BaseModel
 
-if TYPE_CHECKING:
-    from streamrl.config.sections import Config
-
-Rule = Callable[["Config"], Iterator[str]]
-RULES: list[Rule] = []
+from streamrl.config.sections import RULES, Config, Rule
 
 
 def rule(fn: Rule) -> Rule:
+    """Check ``fn`` whenever a ``Config`` is validated (the tree holds the list: it imports nothing from here)."""
     RULES.append(fn)
     return fn
-
-
-def problems(cfg: Config) -> list[str]:
-    return [problem for check in RULES for problem in check(cfg)]
 
 
 def _changed(section: BaseModel, *names: str) -> list[str]:

@@ -1,0 +1,121 @@
+"""How data crosses from generation to training: how stale it may be (a fixed bound or one the learner
+moves), how the loss corrects for its age, and how the learner's weights reach the servers.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from streamrl.config.sections.base import Section
+
+DEFAULT_MAX_STALENESS = 2  # the fixed bound's default
+
+
+class AutoStalenessConfig(Section):
+    """With `off_policy.max_staleness: auto`, how the learner moves the bound (docs/concepts.md): up while it
+    waits for data the bound held back, on healthy off-policy data (doubled until the bound first comes down, by
+    one after), halved when that data degrades, eased down by one while it never waits, put back where a raise
+    did not speed it up (for `revert_hold` steps)."""
+
+    low: int = Field(1, ge=0, description="smallest bound")
+    high: int = Field(8, ge=1, description="largest bound")
+    start: int | None = Field(None, ge=0, description="the bound once a fresh run's first step is trained (its "
+                              "data comes in under low; empty: low, and raises double it from there)")
+    wait_share: float = Field(0.1, ge=0, lt=1, description="a step that waited for data longer than this share "
+                              "of it counts towards a raise (see held_share)")
+    held_share: float = Field(0.5, ge=0, le=1, description="a wait counts towards a raise only if the bound turned "
+                              "workers away for at least this share of it, or a group was dropped as stale (0: any "
+                              "wait counts)")
+    idle_share: float = Field(0.02, ge=0, lt=1, description="a step that waited for data under this share of it "
+                              "counts towards easing the bound down by one (0: never ease)")
+    ess_floor: float = Field(0.8, gt=0, lt=1, description="lower when the importance weights' effective sample "
+                             "size (a share of the tokens) falls under this")
+    ess_raise: float = Field(0.9, gt=0, le=1, description="raise only while the effective sample size is at least this")
+    m2_ceiling: float = Field(1.5, gt=1, description="lower when the importance weights' second moment passes this")
+    clip_ceiling: float = Field(0.1, gt=0, lt=1, description="lower when the clip fraction passes this")
+    spike: float = Field(3.0, gt=1, description="lower when the gradient norm passes this many times its running "
+                         "mean (of about the last 3 steps, judged from the 6th) while ESS is under ess_raise")
+    raise_gain: float = Field(0.0, ge=0, lt=1, description="a raise is kept only if it cut the learner's mean "
+                              "step time by this share (its cooldown's last `patience` steps against the "
+                              "`patience` before it; 0: unless it made it longer); else the bound goes back and "
+                              "raises stop there for `revert_hold` steps")
+    revert_hold: int = Field(12, ge=1, description="steps after a revert before raises may pass its bound again")
+    patience: int = Field(2, ge=1, description="steps in a row that must call for a raise (the last one while "
+                          "the bound doubles), or for easing; a raise also needs this many steps under the bound")
+    cooldown: int = Field(3, ge=1, description="steps after a change before the next")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AutoStalenessConfig:
+        if self.low > self.high:
+            raise ValueError(f"off_policy.auto.low {self.low} > high {self.high}")
+        if not self.low <= self.first <= self.high:
+            raise ValueError(f"off_policy.auto.start {self.start} is outside [low {self.low}, high {self.high}]: "
+                             "set off_policy.auto.start within them")
+        if 0 < self.idle_share >= self.wait_share:  # else a step could count towards both a raise and easing
+            raise ValueError(f"off_policy.auto.idle_share {self.idle_share} must be under wait_share {self.wait_share}: "
+                             "set it lower, or 0 to never ease")
+        if self.ess_floor >= self.ess_raise:
+            raise ValueError(f"off_policy.auto.ess_floor {self.ess_floor} must be under ess_raise {self.ess_raise}")
+        return self
+
+    @property
+    def first(self) -> int:
+        """The controller's first bound, opened once a fresh run's first step is trained (its data comes in under
+        ``low``)."""
+        return self.low if self.start is None else self.start
+
+
+class OffPolicyConfig(Section):
+    """How old (in policy versions) trained data may be, and how the loss corrects for its age."""
+
+    max_staleness: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        DEFAULT_MAX_STALENESS, description="oldest policy lag a trained token may have; auto: the learner moves "
+                                           "it within off_policy.auto's bounds")
+    auto: AutoStalenessConfig = Field(default_factory=AutoStalenessConfig)
+    stale: Literal["drop", "keep"] = Field("drop", description="what the learner does with data past the bound")
+    correction: Literal["none", "tis", "decoupled"] = Field(
+        "decoupled", description="none: PPO ratio against the behaviour policy; tis: ratio against the proximal "
+                                 "policy, truncated importance weight; decoupled: the same, weight not truncated")
+    tis_cap: float = Field(2.0, gt=0, description="correction=tis: largest importance weight")
+    behav_weight_cap: float | None = Field(None, gt=1, description="decoupled: leave out tokens whose "
+                                           "pi_prox / pi_behav exceeds this (AReaL's behav_imp_weight_cap)")
+    ess_lr: bool = Field(False, description="scale each update's learning rate by the effective sample size of "
+                         "its importance weights pi_prox / pi_behav: by its square root under AdamW, by itself under "
+                         "SGD (data further off-policy moves the weights less; VCPO)")
+
+    @property
+    def adaptive(self) -> bool:
+        return self.max_staleness == "auto"
+
+    @property
+    def ceiling(self) -> int:
+        """The largest bound in force at any time."""
+        return self.auto.high if self.adaptive else self.max_staleness
+
+    @property
+    def floor(self) -> int:
+        """The smallest bound in force at any time."""
+        return self.auto.low if self.adaptive else self.max_staleness
+
+    @property
+    def initial(self) -> int:
+        """The bound in force until the learner publishes one (``auto``: low, the bound a fresh run fills its
+        pipeline under before the learner opens it to ``start``)."""
+        return self.auto.low if self.adaptive else self.max_staleness
+
+
+class WeightSyncConfig(Section):
+    """Pushing the learner's weights to the rollout servers."""
+
+    sync_every: int = Field(1, ge=1, description="learner steps between pushes")
+    mode: Literal["pause", "in_flight"] = Field("in_flight", description="in_flight: servers keep generating and "
+                                                "switch weights between two decode steps; pause: they stop for the push")
+    bucket_mb: float = Field(64.0, gt=0, description="size of one broadcast (tensors are packed into buckets)")
+    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="transport: auto is nccl from a CUDA "
+                                                     "learner into vllm servers, else gloo (also where `streamrl up` "
+                                                     "puts servers on the learner's GPU)")
+    timeout_s: float = Field(60.0, gt=0, description="how long a push waits for a server before dropping it")
+    master_address: str | None = Field(None, description="learner rank 0's address, as servers reach it; empty: its "
+                                       "node's address on a Ray cluster (ray.address), else 127.0.0.1")
