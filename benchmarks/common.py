@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import inspect
 import json
 import os
 import platform
@@ -206,40 +208,68 @@ def serve_processes(config_args: list[str], count: int, env: dict | None = None,
             proc.wait(60)
 
 
-def cli(main, doc: str) -> None:
-    """``python -m benchmarks.NAME [--quick] [--out DIR]``."""
-    import argparse
+def _at_least(least: int):
+    """An integer option's type that refuses values under ``least``."""
 
-    parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
+    def number(text: str) -> int:
+        value = int(text)
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} is less than {least}")
+        return value
+
+    number.__name__ = "integer"  # argparse names the type in its error: "invalid integer value"
+    return number
+
+
+# every option a study's main may take, as argparse adds it: a study's parser has those its main takes
+OPTIONS: dict[str, dict[str, Any]] = {
+    "model": {"metavar": "DIR", "help": "HF model directory"},
+    "repeats": {"type": _at_least(1), "metavar": "N", "help": "runs of each arm (default: the study's own)"},
+    "steps": {"type": _at_least(1), "metavar": "N", "help": "learner steps of each run (default: the study's own)"},
+    "trl_generation": {"choices": ["hf", "paged", "vllm"], "default": "hf", "help": "TRL's generation backend: hf "
+                       "(model.generate), paged (continuous batching) or vllm (colocated)"},
+    "precision": {"default": "fp32", "metavar": "P", "help": "fp32, or bf16 mixed precision (fp32 weights, bf16 "
+                  "autocast) for both sides"},
+    "trl_precision": {"metavar": "P", "help": "TRL's precision where it differs from --precision"},
+    "streamrl_set": {"action": "append", "metavar": "KEY=VALUE", "help": "a config override for streamrl's side "
+                     "(repeatable; stress: every arm's), e.g. mode=sync"},
+    "trl_trainer": {"choices": ["sync", "async"], "default": "sync",
+                    "help": "TRL's GRPOTrainer, or its AsyncGRPOTrainer on a vLLM server"},
+    "lora": {"action": "store_true", "help": "both sides train the LoRA recipe's adapter (configs/smollm2-lora.yaml)"},
+    "study": {"metavar": "NAME", "help": "one of the module's studies (default: all)"},
+    "first_seed": {"type": _at_least(0), "default": 0, "metavar": "S", "help": "the first seed, to add seeds to an "
+                   "earlier run's results: --out's, else the published docs/benchmarks/NAME.json"},
+    "trl_set": {"action": "append", "metavar": "KEY=VALUE", "help": "a setting of TRL's async trainer (repeatable), "
+                "e.g. server_threads=2"},
+    "real_model": {"action": "store_true", "help": "SmolLM2-135M's workloads, not the toy's"},
+    "staleness": {"action": "append", "metavar": "B", "help": "an async arm's max staleness, run beside sync "
+                  "(repeatable: 4, 2, 1 or auto; default: all four)"},
+    "sync_only": {"action": "store_true", "help": "the sync arm alone (replacing its seeds' runs)"},
+    "async_only": {"action": "store_true", "help": "the async arms alone (paired with earlier sync)"},
+    "workload": {"action": "append", "metavar": "W", "help": "one of the study's workloads (repeatable; "
+                 "default: all)"},
+}
+
+
+def parser(main, doc: str, prog: str | None = None) -> argparse.ArgumentParser:
+    """A study's own command line: --quick, --out, and the options of ``OPTIONS`` its ``main`` takes."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.strip().splitlines()[0], allow_abbrev=False)
     parser.add_argument("--quick", action="store_true", help="a short run that still measures both sides")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    if "model" in main.__code__.co_varnames:
-        parser.add_argument("--model", help="HF model directory")
-    if "repeats" in main.__code__.co_varnames:
-        parser.add_argument("--repeats", type=int, help="runs of each arm (default: the study's own)")
-    if "steps" in main.__code__.co_varnames:
-        parser.add_argument("--steps", type=int, help="learner steps of each run (default: the study's own)")
-    if "trl_generation" in main.__code__.co_varnames:
-        parser.add_argument("--trl-generation", choices=["hf", "paged", "vllm"], default="hf",
-                            help="TRL's generation backend")
-    if "trl_trainer" in main.__code__.co_varnames:
-        parser.add_argument("--trl-trainer", choices=["sync", "async"], default="sync",
-                            help="TRL's GRPOTrainer, or its AsyncGRPOTrainer on a vLLM server")
-        parser.add_argument("--lora", action="store_true", help="both sides train the LoRA recipe's adapter")
-    if "study" in main.__code__.co_varnames:
-        parser.add_argument("--study", help="one of the module's studies (default: all)")
-    if "first_seed" in main.__code__.co_varnames:
-        parser.add_argument("--first-seed", type=int, default=0, help="the first seed (to add seeds to a run's)")
-    if "real_model" in main.__code__.co_varnames:
-        parser.add_argument("--real-model", action="store_true", help="SmolLM2-135M's workloads, not the toy's")
-    if "staleness" in main.__code__.co_varnames:
-        parser.add_argument("--staleness", action="append", default=[], help="an async arm's bound (repeatable)")
-    if "sync_only" in main.__code__.co_varnames:
-        parser.add_argument("--sync-only", action="store_true", help="the sync arm alone (replacing its seeds' runs)")
-    if "async_only" in main.__code__.co_varnames:
-        parser.add_argument("--async-only", action="store_true", help="the async arms alone (paired with earlier sync)")
-    if "workload" in main.__code__.co_varnames:
-        parser.add_argument("--workload", action="append", default=[], help="one of the study's workloads (repeatable)")
-    args = vars(parser.parse_args())
-    settings["quick"] = args["quick"]
-    main(**args)
+    parser.add_argument("--out", type=Path, default=RESULTS, metavar="DIR", help="where JSON and PNG results go")
+    for name in [n for n in inspect.signature(main).parameters if n in OPTIONS]:
+        parser.add_argument(f"--{name.replace('_', '-')}", **OPTIONS[name])
+    return parser
+
+
+def cli(main, doc: str, argv: list[str] | None = None, prog: str | None = None, study: str | None = None) -> Any:
+    """``python -m benchmarks.NAME [--quick] [--out DIR] ...`` (or ``streamrl bench STUDY ...``, ``argv`` the
+    arguments after STUDY): read the study's options, then run it."""
+    command = parser(main, doc, prog)
+    args, unknown = command.parse_known_args(argv)
+    if unknown:
+        flag = unknown[0].split("=", 1)[0]
+        command.error(f"{flag} does not apply to {study or command.prog}" if flag.startswith("-") else
+                      f"unrecognized arguments: {' '.join(unknown)}")
+    options = {k: tuple(v or ()) if OPTIONS.get(k, {}).get("action") == "append" else v for k, v in vars(args).items()}
+    settings["quick"] = options["quick"]
+    return main(**options)

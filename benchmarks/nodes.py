@@ -20,9 +20,9 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import cli, console, median, new_figure, print_table, save_figure, write_json
+from benchmarks.netns import NetnsCluster
 from streamrl.buffer.redis_server import free_port
 from streamrl.config import load_config
-from benchmarks.netns import NetnsCluster
 from streamrl.recipes.reverse import prepare
 from streamrl.rollout.evaluate import read_records
 

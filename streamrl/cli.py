@@ -313,85 +313,24 @@ def show_config(
     typer.echo(dump_config(_load(config, overrides)), nl=False)
 
 
-@app.command()
+@app.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+             add_help_option=False)  # every argument after STUDY, --help too, is the study's
 def bench(
-    suite: Annotated[str, typer.Argument(help="Study to run: queue, partition, generate, learner, weight-push, e2e, "
-                                                "ablation, trl, trl-tune, engines, stress, simulate, agent, nodes, "
-                                                "lora, soak; or 'report' to gather results into docs/benchmarks.md.")],
-    quick: Annotated[bool, typer.Option("--quick", help="A short run that still measures both sides.")] = False,
-    out: Annotated[Path, typer.Option(help="Where JSON and PNG results go.")] = Path("benchmarks/results"),
-    model: Annotated[Path | None, typer.Option(help="HF model directory, for studies that run a model.")] = None,
-    repeats: Annotated[int | None, typer.Option(help="Runs of each arm, for e2e, ablation, trl, engines, stress, "
-                                                   "nodes and lora (default: the study's own).", min=1)] = None,
-    steps: Annotated[int | None, typer.Option(help="trl, trl-tune, engines and lora: learner steps of each "
-                                                   "run (default: the study's own).", min=1)] = None,
-    trl_generation: Annotated[str | None, typer.Option(help="trl: TRL's generation backend: hf (model.generate), "
-                                                            "paged (continuous batching) or vllm (colocated).")] = None,
-    precision: Annotated[str | None, typer.Option(help="trl: fp32, or bf16 mixed precision (fp32 weights, bf16 "
-                                                       "autocast) for both sides.")] = None,
-    trl_precision: Annotated[str | None, typer.Option(help="trl: TRL's precision when it differs from "
-                                                           "--precision.")] = None,
-    study: Annotated[str | None, typer.Option(help="ablation: one of its studies: credit, late-groups, "
-                                                 "is-weights, minibatches, minibatches-sync, longer; lora: push, "
-                                                 "push-large, learner or accuracy; trl-tune: one candidate "
-                                                 "(default: all).")] = None,
-    trl_trainer: Annotated[str | None, typer.Option(help="trl: sync (GRPOTrainer) or async (AsyncGRPOTrainer, "
-                                                         "generating on a vLLM server; streamrl's side then serves "
-                                                         "with vLLM too).")] = None,
-    lora: Annotated[bool | None, typer.Option("--lora", help="trl --trl-trainer async: both sides train the LoRA "
-                                                             "recipe's adapter (configs/smollm2-lora.yaml).")] = None,
-    first_seed: Annotated[int | None, typer.Option(help="lora (its accuracy study), trl, engines, stress and e2e: the first "
-                                                        "seed, to add seeds to an earlier run's results: --out's, else the "
-                                                        "published docs/benchmarks/NAME.json (default: 0).",
-                                                   min=0)] = None,
-    streamrl_set: Annotated[list[str] | None, typer.Option("--streamrl-set", help="trl: a config override for "
-                                                           "streamrl's side (repeatable), e.g. mode=sync; stress: for "
-                                                           "every arm.")] = None,
-    real_model: Annotated[bool | None, typer.Option("--real-model", help="e2e: SmolLM2-135M's workloads "
-                                                    "(configs/smollm2.yaml and configs/smollm2-agentic.yaml) instead "
-                                                    "of the toy's.")] = None,
-    staleness: Annotated[list[str] | None, typer.Option(help="e2e: an async arm's max staleness (repeatable: 4, 2, "
-                                                      "1 or auto) to run beside sync (default: all four); its runs "
-                                                      "join the study's earlier ones.")] = None,
-    sync_only: Annotated[bool | None, typer.Option("--sync-only", help="e2e: the sync arm alone; its runs replace "
-                                                   "the same seeds' earlier sync runs, the async arms stay.")] = None,
-    async_only: Annotated[bool | None, typer.Option("--async-only", help="e2e: the async arms alone, paired with "
-                                                    "the sync runs of the same seeds in the study's earlier "
-                                                    "results.")] = None,
-    workload: Annotated[list[str] | None, typer.Option(help="e2e: one of the study's workloads (repeatable: "
-                                                     "single-turn or env-latency; default: both); the other's "
-                                                     "earlier runs stay.")] = None,
-    trl_set: Annotated[list[str] | None, typer.Option("--trl-set", help="trl --trl-trainer async: a setting of "
-                                                      "TRL's side (repeatable): max_inflight_tasks, trainer_threads "
-                                                      "or server_threads, e.g. server_threads=2.")] = None,
+    ctx: typer.Context,
+    args: Annotated[list[str] | None, typer.Argument(metavar="STUDY ARGS", show_default=False,
+                                                     help="The study, then its own options (`streamrl bench STUDY "
+                                                          "--help` lists them).")] = None,
 ) -> None:
     """Throughput studies; each prints a table and writes JSON and a PNG plot."""
     import importlib
-    import inspect
 
-    from benchmarks import MODULES, run_suite
-
-    if suite == "report":
-        from benchmarks.report import build
-
-        build(out, Path("docs/benchmarks.md"))
-        return
-    if suite not in MODULES:
-        err.print(f"unknown benchmark {suite!r}; available: {', '.join(MODULES)}")
-        raise typer.Exit(2)
-    options = {name: value for name, value in (
-        ("model", str(model) if model else None), ("repeats", repeats), ("steps", steps),
-        ("trl_generation", trl_generation), ("precision", precision), ("trl_precision", trl_precision),
-        ("study", study), ("trl_trainer", trl_trainer), ("lora", lora), ("first_seed", first_seed), ("streamrl_set", tuple(streamrl_set or ()) or None),
-        ("trl_set", tuple(trl_set or ()) or None), ("real_model", real_model),
-        ("staleness", tuple(staleness or ()) or None), ("sync_only", sync_only),
-        ("async_only", async_only), ("workload", tuple(workload or ()) or None))
-        if value is not None}
-    takes = inspect.signature(importlib.import_module(MODULES[suite]).main).parameters  # the study's own options
-    for name in options.keys() - takes.keys():
-        err.print(f"--{name.replace('_', '-')} does not apply to {suite}")
-        raise typer.Exit(2)
-    run_suite(suite, quick=quick, out=out, **options)
+    studies = importlib.import_module("benchmarks")  # the tooling, imported only when asked to run
+    if not args or args[0] in ("-h", "--help"):
+        typer.echo(ctx.get_help())
+        typer.echo(f"Studies: {', '.join(studies.STUDIES)} ('report' gathers their results into "
+                   "docs/benchmarks.md).")
+        raise typer.Exit(0 if args else 2)
+    studies.main(args, prog="streamrl bench")
 
 
 def main() -> None:
