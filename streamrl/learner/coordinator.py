@@ -1,0 +1,328 @@
+"""Rank 0's coordination of a policy version: the plan that feeds every rank, and the commit that follows it.
+
+The plan: pull groups from the replay stream, judge each (the staleness guard, dynamic sampling), compute the
+advantages, partition the sequences and encode each rank's micro-batches. The commit: the ledger, the weight
+push and the version published to admission, the staleness controller (``AutoBound``), the stream trimmed
+behind a checkpoint, the metrics line. Every other rank holds a ``Bystander`` in the coordinator's place, so
+that the same loop runs on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from streamrl.buffer import Admission, Ledger, Namespace, PolicyVersion, ReplayStream, ServerRegistry, StreamReader
+from streamrl.config import Config
+from streamrl.learner import batch as batching
+from streamrl.learner.metrics import MetricsSink
+from streamrl.learner.partition import attention_cost, plan_micro_batches
+from streamrl.learner.policy import Policy
+from streamrl.learner.push import WeightPusher
+from streamrl.learner.staleness import AutoBound
+
+log = logging.getLogger("streamrl.learner")
+
+
+@dataclass
+class Plan:
+    """What rank 0 plans for a policy version: per minibatch, a payload per rank (None on the other ranks, which
+    receive theirs), each minibatch's group ids, the ledger outcome of the groups read and not trained, and the
+    version's figures for its metrics line."""
+
+    payloads: list[list[bytes] | None]
+    members: list[list[str]] = field(default_factory=list)
+    outcomes: dict[str, str] = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
+
+
+class Coordinator:
+    """Rank 0's side of the loop: the stream reader, the ledger, the weight pusher, admission and its bound, the
+    metrics sink, and with ``learner.kl_in_reward`` the reference whose KL goes into the rewards."""
+
+    def __init__(self, cfg: Config, redis_url: str, policy: Policy, resumed: dict | None):
+        self.cfg, self.policy, self.world = cfg, policy, torch.distributed.get_world_size()
+        self.vocab_size = policy.module.config.vocab_size
+        self.hidden = policy.module.config.hidden_size
+        version = resumed["version"] if resumed else 0
+        learner = cfg.learner
+        # A sequence with zero advantages adds nothing to a step unless the loss has terms of its own: PPO's
+        # critic advantages (made later, per token), an entropy bonus, KL to the reference in the loss
+        self.zero_advantage_is_inert = (learner.algorithm != "ppo" and learner.entropy_coef == 0
+                                        and (learner.kl_coef == 0 or learner.kl_in_reward))
+        self.reference = None
+        if learner.kl_in_reward and learner.kl_coef > 0:
+            from streamrl.learner.reference import Reference
+
+            temperature = cfg.rollout.sampling.temperature
+            self.reference = (Reference.base_of(policy.model, temperature) if learner.lora else
+                              Reference.load(cfg.model.path, policy.device, policy.module.dtype,
+                                             temperature))  # rank 0 alone: whole, never sharded
+        ns = Namespace.open(redis_url, cfg.run.name, **cfg.redis.retry())
+        self.stream = ReplayStream(ns)
+        self.pusher = WeightPusher(cfg, ServerRegistry(ns, ttl_s=cfg.server.registry_ttl_s))
+        self.reader = StreamReader(ns, cursor=resumed["cursor"] if resumed else "0-0")
+        self.version_key = PolicyVersion(ns)  # the version admission counts (``_publish``)
+        if resumed:
+            log.info("resumed from %s: version %d, cursor %s", resumed["path"], version, self.reader.cursor)
+        self.admission = Admission(ns, max_staleness=cfg.admission_bound, groups_per_step=learner.groups_per_step)
+        self.auto = AutoBound(cfg.off_policy.auto, self.admission) if cfg.off_policy.adaptive else None
+        self.version_key.set(version)
+        self.published, self.publish_lock = version, threading.Lock()
+        self.ledger = Ledger(ns)
+        forgotten = self.ledger.rollback(version, self.reader.cursor)  # gone with the lost weights
+        if forgotten:
+            log.info("ledger: %d outcomes of steps after version %d forgotten; they are replayed", forgotten, version)
+        self.metrics = MetricsSink(Path(cfg.run.path), tensorboard=learner.tensorboard,
+                                   wandb_project=learner.wandb_project, run_name=cfg.run.name, config=cfg.redacted())
+
+    @property
+    def cursor(self) -> str:
+        """The replay stream's cursor: what the learner has read, saved with a checkpoint."""
+        return self.reader.cursor
+
+    # ------------------------------------------------------------------ the plan
+
+    def plan(self, version: int) -> Plan:
+        """The work of the step to ``version + 1``: 1. groups from the stream; 2. the staleness policy, dynamic
+        sampling; 3. advantages, per minibatch of whole groups; 4. packed micro-batches, balanced over the ranks."""
+        plan = Plan(payloads=[])
+        groups = self.pull(version, plan)
+        self.partition(self.advantages(groups, version, plan), plan)
+        return plan
+
+    def pull(self, version: int, plan: Plan) -> list:
+        """``groups_per_step`` fresh groups from the stream; stale ones dropped (and counted) or kept, and with
+        ``learner.drop_no_signal`` groups whose rewards are all equal left out (and counted). The ledger outcome
+        of every group read and not trained goes into ``plan.outcomes``."""
+        want, groups, dropped, silent_dropped, outcomes = self.cfg.learner.groups_per_step, [], 0, 0, {}
+        refused = self.admission.refusals()  # the bound starves the learner if it turns workers away meanwhile
+        t0 = last_catch_up = time.perf_counter()
+        while len(groups) < want:
+            entries = self.reader.read(want - len(groups), block_ms=1000)
+            fresh_drops = silent = 0
+            for entry in entries:
+                verdict = self._verdict(entry, version)
+                if verdict is None:
+                    groups.append(entry.group)
+                    continue
+                outcomes[entry.group.group_id] = verdict
+                fresh_drops += verdict == "dropped:stale"
+                silent += verdict == "dropped:no_signal"
+            if fresh_drops:  # at once: a dropped group gives its admission slot back
+                self.admission.count_dropped_stale(fresh_drops)
+                dropped += fresh_drops
+            if silent:
+                self.admission.count_dropped_no_signal(silent)
+                silent_dropped += silent
+            # No data, or only stale data (a server behind the learner can keep the stream full of it,
+            # and the learner pushes only after a step): bring lagging servers up to date.
+            if (not entries or fresh_drops) and time.perf_counter() - last_catch_up > 2.0:
+                self._catch_up(version)
+                last_catch_up = time.perf_counter()
+        silent_kept = sum(batching.no_signal(g) for g in groups)  # trained, for no gradient under rloo and grpo
+        bound = max(map(self._bound_for, groups))  # the loosest the step's groups were judged under
+        plan.outcomes = outcomes
+        plan.info.update(wait_s=time.perf_counter() - t0, admission_refused=self.admission.refusals() - refused,
+                         dropped_stale=dropped, dropped_no_signal=silent_dropped,
+                         groups_no_signal=silent_kept + silent_dropped, staleness_bound=bound)
+        return groups
+
+    def _bound_for(self, group) -> int:
+        """The staleness bound ``group`` is judged under: the one given, or with ``auto`` the learner's, which
+        keeps the bound before an easing or a revert for the groups that may have been admitted under it."""
+        return self.auto.bound_for(group.version_range()[0]) if self.auto else self.cfg.staleness_bound
+
+    def _verdict(self, entry, version: int) -> str | None:
+        """None to train on the entry's group, else the ledger outcome it gets instead."""
+        top = max(int(s.tokens.max()) for s in entry.group.samples)
+        if top >= self.vocab_size:  # valid on the wire, but not for this model
+            self.reader.dead_letter(entry.id, f"token id {top} >= vocab size {self.vocab_size}")
+            return "dropped:dead"
+        if batching.stale(entry.group, version, self._bound_for(entry.group)) and self.cfg.off_policy.stale == "drop":
+            return "dropped:stale"
+        if self.cfg.learner.drop_no_signal and batching.no_signal(entry.group):
+            return "dropped:no_signal"
+        return None
+
+    def advantages(self, groups: list, version: int, plan: Plan) -> list[tuple[list, list[batching.TrainSequence]]]:
+        """The groups as ``learner.minibatches`` minibatches of whole groups, each with its sequences carrying
+        their advantages (the reference's KL subtracted from the rewards first, with kl_in_reward)."""
+        learner, info = self.cfg.learner, plan.info
+        penalties = None
+        if self.reference is not None:
+            penalties = self.reference.kl_penalties(groups, learner.kl_coef, learner.kl_estimator,
+                                                    learner.micro_batch_tokens)
+            info["kl_penalty_mean"] = float(np.mean(np.concatenate(penalties)))
+        turns = batching.TurnCredit(learner.turn_gamma, learner.turn_lam) if learner.credit == "turn" else None
+        out = []
+        for part in np.array_split(np.arange(len(groups)), learner.minibatches):
+            mine = [groups[i] for i in part]
+            out.append((mine, batching.sequences(mine, version, learner.algorithm,
+                                                 None if penalties is None else [penalties[i] for i in part], turns)))
+        if turns is not None:  # samples whose turns could not be told apart were scored as one turn
+            info["turn_credit_fallbacks"] = sum(batching.turn_spans(s) is None for g in groups for s in g.samples)
+        rewards = [s.reward for g in groups for s in g.samples]
+        staleness = np.array([s.staleness for _, seqs in out for s in seqs])
+        info.update(reward_mean=float(np.mean(rewards)), reward_std=float(np.std(rewards)), groups=len(groups),
+                    staleness_hist={str(k): int(v) for k, v in zip(*np.unique(staleness, return_counts=True))},
+                    group_ids=[g.group_id for g in groups], staleness_max=int(staleness.max()))
+        return out
+
+    def partition(self, parts: list[tuple[list, list[batching.TrainSequence]]], plan: Plan) -> None:
+        """Each minibatch's sequences packed into micro-batches, the same number on every rank and balanced over
+        them (``partition``), as one msgpack payload per rank. Sequences without a gradient are left out
+        (``learner.skip_zero_advantage``); a rank left with nothing steps on a zero loss."""
+        learner = self.cfg.learner
+        imbalance, per_rank, tokens_global, skipped = 0.0, 0, 0, 0
+        for groups, seqs in parts:
+            tokens, count = int(sum(s.mask.sum() for s in seqs)), len(seqs)  # the loss's mean counts all of them
+            if learner.skip_zero_advantage and self.zero_advantage_is_inert:
+                seqs = [s for s in seqs if batching.has_gradient(s)]
+                skipped += count - len(seqs)
+            lengths = [len(s) for s in seqs]
+            costs = [attention_cost(n, self.hidden) for n in lengths] if learner.balance == "flops" else None
+            split = plan_micro_batches(lengths, self.world, learner.micro_batch_tokens, costs)
+            plan.payloads.append([batching.pack([[seqs[i] for i in mb] for mb in rank], tokens, count)
+                                  for rank in split.ranks])
+            plan.members.append([g.group_id for g in groups])
+            loads = [sum(lengths[i] for i in mb) for rank in split.ranks for mb in rank]
+            imbalance = max(imbalance, max(loads) / max(sum(loads) / len(loads), 1e-9))
+            per_rank += split.per_rank
+            tokens_global += tokens
+        plan.info.update(micro_batch_imbalance=imbalance, micro_batches_per_rank=per_rank,
+                         tokens_global=tokens_global, zero_advantage_skipped=skipped)
+
+    def _catch_up(self, version: int) -> None:
+        """While data is late, bring servers that lack the current weights up to date (plain DP only:
+        under ZeRO-3 gathering the weights is a collective the other ranks are not in)."""
+        if version == 0 or self.cfg.learner.zero_stage == 3:
+            return
+        stats = self.pusher.catch_up([(name, p.detach()) for name, p in self.policy.pushed()], version)
+        if stats:
+            log.info("caught up %d server(s) to version %d in %.2fs", stats["push_targets"], version, stats["push_s"])
+
+    # ------------------------------------------------------------------ the commit
+
+    def end_push(self, info: dict) -> None:
+        """Wait for the push in flight, if any, recording how long the learner stalled on it (``push_wait_s``).
+
+        Async: the previous version's push, which read the weights while this step's data came in and its
+        forwards and backwards ran (none of them writes the weights); the optimizer may then move them.
+        Sync: this version's, whole, before the servers may generate again."""
+        t0 = time.perf_counter()
+        info.update(self.pusher.wait())
+        info["push_wait_s"] = time.perf_counter() - t0
+
+    def record(self, version: int, plan: Plan, stats: dict, landed: int) -> None:
+        """The ledger's account of the step to ``version``: what became of every group it read (those of a
+        minibatch whose update was skipped reached no weights); a warning where the learner disagrees with the
+        engine on tokens its very weights generated."""
+        learner = self.cfg.learner
+        if stats.get("fresh_tokens") and stats["fresh_mismatch_kl"] > learner.mismatch_warn_kl:
+            log.warning("train/inference mismatch: KL(behaviour || learner) %.2e on %d tokens generated by these very "
+                        "weights (learner.mismatch_warn_kl %.0e): check dtypes, the chat template and the engine's "
+                        "logprobs", stats["fresh_mismatch_kl"], stats["fresh_tokens"], learner.mismatch_warn_kl)
+        plan.outcomes |= {g: "trained" if i < landed else "dropped:skipped"
+                          for i, ids in enumerate(plan.members) for g in ids}
+        self.ledger.record(version, self.reader.cursor, plan.outcomes)
+
+    def report(self, version: int, plan: Plan, stats: dict) -> dict:
+        """The metrics line of a step whose updates were all skipped: the version stays, the batch is reported."""
+        self.metrics.write({"step": version, "time": time.time(), **plan.info, **stats, "cursor": self.reader.cursor})
+        return stats
+
+    def push(self, params: list[tuple[str, torch.Tensor]], version: int, whole: bool) -> dict:
+        """Start the push of ``version``'s weights in the background (its figures land in the next step's record),
+        or with ``whole`` run it to its end here (the learner waited for all of it)."""
+        named = [(name, p.detach()) for name, p in params]
+        if not whole:  # admission counts this version once the servers serve it (``_publish``)
+            self.pusher.start(named, version, landed=lambda: self._publish(version))
+            return {}
+        stats = self.pusher.push(named, version)
+        return {**stats, "push_wait_s": stats["push_s"]}
+
+    def _publish(self, version: int) -> None:
+        """The policy version admission counts: the newest the servers serve, or between pushes the learner's.
+
+        A push runs in flight for a second or so on CPU. Were slots of a version handed out before its push
+        landed, the groups they start would begin on the weights before it and could reach the learner one
+        version past the staleness bound, to be dropped: 17% of the groups on SmolLM2. Called from the push's
+        thread as well: never moves the version back."""
+        with self.publish_lock:
+            if version > self.published:
+                self.version_key.set(version)
+                self.published = version
+
+    def checkpointed(self, version: int, cursor: str) -> None:
+        """What a checkpoint of ``version`` covers, read up to ``cursor``, is settled in the ledger and trimmed
+        from the stream."""
+        self.ledger.settle(version)
+        if cursor != "0-0":
+            self.stream.trim(cursor)
+
+    def commit(self, version: int, plan: Plan, stats: dict, train_s: float, pushing: bool) -> dict:
+        """The new version published (unless its push is in flight: it publishes when it lands), judged by the
+        staleness controller, and its metrics line written; returns the line."""
+        if not (pushing and self.pusher.pending):
+            self._publish(version)
+        record = {"step": version, "time": time.time(), "train_s": train_s, **plan.info, **stats,
+                  "cursor": self.reader.cursor}
+        record["tokens_per_s"] = record["tokens_global"] / max(train_s, 1e-9)
+        if self.auto:  # max_staleness: auto judges the step, and may move the bound for the next
+            record.update(self.auto.after_step(version, record))
+        self.metrics.write(record)
+        return record
+
+    def announce(self, record: dict) -> None:
+        log.info("step %(step)s  reward %(reward_mean).3f  loss %(loss).4f  tokens %(tokens_global)d", record)
+
+    def close(self, version: int) -> None:
+        """After the last step: the last push's figures, a line of their own (it ends after the last step's)."""
+        last_push = self.pusher.wait()
+        if last_push.get("push_targets"):
+            self.metrics.write({"step": version, "time": time.time(), **last_push})
+        self.metrics.close()
+
+
+class Bystander:
+    """A rank other than 0, in the coordinator's place: its plan is an empty payload per minibatch (what it hands
+    the scatter), and it commits nothing."""
+
+    cursor = ""
+
+    def __init__(self, minibatches: int):
+        self.minibatches = minibatches
+
+    def plan(self, version: int) -> Plan:
+        return Plan(payloads=[None] * self.minibatches)
+
+    def end_push(self, info: dict) -> None:
+        pass
+
+    def record(self, version: int, plan: Plan, stats: dict, landed: int) -> None:
+        pass
+
+    def report(self, version: int, plan: Plan, stats: dict) -> dict:
+        return stats
+
+    def push(self, params: list[tuple[str, torch.Tensor]], version: int, whole: bool) -> dict:
+        return {}
+
+    def checkpointed(self, version: int, cursor: str) -> None:
+        pass
+
+    def commit(self, version: int, plan: Plan, stats: dict, train_s: float, pushing: bool) -> dict:
+        return stats
+
+    def announce(self, record: dict) -> None:
+        pass
+
+    def close(self, version: int) -> None:
+        pass
