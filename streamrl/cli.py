@@ -124,48 +124,14 @@ def launch_router(
     worker: Annotated[list[str] | None, typer.Option(help="A server URL to route to besides the registry's.")] = None,
 ) -> None:
     """Start sglang-router and keep its worker set in step with the server registry."""
-    import threading
-
-    from streamrl.buffer import Namespace, RouterAddress, ServerRegistry
-    from streamrl.inference.router import Router, follow_registry
-    from streamrl.node import node_address
+    from streamrl.inference.router import launch
 
     cfg = _load(config, overrides)
-    cfg.run.path.mkdir(parents=True, exist_ok=True)
-    router = Router(host=node_address(cfg.router.host), port=cfg.router.port, policy=cfg.router.policy,
-                    prometheus_port=cfg.router.prometheus_port, request_timeout_s=cfg.router.request_timeout_s,
-                    health_check_interval_s=cfg.router.health_check_interval_s,
-                    log_path=cfg.run.path / "router.log")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    address = None
     try:
-        router.start()
-        err.print(f"sglang-router ready on {router.url} (log: {router.log_path})", soft_wrap=True)
-        static = frozenset(worker or ())
-        if cfg.redis.url:
-            ns = Namespace.open(cfg.redis.url, cfg.run.name, **cfg.redis.retry())
-            registry = ServerRegistry(ns, ttl_s=cfg.server.registry_ttl_s)
-            address = RouterAddress(ns, ttl_s=cfg.server.registry_ttl_s)
-            follow_registry(router, registry, every_s=cfg.router.sync_every_s, stop=stop, static=static,
-                            address=address)
-        else:
-            err.print("redis.url is not set: routing only to --worker URLs", soft_wrap=True)
-            router.sync(set(static))
-            while not stop.wait(1) and router.alive():
-                pass
-    except KeyboardInterrupt:
-        pass
+        launch(cfg, worker or ())
     except (RuntimeError, TimeoutError) as e:
         err.print(f"[red]streamrl launch-router:[/] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(1) from None
-    finally:
-        router.stop()
-        if address is not None:
-            try:
-                address.withdraw(router.url)
-            except Exception as e:  # Redis away: the announcement expires on its own
-                err.print(f"could not withdraw the router's announcement: {escape(str(e))}", soft_wrap=True)
 
 
 @app.command("launch-rollout")

@@ -10,16 +10,20 @@ and the evaluator look it up (``RouterLocator``) and follow it if it moves to an
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import httpx
 
-from streamrl.buffer import RouterAddress, ServerRegistry
+from streamrl.buffer import Namespace, RouterAddress, ServerRegistry
 from streamrl.buffer.redis_server import die_with_parent
+from streamrl.config import Config
+from streamrl.node import node_address
 
 log = logging.getLogger("streamrl.router")
 
@@ -151,3 +155,45 @@ def follow_registry(router: Router, registry: ServerRegistry, *, every_s: float,
         except Exception as e:  # Redis or router hiccup: try again next round
             log.warning("router sync failed: %s", e)
         stop.wait(every_s)
+
+
+def launch(cfg: Config, workers: Iterable[str] = ()) -> None:
+    """Process entry of ``streamrl launch-router``: start sglang-router and keep its worker set equal to the
+    registry's live servers (and ``workers``) until SIGTERM or Ctrl-C; raises if the router fails or dies."""
+    cfg.run.path.mkdir(parents=True, exist_ok=True)
+    router = Router(host=node_address(cfg.router.host), port=cfg.router.port, policy=cfg.router.policy,
+                    prometheus_port=cfg.router.prometheus_port, request_timeout_s=cfg.router.request_timeout_s,
+                    health_check_interval_s=cfg.router.health_check_interval_s,
+                    log_path=cfg.run.path / "router.log")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    address = None
+    try:
+        router.start()
+        _say(f"sglang-router ready on {router.url} (log: {router.log_path})")
+        static = frozenset(workers)
+        if cfg.redis.url:
+            ns = Namespace.open(cfg.redis.url, cfg.run.name, **cfg.redis.retry())
+            registry = ServerRegistry(ns, ttl_s=cfg.server.registry_ttl_s)
+            address = RouterAddress(ns, ttl_s=cfg.server.registry_ttl_s)
+            follow_registry(router, registry, every_s=cfg.router.sync_every_s, stop=stop, static=static,
+                            address=address)
+        else:
+            _say("redis.url is not set: routing only to --worker URLs")
+            router.sync(set(static))
+            while not stop.wait(1) and router.alive():
+                pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        router.stop()
+        if address is not None:
+            try:
+                address.withdraw(router.url)
+            except Exception as e:  # Redis away: the announcement expires on its own
+                _say(f"could not withdraw the router's announcement: {e}")
+
+
+def _say(line: str) -> None:
+    """A line for whoever watches the process (its supervisor keeps stderr in the part's log)."""
+    print(line, file=sys.stderr, flush=True)
