@@ -51,7 +51,7 @@ class Dashboard:
         from streamrl.buffer import Admission, Namespace, PolicyVersion
 
         ns = Namespace.open(redis_url, self.cfg.run.name, **self.cfg.redis.retry())
-        self.ns, self.version = ns, PolicyVersion(ns)
+        self.ns, self.policy_version = ns, PolicyVersion(ns)
         self.admission = Admission(ns, max_staleness=self.cfg.admission_bound,
                                    groups_per_step=self.cfg.learner.groups_per_step)
         self.supervisor = supervisor
@@ -78,7 +78,7 @@ class Dashboard:
         workers = [rs[-1] for rs in reports]
         out: dict[str, Any] = {"elapsed": time.time() - self.started}
         try:
-            out["version"] = self.version.get()
+            out["version"] = self.policy_version.get()
             counters = self.admission.counters()
             out["running"] = self.admission.running()
             out["queue"] = max(0, counters.get("accepted", 0) - sum(

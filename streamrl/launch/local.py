@@ -164,15 +164,10 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
 
             say(f"joining Ray ({cfg.ray.address or 'a local cluster'})")
             launcher = RayActors(cfg)
-        if not cfg.redis.url:  # a fixed port, so that a restarted Redis is where everyone looks
-            host = cfg.redis.host or (launcher.node_ip if launcher else "127.0.0.1")
-            redis = EmbeddedRedis(cfg.run.path / "redis", host=host, port=cfg.redis.port or free_port(host),
-                                  password=cfg.redis.password, appendfsync=cfg.redis.appendfsync)
+        if not cfg.redis.url:
+            redis = _embedded_redis(cfg, launcher)
             cfg.redis.url = redis.url
-        config_file = cfg.run.path / "config.yaml"
-        config_file.unlink(missing_ok=True)
-        with os.fdopen(os.open(config_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:  # holds the Redis password
-            yaml.safe_dump(cfg.model_dump(mode="json"), f, sort_keys=False)
+        config_file = _write_config(cfg)
         todo = parts(cfg, config_file, redis, plan)
         if launcher:
             say(f"placing {len(todo)} parts on Ray")
@@ -201,18 +196,38 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the teardown short
             signal.signal(sig, signal.SIG_IGN)
-        for step in (dashboard.close, supervisor and supervisor.stop, launcher and launcher.close):
-            try:
-                if step:
-                    step()
-            except Exception as e:  # one failed step must not leave the others undone
-                say(f"teardown: {e}")
+        _teardown(say, dashboard.close, supervisor and supervisor.stop, launcher and launcher.close)
     dashboard.summary(time.time() - t0, code)
     try:
         say(f"curves: {plot_run(cfg.run.path, cfg.staleness_bound)}")
     except FileNotFoundError:
         pass  # stopped before any step or evaluation: nothing to draw
     return code
+
+
+def _embedded_redis(cfg: Config, launcher: RayActors | None) -> EmbeddedRedis:
+    """The run's own Redis, on a fixed port, so that a restarted Redis is where everyone looks."""
+    host = cfg.redis.host or (launcher.node_ip if launcher else "127.0.0.1")
+    return EmbeddedRedis(cfg.run.path / "redis", host=host, port=cfg.redis.port or free_port(host),
+                         password=cfg.redis.password, appendfsync=cfg.redis.appendfsync)
+
+
+def _write_config(cfg: Config) -> Path:
+    """The resolved config every part reads, readable by the user alone: it holds the Redis password."""
+    config_file = cfg.run.path / "config.yaml"
+    config_file.unlink(missing_ok=True)
+    with os.fdopen(os.open(config_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+        yaml.safe_dump(cfg.model_dump(mode="json"), f, sort_keys=False)
+    return config_file
+
+
+def _teardown(say: Callable[[str], None], *steps: Callable[[], Any] | None) -> None:
+    for step in steps:
+        try:
+            if step:
+                step()
+        except Exception as e:  # one failed step must not leave the others undone
+            say(f"teardown: {e}")
 
 
 def _scale(cfg: Config, ns: Namespace, supervisor: Supervisor, launcher: RayActors | None, config_file: Path,

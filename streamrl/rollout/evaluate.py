@@ -39,7 +39,7 @@ class Evaluator:
         self.make_env, self.agent = episode_player(cfg, self.renderer)
         self.params = SamplingParams(max_new_tokens=cfg.rollout.sampling.max_new_tokens, temperature=0.0)
         ns = Namespace.open(redis_url, cfg.run.name, **cfg.redis.retry())
-        self.version, self.registry = PolicyVersion(ns), ServerRegistry(ns, ttl_s=cfg.server.registry_ttl_s)
+        self.policy_version, self.registry = PolicyVersion(ns), ServerRegistry(ns, ttl_s=cfg.server.registry_ttl_s)
         self.router = RouterLocator(cfg, ns)
         self.metrics = cfg.run.path / "metrics" / "eval.jsonl"
         self.rollouts = cfg.run.path / "rollouts"
@@ -59,7 +59,7 @@ class Evaluator:
         async with GenerateClient(await self.router.url(), retries=5, timeout_s=timeout_s) as self.client:
             follower = asyncio.create_task(self.router.follow(self.client))
             while pending and not stop.is_set():
-                step = await asyncio.to_thread(self.version.get)
+                step = await asyncio.to_thread(self.policy_version.get)
                 due = [s for s in pending if s <= step]
                 if not due:
                     await asyncio.sleep(0.5)

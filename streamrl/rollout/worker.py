@@ -98,8 +98,8 @@ class RolloutWorker:
             raise ValueError("model.path (or model.tokenizer) is not set: the worker needs the tokenizer")
         ns = Namespace.open(redis_url, cfg.run.name, **cfg.redis.retry())
         self.stream = ReplayStream(ns, dedupe_ttl_s=cfg.redis.dedupe_ttl_s)
-        self.version = PolicyVersion(ns)
-        self.version_watch = self.version.watch()
+        self.policy_version = PolicyVersion(ns)
+        self.version_watch = self.policy_version.watch()
         self.admission = Admission(ns, max_staleness=cfg.admission_bound, groups_per_step=cfg.learner.groups_per_step,
                                    lease_s=rollout.group_lease_s)
         self.life = uuid.uuid4().hex  # this run of the worker, told from earlier ones under the same name
@@ -183,7 +183,7 @@ class RolloutWorker:
     async def _group(self, group_id: str, index: int) -> None:
         item, started = self.prompts[index], time.perf_counter()
         # a group that waits behind younger ones at a busy server may be too old to train when it is done
-        priority = -(await self._redis(self.version.get)) if self.cfg.rollout.oldest_first else 0
+        priority = -(await self._redis(self.policy_version.get)) if self.cfg.rollout.oldest_first else 0
         results = await asyncio.gather(*(self._episode(item, priority) for _ in range(self.cfg.rollout.sampling.n)),
                                        return_exceptions=True)
         good = [r for r in results if isinstance(r, Sample)]
@@ -197,7 +197,7 @@ class RolloutWorker:
             return
         group = Group(prompt_id=str(index), env=self.cfg.rollout.env, samples=good, group_id=group_id,
                       meta={"prompt_index": index, "worker": self.name, "failed": len(results) - len(good)})
-        version = await self._redis(self.version.get)
+        version = await self._redis(self.policy_version.get)
         try:
             await self._redis(self.stream.put, group, index)  # validates the group as it encodes it
         except WireError as e:  # an engine or env produced something the learner cannot use
