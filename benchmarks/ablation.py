@@ -34,7 +34,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from benchmarks import e2e
+from benchmarks import e2e_run
 from benchmarks.common import (
     cli,
     console,
@@ -52,7 +52,7 @@ from streamrl.config import load_config
 
 # Every arm starts from the quickstart's learner on the agentic config (configs/agentic.yaml tunes its learner:
 # UNTUNED sets back each learner field where the two configs differ); the arms add changes one at a time.
-QUICKSTART, AGENTIC = (load_config(path).learner for path in e2e.WORKLOADS.values())
+QUICKSTART, AGENTIC = (load_config(path).learner for path in e2e_run.WORKLOADS.values())
 UNTUNED = tuple(f"learner.{name}={getattr(QUICKSTART, name)}" for name in type(QUICKSTART).model_fields
                 if getattr(QUICKSTART, name) != getattr(AGENTIC, name))
 TURN = ("learner.credit=turn", "learner.turn_lam=0")  # each turn credited with its own advantage
@@ -110,7 +110,7 @@ def run_study(arms: dict, repeats: int, steps: int, prepared: Path, run_dir: Pat
     for seed in range(repeats):
         for arm in names[seed % len(names):] + names[:seed % len(names)]:
             mode, staleness, overrides, _ = arms[arm]
-            row = e2e.one_run(run_dir, prepared, "env-latency", mode, steps, max(staleness, 1), seed=seed,
+            row = e2e_run.one_run(run_dir, prepared, "env-latency", mode, steps, max(staleness, 1), seed=seed,
                               overrides=UNTUNED + overrides)
             rows[arm].append({**row, "seed": seed})
             console.log(f"{arm}, seed {seed}: {row['samples_per_s']:.1f} samples/s, "
@@ -148,7 +148,7 @@ def report(data: dict, out: Path) -> None:
         runs = max(s["runs"] for s in arms.values())
         print_table(f"Ablation `{study}`, agentic workload, {result['max_steps']} steps, medians of {runs}; a row "
                     "'A / B': samples/s ratio, and the held-out difference A − B paired by seed ± 95% t interval",
-                    ["arm", "samples/s", "dropped stale", f"held-out first try ({e2e.HELD_OUT})", "held-out reward"],
+                    ["arm", "samples/s", "dropped stale", f"held-out first try ({e2e_run.HELD_OUT})", "held-out reward"],
                     rows)
     json_path = write_json(out, "ablation", data)
     fig, axes = new_figure(len(data["studies"]), "Ablations: throughput against final accuracy (medians)")
@@ -160,7 +160,7 @@ def report(data: dict, out: Path) -> None:
         ax.margins(x=0.35, y=0.15)  # room for the labels
         ax.set_title(study, fontsize=10)
         ax.set_xlabel("samples/s")
-        ax.set_ylabel(f"held-out first-try accuracy ({e2e.HELD_OUT})")
+        ax.set_ylabel(f"held-out first-try accuracy ({e2e_run.HELD_OUT})")
     save_figure(fig, out, "ablation", json_path)
 
 
@@ -173,7 +173,7 @@ def main(quick: bool = False, out: Path = Path("benchmarks/results"), repeats: i
     data = {"study": "ablation", "studies": earlier["studies"] if earlier else {}}
     with tempfile.TemporaryDirectory() as tmp:
         console.log("warm start (once, shared by every run)")
-        _, prepared = e2e.prepare_shared(Path(tmp))
+        _, prepared = e2e_run.prepare_shared(Path(tmp))
         for name in [study] if study else list(STUDIES):
             steps = 12 if quick else STEPS.get(name, 40)
             rows = run_study(STUDIES[name], repeats, steps, prepared, Path(tmp) / "runs")

@@ -20,7 +20,6 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import cpu_share
-from benchmarks.against_trl import prepare_shared, streamrl_run
 from benchmarks.common import (
     cli,
     console,
@@ -37,6 +36,7 @@ from benchmarks.common import (
     write_json,
 )
 from benchmarks.cpu_share import CpuShare
+from benchmarks.smollm2 import prepare_shared, streamrl_run
 
 ENGINES = ("hf", "vllm")
 TARGET = 0.672  # held-out greedy accuracy after 60 steps of the README's earlier hf runs (seeds 0-2): fixed, so seeds compare

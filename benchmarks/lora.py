@@ -33,7 +33,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.against_trl import prepare_shared, score_final, streamrl_run
 from benchmarks.common import (
     cli,
     console,
@@ -50,6 +49,7 @@ from benchmarks.common import (
     write_json,
 )
 from benchmarks.learner import smollm2_shaped
+from benchmarks.smollm2 import prepare_shared, score_final, streamrl_run
 from streamrl.buffer import EmbeddedRedis, Namespace, ServerRegistry
 from streamrl.config import load_config
 from streamrl.learner.push import WeightPusher

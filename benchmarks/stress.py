@@ -51,7 +51,7 @@ from benchmarks.common import (
     this_invocation,
     write_json,
 )
-from benchmarks.e2e import TOY, prepare_shared, summarise, up_argv
+from benchmarks.e2e_run import TOY, prepare_shared, summarise, up_argv
 from streamrl.config import ConfigError, load_config
 from streamrl.rollout.evaluate import read_records
 

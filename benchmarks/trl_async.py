@@ -192,7 +192,7 @@ class EnvReward:
         self.cfg = cfg
 
     def __call__(self, completions, row, **_) -> list[float]:
-        from benchmarks.against_trl import play
+        from benchmarks.smollm2 import play
 
         return [v.reward for v in play(self.cfg, [json.loads(x) for x in row], [c[0]["content"] for c in completions])]
 
@@ -267,7 +267,7 @@ def trl_async_run(cfg: Config, prepared: Path, out: Path, *, steps: int, seed: i
     from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-    from benchmarks.against_trl import play, rows, score_final
+    from benchmarks.smollm2 import play, rows, score_final
 
     patch_for_cpu()
     os.environ.update(HF_HUB_DISABLE_TELEMETRY="1", TRL_EXPERIMENTAL_SILENCE="1")

@@ -23,8 +23,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from benchmarks.against_trl import CONFIG, prepare_shared
 from benchmarks.common import cli, console, earlier_results, new_figure, print_table, save_figure, settings, write_json
+from benchmarks.smollm2 import CONFIG, prepare_shared
 from benchmarks.trl_async import require_trl_version, trl_async_run, tuning
 from streamrl.config import load_config
 

@@ -186,7 +186,8 @@ def test_published_results_are_what_later_seeds_join_where_the_results_folder_is
 
 
 def test_trl_study_gives_trl_the_envs_prompts_and_rewards_and_counts_the_bound(tmp_path):
-    from benchmarks.against_trl import fraction_of_bound, play
+    from benchmarks.against_trl import fraction_of_bound
+    from benchmarks.smollm2 import play
     from streamrl.config import load_config
 
     cfg = load_config("configs/smollm2.yaml", [f"run.dir={tmp_path}"])

@@ -6,7 +6,7 @@ import pytest
 
 
 def row(seed: int, samples_per_s: float, held_out: float = 0.5) -> dict:
-    """One run's summary, as ``e2e.summarise`` gives it, with what the joins and pairings read."""
+    """One run's summary, as ``e2e_run.summarise`` gives it, with what the joins and pairings read."""
     return {"seed": seed, "samples_per_s": samples_per_s, "steady_samples_per_s": samples_per_s, "wall_s": 1.0,
             "eval_final": 0.9, "held_out_final": held_out, "held_out_reward": held_out, "dropped_fraction": 0.0,
             "time_to_target_s": None}
