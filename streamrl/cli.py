@@ -284,8 +284,8 @@ def show_config(
 def bench(
     ctx: typer.Context,
     args: Annotated[list[str] | None, typer.Argument(metavar="STUDY ARGS", show_default=False,
-                                                     help="The study, then its own options (`streamrl bench STUDY "
-                                                          "--help` lists them).")] = None,
+                                                     help="The study (`streamrl bench --help` lists them), then its "
+                                                          "own options (`streamrl bench STUDY --help`).")] = None,
 ) -> None:
     """Throughput studies; each prints a table and writes JSON and a PNG plot."""
     import importlib
