@@ -13,8 +13,8 @@ import httpx
 import pytest
 import torch
 
-from streamrl.buffer.redis_server import free_port
 from benchmarks.netns import NetnsCluster, NetnsUnavailable, free_port_block
+from streamrl.buffer.redis_server import free_port
 from streamrl.rollout.evaluate import read_records
 
 pytestmark = pytest.mark.slow
