@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from streamrl.generation import SamplingParams
 from streamrl.inference.engines.hf import HFEngine
 from streamrl.rollout.agent import AgentRunner
+from streamrl.rollout.client import GenerateError
 from streamrl.rollout.episode import ChatRenderer, EnvFault
 from streamrl.rollout.tool_calls import ToolCall, hermes, json_calls, load_parser
 from streamrl.testing import learner_logprob_gap
@@ -114,6 +115,45 @@ def test_an_aborted_first_call_ends_the_episode_with_nothing_to_train_on(parts):
     with pytest.raises(EnvFault, match="aborted before any call was answered"):
         asyncio.run(main())
     assert len(calls) == 1 and calls[0].finish_type == "abort"  # no call after it
+
+
+def test_a_call_the_model_server_refuses_is_a_400_and_leaves_the_episode_as_it_was(parts):
+    """A prompt past the model's own context, refused by the server behind the router (a 4xx), is the call's
+    fault: the agent gets a 400 naming it, nothing is recorded, and its next call is served as if it never was."""
+    _, tokenizer, engine = parts
+    seen = {}
+
+    async def agent(client, item):
+        import openai
+
+        long = [{"role": "user", "content": "x " * 300}]
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model="policy", messages=long)
+        seen["refusal"] = refused.value.body
+        reply = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+        return 1.0 if reply.choices[0].message.content is not None else 0.0
+
+    async def generate(ids, params):
+        if len(ids) > 200:  # what the server behind the router answers for a prompt past its model's context
+            raise GenerateError("http://router/generate refused the request: HTTP 400: prompt past the model's "
+                                "context", status=400)
+        return await engine.generate(f"c{len(ids)}", ids, params)
+
+    runner = _runner(tokenizer, agent)
+
+    async def main():
+        try:
+            return await runner.play({"question": "q"}, generate=generate, params=PARAMS)
+        finally:
+            await runner.close()
+
+    sample = asyncio.run(main())
+    assert seen["refusal"]["type"] == "invalid_request_error" and "past the model's context" in seen["refusal"]["message"]
+    assert sample.env_info["failed_calls"] == 1 and sample.env_info["turns"] == 1
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                         tokenize=False)
+    prompt = tokenizer(text, add_special_tokens=False).input_ids
+    assert sample.tokens[: len(prompt)].tolist() == prompt
 
 
 def test_an_agent_that_edits_its_history_starts_a_new_sequence_the_learner_scores_apart(parts):

@@ -95,8 +95,9 @@ def test_client_raises_on_4xx_without_retrying(cluster):
             await client.generate([10_000], SamplingParams(max_new_tokens=2))
 
     t0 = time.monotonic()
-    with pytest.raises(GenerateError, match="refused the request: HTTP 400"):
+    with pytest.raises(GenerateError, match="refused the request: HTTP 400") as refused:
         asyncio.run(bad())
+    assert refused.value.status == 400  # the gateway answers an agent's refused call with a 400 of its own
     assert time.monotonic() - t0 < 2
 
 

@@ -33,6 +33,7 @@ import jinja2
 from streamrl.generation import Completion, SamplingParams
 from streamrl.protocol import Sample
 from streamrl.rollout.chat_api import ChatRequest, RequestError
+from streamrl.rollout.client import GenerateError
 from streamrl.rollout.episode import ChatRenderer, EnvFault, Generate, Sequences, closed_text, plain_info
 from streamrl.rollout.gateway import Deliver, Gateway
 from streamrl.rollout.tool_calls import Parser
@@ -137,6 +138,11 @@ class AgentEpisode:
         t0 = time.perf_counter()
         try:
             choices = await _all([generate(plan.context, _choice(params, i)) for i in range(request.n)])
+        except GenerateError as e:
+            if e.status is None or e.status >= 500:
+                raise
+            # the server refused what the call asks (a prompt past the model's own context, say): the call's fault
+            raise RequestError(f"the model server refused the call: {e}", param="messages") from None
         finally:
             self.generate_s += time.perf_counter() - t0
         if any(c.finish_type == "abort" for c in choices):

@@ -42,7 +42,11 @@ def run_event_loop(main: Coroutine) -> None:
 
 
 class GenerateError(RuntimeError):
-    """The server refused the request, or it kept failing after every retry."""
+    """The server refused the request (``status``: its 4xx), or it kept failing after every retry."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class GenerateClient:
@@ -98,7 +102,7 @@ class GenerateClient:
                     raise GenerateError(f"{self.base_url}{path} answered with invalid JSON: {text[:300]}") from None
             last = f"HTTP {status}: {text[:500]}"
             if status < 500 and status != 429:
-                raise GenerateError(f"{self.base_url}{path} refused the request: {last}")
+                raise GenerateError(f"{self.base_url}{path} refused the request: {last}", status)
         raise GenerateError(f"{self.base_url}{path} failed after {self.retries + 1} attempts: {last}")
 
     async def aclose(self) -> None:
