@@ -15,6 +15,7 @@ import torch.distributed as dist
 from streamrl.config import load_config
 from streamrl.learner import batch as batching
 from streamrl.learner.policy import Policy
+from streamrl.learner.updates import train
 from streamrl.protocol import Group, Sample
 
 model_dir, out, agg, zero, kl, lora, ess = sys.argv[1:8]
@@ -46,8 +47,8 @@ mine = split[1] if world == 1 else split[2][rank]
 shard = [[seqs[i] for i in mb] for mb in mine]
 poisoned = [[replace(s, advantages=np.full_like(s.advantages, np.nan)) if i == 6 else s for i, s in zip(mb, ms)]
             for mb, ms in zip(mine, shard)]  # a non-finite loss on the last rank only: every rank skips
-assert engine.step(poisoned, global_tokens, global_sequences=len(seqs))["skipped"] == 1.0
-stats = engine.step(shard, global_tokens, global_sequences=len(seqs))
+assert train(engine, [(poisoned, global_tokens, len(seqs))], epochs=1)[0]["skipped"] == 1.0
+stats = train(engine, [(shard, global_tokens, len(seqs))], epochs=1)[0]
 assert stats["skipped"] == 0.0
 assert (stats.get("lr_scale", 1.0) < 0.9) == (ess == "1")  # the behaviour logprobs are far off the policy's
 with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=zero == "3"):  # every rank
@@ -58,14 +59,12 @@ if zero == "3":  # PPO's critic under ZeRO-3, with rank 0's empty micro-batch: i
     from streamrl.learner.critic import Critic
 
     critic = Critic(cfg, model_dir)
-    assert critic.step(critic.prepare(shard), global_tokens)["value_loss"] >= 0
+    assert critic.update(critic.prepare(shard), global_tokens)["value_loss"] >= 0
     # a model with dropout gets a separate proximal forward per micro-batch: rank 0's empty one included
     engine.random_forward, engine.cfg.off_policy.correction = True, "decoupled"
-    assert engine.step(shard, global_tokens, global_sequences=len(seqs))["skipped"] == 0.0
+    assert train(engine, [(shard, global_tokens, len(seqs))], epochs=1)[0]["skipped"] == 0.0
     # ... and over two minibatches for two epochs: each proximal is filled once, before the first update,
     # so rank 0's stand-in forwards and rank 1's proximal ones stay paired in the second epoch too
-    from streamrl.learner.updates import train
-
     assert train(engine, [(shard, global_tokens, len(seqs))] * 2, epochs=2)[1] == 2
 dist.barrier()
 dist.destroy_process_group()  # an exit with the group up can abort in a gloo thread ("terminate called ...")

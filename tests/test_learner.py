@@ -40,8 +40,8 @@ def test_sequences_carry_their_samples_rloo_advantage_and_staleness():
 
 def test_rank_shards_round_trip_without_pickle():
     seqs = batching.sequences([synthetic_group(3, 10, prompt_len=4)], version=1, algorithm="grpo")
-    payload = batching.pack([[seqs[0], seqs[1]], [seqs[2]]], global_tokens=18, global_sequences=3)
-    shard, n, n_seqs = batching.unpack(payload)
+    payload = batching.encode_shard([[seqs[0], seqs[1]], [seqs[2]]], global_tokens=18, global_sequences=3)
+    shard, n, n_seqs = batching.decode_shard(payload)
     assert (n, n_seqs) == (18, 3) and [len(mb) for mb in shard] == [2, 1]
     for got, sent in zip([s for mb in shard for s in mb], seqs):  # every field of every sequence
         assert vars(got).keys() == vars(sent).keys()

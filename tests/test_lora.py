@@ -37,6 +37,13 @@ def _shard():
     return [seqs[:2], seqs[2:]], int(sum(s.mask.sum() for s in seqs))
 
 
+def _update(policy, shard, n):
+    """One update on one minibatch, as ``train`` runs it."""
+    from streamrl.learner.updates import train
+
+    return train(policy, [(shard, n, 0)], epochs=1)[0]
+
+
 def test_the_kl_reference_is_the_base_with_the_adapter_switched_off(one_rank_world, tiny_model_dir):
     from streamrl.learner.policy import Policy
     from streamrl.learner.reference import Reference
@@ -47,7 +54,7 @@ def test_the_kl_reference_is_the_base_with_the_adapter_switched_off(one_rank_wor
     base = Reference.load(tiny_model_dir, policy.device, torch.float32, temperature=1.0).logprobs(batch)
     torch.testing.assert_close(policy.reference.logprobs(batch), base, rtol=0, atol=1e-6)
     with torch.no_grad():
-        own = packing.token_logprobs(policy._logits(batch), batch, 1.0)[0]
+        own = packing.token_logprobs(packing.forward(policy.model, batch, bf16=policy.mixed), batch, 1.0)[0]
     assert float((own - base).abs().max()) > 1e-2  # the adapter changes the policy, and is back on after
     assert policy.model.training
 
@@ -59,7 +66,7 @@ def test_only_the_adapter_trains_and_holds_optimizer_state(one_rank_world, tiny_
     randomize_adapter(policy)
     base = {n: p.detach().clone() for n, p in policy.module.named_parameters() if ".lora_" not in n}
     adapter = {n: p.detach().clone() for n, p in policy.pushed()}
-    assert policy.step(*_shard())["skipped"] == 0.0
+    assert _update(policy, *_shard())["skipped"] == 0.0
     assert all(torch.equal(p, base[n]) for n, p in policy.module.named_parameters() if n in base)
     assert all(not torch.equal(p, adapter[n]) for n, p in policy.pushed())
     layers = policy.module.config.num_hidden_layers
@@ -76,7 +83,7 @@ def test_an_adapter_checkpoint_holds_the_adapter_and_its_optimizer_state_and_res
     cfg = lora_config(tiny_model_dir)
     policy = Policy(cfg, tiny_model_dir)
     randomize_adapter(policy)
-    policy.step(*_shard())
+    _update(policy, *_shard())
     checkpoint.save(policy.model, tmp_path, version=1, cursor="5-0", adapter_only=True)
     saved = sum(f.stat().st_size for f in (tmp_path / "version-1").rglob("*") if f.is_file())
     model_bytes = sum(p.numel() * 4 for p in policy.module.parameters())
@@ -91,8 +98,8 @@ def test_an_adapter_checkpoint_holds_the_adapter_and_its_optimizer_state_and_res
     assert [torch.equal(a, b["exp_avg"]) for a, b in zip(moments, resumed.optimizer.state.values())] == [True] * len(
         moments)
     shard, n = _shard()  # and the next step is the same on both
-    policy.step(shard, n)
-    resumed.step(shard, n)
+    _update(policy, shard, n)
+    _update(resumed, shard, n)
     for (name, want), (_, got) in zip(policy.pushed(), resumed.pushed(), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-7)
 

@@ -34,6 +34,13 @@ def _shard(advantage=1.0):
     return [[seqs[0], seqs[1]], [seqs[2], seqs[3]], []], int(sum(s.mask.sum() for s in seqs))
 
 
+def _update(engine, shard, n, ptx=None):
+    """One update on one minibatch, as ``train`` runs it."""
+    from streamrl.learner.updates import train
+
+    return train(engine, [(shard, n, 0)], epochs=1, ptx=ptx)[0]
+
+
 @pytest.mark.slow
 def test_a_step_changes_the_weights_and_reports_entropy_and_kl(config, tiny_model_dir):
     from streamrl.learner.policy import Policy
@@ -41,22 +48,22 @@ def test_a_step_changes_the_weights_and_reports_entropy_and_kl(config, tiny_mode
     engine = Policy(config, tiny_model_dir)  # its own: the first step must start at the reference
     before = [p.detach().clone() for p in engine.module.parameters()]
     shard, n = _shard()
-    stats = engine.step(shard, n)  # the empty third micro-batch joins with a zero loss
+    stats = _update(engine, shard, n)  # the empty third micro-batch joins with a zero loss
     assert stats["skipped"] == 0.0 and stats["tokens"] == n
     assert all(stats[k] > 0 for k in ("forward_s", "backward_s", "optimizer_s"))
     assert stats["entropy"] > 0 and stats["kl"] == pytest.approx(0.0, abs=1e-6)  # still at the reference
     assert any(not torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
-    stats = engine.step(*_shard())
+    stats = _update(engine, *_shard())
     assert stats["kl"] > 0  # the policy has moved away from the reference
 
 
 @pytest.mark.slow
 def test_a_non_finite_loss_skips_the_step_and_leaves_the_weights(engine):
     before = [p.detach().clone() for p in engine.module.parameters()]
-    stats = engine.step(*_shard(advantage=float("nan")))
+    stats = _update(engine, *_shard(advantage=float("nan")))
     assert stats["skipped"] == 1.0
     assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
-    assert engine.step(*_shard())["skipped"] == 0.0  # and the next good batch trains
+    assert _update(engine, *_shard())["skipped"] == 0.0  # and the next good batch trains
 
 
 def test_ptx_rows_train_on_completions_only(tiny_model_dir, tmp_path):
@@ -87,7 +94,7 @@ def test_ptx_term_lowers_the_sft_loss(engine, tiny_model_dir, tmp_path):
     rows = tmp_path / "sft.jsonl"
     rows.write_text('{"prompt": "what is 12 plus 7", "completion": "the answer is 19"}\n')
     ptx = PtxData(str(rows), AutoTokenizer.from_pretrained(tiny_model_dir)).for_step(0, 0, 1, 2)
-    losses = [engine.step(*_shard(advantage=0.0), ptx=ptx)["ptx_loss"] for _ in range(5)]
+    losses = [_update(engine, *_shard(advantage=0.0), ptx=ptx)["ptx_loss"] for _ in range(5)]
     assert losses[-1] < losses[0]
 
 
@@ -120,8 +127,9 @@ def test_ppo_critic_learns_the_returns(engine, tiny_model_dir):
         batches = critic.prepare(shard)
         adv = torch.cat([b["advantages"][b["mask"].bool()] for b in batches if b is not None])
         assert abs(float(adv.mean())) < 1e-4 and float(adv.std(unbiased=False)) == pytest.approx(1.0, abs=1e-3)
-        stats = engine.step(shard, n, batches=batches)
-        value_losses.append(critic.step(batches, n)["value_loss"])
+        engine.share_prompts(shard, batches)
+        stats = engine.update(batches, n)
+        value_losses.append(critic.update(batches, n)["value_loss"])
     assert stats["skipped"] == 0.0
     assert value_losses[-1] < value_losses[0]
 
@@ -135,7 +143,7 @@ def test_a_checkpoint_holds_the_ppo_critic_and_a_resume_restores_it(engine, tiny
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "learner.algorithm=ppo", "learner.critic_lr=0.01"])
     critic = Critic(cfg, tiny_model_dir)
     shard, n = _shard()
-    critic.step(critic.prepare(shard), n)  # the head leaves its zero init
+    critic.update(critic.prepare(shard), n)  # the head leaves its zero init
     trained = {k: v.detach().clone() for k, v in critic.model.module.state_dict().items()}
     checkpoint.save(engine.model, tmp_path, version=3, cursor="7-0", critic=critic.model)
 
@@ -182,16 +190,17 @@ def test_epochs_reuse_the_proximal_so_the_ratio_is_one_only_on_the_first(engine)
     shard, n = _shard()
     _on_policy(engine, shard)  # behaviour = the current weights
     batches = [packing.collate(mb, engine.device) if mb else None for mb in shard]
-    first = engine.step(shard, n, batches=batches)
-    second = engine.step(shard, n, batches=batches)
+    engine.share_prompts(shard, batches)
+    first = engine.update(batches, n)
+    second = engine.update(batches, n)
     assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert abs(second["ratio_mean"] - 1.0) > 1e-6  # the weights moved; the proximal did not
 
 
 def _updates_of(engine, monkeypatch) -> list[dict]:
     """Every update's own statistics, as ``train`` merges them."""
-    seen, step = [], engine.step
-    monkeypatch.setattr(engine, "step", lambda *a, **kw: seen.append(step(*a, **kw)) or seen[-1])
+    seen, update = [], engine.update
+    monkeypatch.setattr(engine, "update", lambda *a, **kw: seen.append(update(*a, **kw)) or seen[-1])
     return seen
 
 
@@ -250,7 +259,8 @@ def test_a_steps_first_forward_stands_in_for_the_proximal_forward(engine):
     shard, n = _shard()
     batches = [packing.collate(mb, engine.device) if mb else None for mb in shard]
     separate = engine.proximal([b for b in batches if b is not None])  # a no-grad eval forward, before the step
-    engine.step(shard, n, batches=batches)
+    engine.share_prompts(shard, batches)
+    engine.update(batches, n)
     for b, want in zip([b for b in batches if b is not None], separate):
         generated = b["mask"].bool()  # the step's forward shares prompts: only generated tokens get logprobs
         assert torch.allclose(b["proximal"][generated], want[generated], atol=1e-5)
@@ -299,14 +309,14 @@ def test_mixed_precision_computes_in_bf16_and_keeps_updates_bf16_weights_round_a
                                  f"learner.mixed_precision={mixed}"])
         policy = Policy(cfg, tiny_model_dir)
         before = [p.detach().clone() for p in policy.module.parameters()]
-        assert policy.step(*_shard())["skipped"] == 0.0
+        assert _update(policy, *_shard())["skipped"] == 0.0
         moved = sum(int((a != b).sum()) for a, b in zip(before, policy.module.parameters()))
         return policy, moved / sum(a.numel() for a in before)
 
     mixed, moved = changed_after_a_step(True)
     assert {p.dtype for p in mixed.module.parameters()} == {torch.float32} and moved > 0.5  # all but unused embedding rows
     shard, _ = _shard()
-    assert mixed._logits(packing.collate(shard[0], mixed.device)).dtype == torch.bfloat16
+    assert packing.forward(mixed.model, packing.collate(shard[0], mixed.device), bf16=mixed.mixed).dtype == torch.bfloat16
     plain, moved = changed_after_a_step(False)
     assert {p.dtype for p in plain.module.parameters()} == {torch.bfloat16} and moved < 0.05
 
@@ -375,7 +385,7 @@ def test_a_step_is_the_textbook_clipped_and_decayed_policy_gradient_step(config,
     {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[optimizer](trained, lr=cfg.learner.lr * scale,
                                                                       weight_decay=cfg.learner.weight_decay).step()
 
-    stats = policy.step([seqs[:5], seqs[5:]], tokens)
+    stats = _update(policy, [seqs[:5], seqs[5:]], tokens)
     assert stats["skipped"] == 0.0 and stats["grad_norm"] == pytest.approx(norm, rel=1e-4)  # before the clip
     assert stats["entropy"] > 0  # measured without an entropy bonus in the loss
     # on-policy data: every importance weight is one, so the whole batch is its effective sample

@@ -1,8 +1,9 @@
-"""From groups in the replay stream to training sequences: staleness guard, advantages, packing for ranks."""
+"""From groups in the replay stream to training sequences: staleness guard, advantages, rank shards on the wire."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import msgpack
 import numpy as np
@@ -111,15 +112,25 @@ def _by_turn(group: Group, rewards: np.ndarray, algorithm: str, turns: TurnCredi
 # ------------------------------------------------------------------ rank shards on the wire (msgpack, no pickle)
 
 
-def pack(shard: list[list[TrainSequence]], global_tokens: int, global_sequences: int = 0) -> bytes:
+class Shard(NamedTuple):
+    """A rank's share of a minibatch: its micro-batches, and the minibatch's token and sequence counts over every
+    rank (0 sequences: counted where needed)."""
+
+    micro_batches: list[list[TrainSequence]]
+    global_tokens: int
+    global_sequences: int
+
+
+def encode_shard(micro_batches: list[list[TrainSequence]], global_tokens: int, global_sequences: int = 0) -> bytes:
     return msgpack.packb({"global_tokens": global_tokens, "global_sequences": global_sequences, "micro_batches": [
         [[s.tokens.tobytes(), s.mask.tobytes(), s.logprobs.tobytes(), s.advantages.tobytes(), s.staleness, s.reward]
-         for s in mb] for mb in shard]})
+         for s in mb] for mb in micro_batches]})
 
 
-def unpack(payload: bytes) -> tuple[list[list[TrainSequence]], int, int]:
+def decode_shard(payload: bytes) -> Shard:
     raw = msgpack.unpackb(payload)
-    shard = [[TrainSequence(np.frombuffer(t, np.int32), np.frombuffer(m, np.uint8), np.frombuffer(lp, np.float32),
-                            np.frombuffer(a, np.float32), st, r) for t, m, lp, a, st, r in mb]
-             for mb in raw["micro_batches"]]
-    return shard, raw["global_tokens"], raw["global_sequences"]
+    micro_batches = [[TrainSequence(np.frombuffer(t, np.int32), np.frombuffer(m, np.uint8),
+                                    np.frombuffer(lp, np.float32), np.frombuffer(a, np.float32), st, r)
+                      for t, m, lp, a, st, r in mb]
+                     for mb in raw["micro_batches"]]
+    return Shard(micro_batches, raw["global_tokens"], raw["global_sequences"])

@@ -189,7 +189,7 @@ class Coordinator:
             lengths = [len(s) for s in seqs]
             costs = [attention_cost(n, self.hidden) for n in lengths] if learner.balance == "flops" else None
             split = plan_micro_batches(lengths, self.world, learner.micro_batch_tokens, costs)
-            plan.payloads.append([batching.pack([[seqs[i] for i in mb] for mb in rank], tokens, count)
+            plan.payloads.append([batching.encode_shard([[seqs[i] for i in mb] for mb in rank], tokens, count)
                                   for rank in split.ranks])
             plan.members.append([g.group_id for g in groups])
             loads = [sum(lengths[i] for i in mb) for rank in split.ranks for mb in rank]

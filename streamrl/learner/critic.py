@@ -62,8 +62,8 @@ class Critic:
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
 
     @torch.no_grad()
-    def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+    def values(self, row: dict[str, torch.Tensor]) -> torch.Tensor:
+        return packing.values(self.model, row)
 
     def prepare(self, shard: list[list[TrainSequence]]) -> list[dict[str, Any] | None]:
         """Collate each micro-batch and put GAE advantages and returns into it (before any update)."""
@@ -75,27 +75,28 @@ class Critic:
                         empty_micro_batch_loss(self.model, 3)  # in step with the other ranks' forwards
                 out.append(None)
                 continue
-            batch = packing.collate(mb, self.model.device)
-            batch["old_values"] = self.values(batch)
-            adv, ret = gae_advantages(batch["old_values"].float().cpu(), mb, batch["bounds"], self.cfg.learner.gamma,
+            row = packing.collate(mb, self.model.device)
+            row["old_values"] = self.values(row)
+            adv, ret = gae_advantages(row["old_values"].float().cpu(), mb, row["bounds"], self.cfg.learner.gamma,
                                       self.cfg.learner.lam)
-            batch["advantages"], batch["returns"] = adv.to(self.model.device), ret.to(self.model.device)
-            out.append(batch)
+            row["advantages"], row["returns"] = adv.to(self.model.device), ret.to(self.model.device)
+            out.append(row)
         if self.cfg.learner.whiten_advantages:
             _whiten([b for b in out if b is not None], self.model.device)
         return out
 
-    def step(self, batches: list[dict[str, Any] | None], global_tokens: int) -> dict[str, float]:
+    def update(self, rows: list[dict[str, Any] | None], global_tokens: int) -> dict[str, float]:
+        """One optimizer update of the value model over this rank's rows of a minibatch (``prepare``'s)."""
         scale = normaliser(global_tokens, self.world_size)
         eps, total = self.cfg.learner.value_clip, 0.0
-        for i, batch in enumerate(batches):
-            last = i == len(batches) - 1
+        for i, row in enumerate(rows):
+            last = i == len(rows) - 1
             self.model.set_gradient_accumulation_boundary(last)
-            if batch is None:
+            if row is None:
                 loss = empty_micro_batch_loss(self.model, self.cfg.learner.zero_stage)
             else:
-                v = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
-                old, ret, mask = batch["old_values"], batch["returns"], batch["mask"]
+                v = packing.values(self.model, row)
+                old, ret, mask = row["old_values"], row["returns"], row["mask"]
                 clipped = old + (v - old).clamp(-eps, eps)
                 loss = (0.5 * torch.maximum((v - ret) ** 2, (clipped - ret) ** 2) * mask).sum()
                 total += float(loss.detach())
@@ -104,12 +105,12 @@ class Critic:
         return {"value_loss": total / max(global_tokens, 1)}
 
 
-def _whiten(batches: list[dict[str, Any]], device: torch.device) -> None:
+def _whiten(rows: list[dict[str, Any]], device: torch.device) -> None:
     """Advantages to zero mean, unit variance over the generated tokens of the whole global batch."""
     import torch.distributed as dist
 
     moments = torch.zeros(3, dtype=torch.float64, device=device)
-    for b in batches:
+    for b in rows:
         a, m = b["advantages"].double(), b["mask"].double()
         moments += torch.stack([(a * m).sum(), (a * a * m).sum(), m.sum()])
     if dist.is_initialized():
@@ -119,5 +120,5 @@ def _whiten(batches: list[dict[str, Any]], device: torch.device) -> None:
         return
     mean = total / count
     std = max(squares / count - mean**2, 0.0) ** 0.5
-    for b in batches:
+    for b in rows:
         b["advantages"] = (b["advantages"] - mean) / (std + 1e-6) * b["mask"]

@@ -76,7 +76,7 @@ class Learner:
     def step(self) -> dict:
         """One policy version, as the algorithm reads: plan, scatter, train, commit."""
         plan = self.coordinator.plan(self.version)  # 1.-4. groups, verdicts, advantages, micro-batches
-        shards = [batching.unpack(_scatter(payload, self.policy.device)) for payload in plan.payloads]
+        shards = [batching.decode_shard(_scatter(payload, self.policy.device)) for payload in plan.payloads]
         t0 = time.perf_counter()
         ptx = self.ptx.for_step(self.version, self.rank, self.world, self.cfg.learner.ptx_per_rank) if self.ptx else None
         # 5. proximal, reference and critic forwards; 6. an optimizer step per minibatch, for each epoch

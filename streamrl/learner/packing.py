@@ -16,6 +16,10 @@ that predict them and nowhere else, so a prompt costs its share of the body but 
 the softmax over the vocabulary. Per-token quantities (logprob of the token taken, entropy of the
 distribution it came from) are gathered from those logits a chunk at a time: no ``[T, V]`` fp32 copy of
 the logits is ever made, and under autograd each chunk is recomputed in the backward instead of kept.
+
+This is the one place a packed micro-batch becomes logits, per-token logprobs or values: the policy's forwards,
+the reference's and the critic's all run here (``forward``, ``logprobs``, ``values``), and so does the forward
+of a micro-batch whose shared prompts ``prefix`` laid out.
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from streamrl.learner import prefix
 from streamrl.learner.batch import TrainSequence
 
 VARLEN = "streamrl_varlen"  # the attention implementation name registered with transformers
@@ -44,7 +47,7 @@ def collate(mb: Sequence[TrainSequence], device: torch.device | str = "cpu") -> 
     """
     lengths = [len(s) for s in mb]
     bounds = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.long)
-    batch = {
+    row = {
         "input_ids": torch.as_tensor(np.concatenate([s.tokens for s in mb]).astype(np.int64)),
         "position_ids": torch.as_tensor(np.concatenate([np.arange(n) for n in lengths]), dtype=torch.long),
         "sequence": torch.repeat_interleave(torch.arange(len(mb)), torch.as_tensor(lengths)),
@@ -52,7 +55,7 @@ def collate(mb: Sequence[TrainSequence], device: torch.device | str = "cpu") -> 
         **{name: torch.as_tensor(np.concatenate([getattr(s, name) for s in mb]).astype(np.float32))
            for name in FIELDS},
     }
-    out = {k: v[None].to(device) for k, v in batch.items()}
+    out = {k: v[None].to(device) for k, v in row.items()}
     out["bounds"] = bounds
     return out
 
@@ -132,22 +135,61 @@ def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return ((sequence[:, None] == sequence[None, :]) & (index[:, None] >= index[None, :]))[None, None]
 
 
-def scored(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def scored(row: dict[str, torch.Tensor]) -> torch.Tensor:
     """Offsets ``[M]`` in the row of the tokens that are scored: generated (``mask``), not a sequence's first."""
-    return ((batch["mask"][0] > 0) & (batch["position_ids"][0] > 0)).nonzero()[:, 0]
+    return ((row["mask"][0] > 0) & (row["position_ids"][0] > 0)).nonzero()[:, 0]
 
 
-def forward(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def forward(model: torch.nn.Module, row: dict[str, torch.Tensor], bf16: bool = False) -> torch.Tensor:
     """``model``'s logits ``[M, V]`` at the positions that predict the scored tokens, in the row's order.
     One packed row (no attention mask, no cache: the restarting position ids keep the sequences apart), or each
-    shared prompt forwarded once where ``prefix`` laid it out."""
-    if "prompt_ids" in batch:
-        return prefix.logits(model, batch, scored(batch))
-    return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
-                 logits_to_keep=scored(batch) - 1).logits[0]
+    shared prompt forwarded once where ``prefix`` laid it out.
+
+    ``bf16`` (mixed precision): the forward's matmuls (and so the backward's) run in bfloat16, the gradients land
+    on the fp32 weights. DeepSpeed's own autocast does it inside its forward; this one around it keeps the bf16
+    copies of the weights for both forwards of a shared prompt (5% of a step on a CPU)."""
+    with torch.autocast(row["input_ids"].device.type, dtype=torch.bfloat16, enabled=bf16):
+        if "prompt_ids" in row:
+            return _shared_prompt_logits(model, row, scored(row))
+        return model(input_ids=row["input_ids"], position_ids=row["position_ids"], use_cache=False,
+                     logits_to_keep=scored(row) - 1).logits[0]
 
 
-def token_logprobs(logits: torch.Tensor, batch: dict[str, torch.Tensor], temperature: float,
+def _shared_prompt_logits(model: torch.nn.Module, row: dict[str, torch.Tensor], where: torch.Tensor) -> torch.Tensor:
+    """``[M, V]`` logits predicting the row's tokens at offsets ``where`` (each after its sequence's prompt), from
+    one forward of the prompts and one of the continuations over their keys and values (``prefix.layout``)."""
+    prompt_mask, prompt_rows, starts = row["prompt_mask"], row["prompt_row"], row["prompt_len"]
+    positions = (prompt_mask.cumsum(1) - 1).clamp(min=0)
+    head = model(input_ids=row["prompt_ids"], attention_mask=prompt_mask, position_ids=positions, use_cache=True,
+                 logits_to_keep=1)  # only the last position predicts: skip the head's other logits
+    cache = head.past_key_values
+    cache.batch_select_indices(prompt_rows)  # each sequence's copy of its prompt's keys and values
+    rest_mask = row["rest_mask"]
+    # padding slots get position 0: a position past the sequence's end could exceed the model's range
+    rest_positions = (starts[:, None] + torch.arange(rest_mask.shape[1], device=starts.device)) * rest_mask
+    tail = model(input_ids=row["rest_ids"], attention_mask=torch.cat([prompt_mask[prompt_rows], rest_mask], 1),
+                 position_ids=rest_positions, past_key_values=cache, use_cache=True).logits
+    seq = row["sequence"][0, where]
+    k = where - row["bounds"][:-1].to(where.device)[seq] - starts[seq]  # the token's place after its prompt
+    first, later = (k == 0).nonzero()[:, 0], (k > 0).nonzero()[:, 0]
+    out = tail.new_empty(len(where), tail.shape[-1])
+    # the prompt's last position predicts each sequence's first generated token; rest slot j the token after it
+    out = out.index_put((first,), head.logits[prompt_rows[seq[first]], -1])
+    return out.index_put((later,), tail[seq[later], k[later] - 1])
+
+
+def logprobs(model: torch.nn.Module, row: dict[str, torch.Tensor], temperature: float, entropy: bool = False,
+             bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``token_logprobs`` of ``model``'s ``forward`` of the row."""
+    return token_logprobs(forward(model, row, bf16), row, temperature, entropy)
+
+
+def values(model: torch.nn.Module, row: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A value model's values ``[1, N]`` at every position of the row (PPO's critic)."""
+    return model(input_ids=row["input_ids"], position_ids=row["position_ids"])
+
+
+def token_logprobs(logits: torch.Tensor, row: dict[str, torch.Tensor], temperature: float,
                    entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``logp[0, t]``: scored token t's logprob under the tempered distribution at position t-1, in fp32, and
     with ``entropy`` that distribution's entropy; both 0 at the tokens not scored. ``logits``: ``forward``'s.
@@ -155,8 +197,8 @@ def token_logprobs(logits: torch.Tensor, batch: dict[str, torch.Tensor], tempera
     The same quantity the rollout engine reports: tempered, before any truncation.
     """
     scale = 1.0 / (temperature or 1.0)
-    where = scored(batch)
-    targets = batch["input_ids"][0, where]
+    where = scored(row)
+    targets = row["input_ids"][0, where]
     step = max(1, CHUNK_ELEMENTS // max(logits.shape[-1], 1))
     recompute = torch.is_grad_enabled() and logits.requires_grad and logits.shape[0] > step
     picked, spread = [], []
@@ -165,7 +207,7 @@ def token_logprobs(logits: torch.Tensor, batch: dict[str, torch.Tensor], tempera
         lp, h = checkpoint(_gather, *args, use_reentrant=False) if recompute else _gather(*args)
         picked.append(lp)
         spread.append(h)
-    width = batch["input_ids"].shape[1]
+    width = row["input_ids"].shape[1]
     logp = _place(torch.cat(picked) if picked else logits.new_zeros(0, dtype=torch.float32), where, width)
     return logp, (_place(torch.cat(spread), where, width) if entropy and spread else None)
 
@@ -182,7 +224,11 @@ def _place(values: torch.Tensor, where: torch.Tensor, width: int) -> torch.Tenso
     return values.new_zeros(width).index_put((where,), values)[None]
 
 
-def per_sequence(values: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Sums of ``values [1, N]`` over each sequence of the row: ``[S]``."""
-    sums = values.new_zeros(len(batch["bounds"]) - 1)
-    return sums.index_add(0, batch["sequence"][0], values[0])
+def per_sequence(per_token: torch.Tensor, row: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Sums of ``per_token [1, N]`` over each sequence of the row: ``[S]``."""
+    sums = per_token.new_zeros(sequence_count(row))
+    return sums.index_add(0, row["sequence"][0], per_token[0])
+
+
+def sequence_count(row: dict[str, torch.Tensor]) -> int:
+    return len(row["bounds"]) - 1

@@ -1,10 +1,10 @@
-"""The policy under DeepSpeed: one optimizer step over a rank's micro-batches.
+"""The policy under DeepSpeed: one optimizer update over a rank's micro-batches.
 
 Every rank runs the same number of micro-batches (see ``partition``); DeepSpeed's
-accumulation boundary is set explicitly on the last one, so a step's size can vary
-from step to step. Each micro-batch's loss is its token sum times
-``world_size / N_global``: the data-parallel all-reduce averages, so the step equals
-the full batch's gradient however unevenly the tokens fell on the ranks.
+accumulation boundary is set explicitly on the last one, so an update's size can vary
+from one to the next. Each micro-batch's loss is its token sum times
+``world_size / N_global``: the data-parallel all-reduce averages, so the update follows
+the full minibatch's gradient however unevenly the tokens fell on the ranks.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from streamrl.config import Config
-from streamrl.learner import adapter, packing, prefix
+from streamrl.learner import adapter, packing, prefix, tally
 from streamrl.learner.batch import TrainSequence
 from streamrl.learner.losses import PolicyLoss, effective_sample_size, kl, normaliser
 from streamrl.learner.reference import Reference
@@ -141,134 +142,145 @@ class Policy:
 
     @property
     def device(self) -> torch.device:
-        """Where batches and collective operands live (NCCL reduces only CUDA tensors)."""
+        """Where rows and collective operands live (NCCL reduces only CUDA tensors)."""
         return self.model.device
 
+    def collate(self, shard: list[list[TrainSequence]]) -> list[dict[str, torch.Tensor] | None]:
+        """A rank's micro-batches as packed rows on the device (``packing.collate``), None for an empty one."""
+        return [packing.collate(mb, self.device) if mb else None for mb in shard]
+
+    def share_prompts(self, shard: list[list[TrainSequence]], rows: list[dict | None]) -> None:
+        """With ``learner.share_prompts``, each row's shared prompts laid out for one forward each, where that
+        saves enough (``prefix``). Under ZeRO-3 every rank must run as many forwards (each gathers the weights):
+        a micro-batch shares prompts (two forwards) only where it does on every rank."""
+        if not self.cfg.learner.share_prompts:
+            return
+        for mb, row in zip(shard, rows):
+            if row is not None and "prompt_ids" not in row:
+                row.update(prefix.layout(mb, self.device) or {})
+        if self.cfg.learner.zero_stage != 3:
+            return
+        shared = torch.tensor([float(r is not None and "prompt_ids" in r) for r in rows], device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(shared, op=dist.ReduceOp.MIN)
+        for row, everywhere in zip(rows, shared.tolist()):
+            if row is not None and not everywhere:
+                for key in prefix.KEYS:
+                    row.pop(key, None)
+
     @torch.no_grad()
-    def proximal(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+    def proximal(self, rows: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Logprobs of the weights at the start of the step (for tis / decoupled)."""
         self.model.eval()
-        out = [packing.token_logprobs(self._logits(mb), mb, self.temperature)[0] for mb in micro_batches]
+        out = [packing.logprobs(self.model, row, self.temperature, bf16=self.mixed)[0] for row in rows]
         self.model.train()
         return out
 
-    def score_proximal(self, minibatches: list[list[dict | None]]) -> None:
+    def score_proximal(self, minibatch_rows: list[list[dict | None]]) -> None:
         """The proximal rule, whole. The proximal policy is the weights at the version's start. The first
         minibatch's training forward computes exactly its logprobs (the weights move only at the end of that
         minibatch's accumulation), so ``_loss`` keeps them from there, unless the forward is random (dropout).
         Every other minibatch, and every one with dropout, gets a no-grad forward here, before any update."""
         if self.cfg.off_policy.correction == "none":
             return
-        for i, batches in enumerate(minibatches):
+        for i, rows in enumerate(minibatch_rows):
             if i or self.random_forward:
-                self._fill_proximal(batches)
+                self._fill_proximal(rows)
 
-    def _fill_proximal(self, batches: list[dict | None]) -> None:
-        for b in batches:
-            if b is None and self.cfg.learner.zero_stage == 3:
+    def _fill_proximal(self, rows: list[dict | None]) -> None:
+        for row in rows:
+            if row is None and self.cfg.learner.zero_stage == 3:
                 with torch.no_grad():
                     self._empty_loss()  # in step with the other ranks' forwards
-            elif b is not None and "proximal" not in b:
-                b["proximal"] = self.proximal([b])[0]
+            elif row is not None and "proximal" not in row:
+                row["proximal"] = self.proximal([row])[0]
 
-    def step(self, shard: list[list[TrainSequence]], global_tokens: int, ptx: list[TrainSequence] | None = None,
-             batches: list[dict | None] | None = None, global_sequences: int | None = None,
-             before_update: Callable[[], None] | None = None) -> dict[str, float]:
-        """One optimizer step over this rank's micro-batches (and its SFT rows); returns statistics.
+    def update(self, rows: list[dict | None], global_tokens: int, global_sequences: int = 0,
+               ptx: list[TrainSequence] | None = None, before_update: Callable[[], None] | None = None
+               ) -> dict[str, float]:
+        """One optimizer update over this rank's packed micro-batches of a minibatch (and its SFT rows); returns
+        statistics. ``rows``: ``collate``'s, with the proximal logprobs where a separate forward makes them
+        (``score_proximal``) and the shared prompts laid out (``share_prompts``): ``updates.train`` does it all.
 
-        ``batches``: the micro-batches already collated (PPO's carry per-token advantages); a caller that
-        passes them puts in the proximal logprobs where a separate forward must make them (``train``).
-        ``before_update`` runs after the last backward, before the optimizer writes the weights.
-        A non-finite loss or gradient on any rank skips the whole step on every rank
-        (reported as ``skipped``): nothing of that batch reaches the weights.
+        ``global_sequences``: the minibatch's sequence count over every rank (0: counted here, where
+        ``loss_agg: sequence`` needs it). ``before_update`` runs after the last backward, before the optimizer
+        writes the weights. A non-finite loss or gradient on any rank skips the whole update on every rank
+        (reported as ``skipped``): nothing of that minibatch reaches the weights.
         """
-        collated_here = batches is None
-        batches = batches if batches is not None else [packing.collate(mb, self.device) if mb else None for mb in shard]
-        if self.cfg.learner.share_prompts:
-            for mb, b in zip(shard, batches):
-                if b is not None and "prompt_ids" not in b:
-                    b.update(prefix.layout(mb, self.device) or {})
-            if self.cfg.learner.zero_stage == 3:
-                self._share_on_every_rank_or_none(batches)
-        if collated_here:  # one minibatch, on its own
-            self.score_proximal([batches])
         by_sequence = self.cfg.learner.loss_agg == "sequence"
         if by_sequence:
-            global_sequences = global_sequences or self._sum_over_ranks(float(sum(len(mb) for mb in shard)))
+            global_sequences = global_sequences or self._sum_over_ranks(
+                float(sum(packing.sequence_count(r) for r in rows if r is not None)))
         scale = normaliser(int(global_sequences) if by_sequence else global_tokens, self.world_size)
-        stats = {"loss": 0.0, "tokens": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0,
-                 "is_weight_max": 0.0, "entropy": 0.0, "kl": 0.0, **MISMATCH}
-        work = [(b, lambda b: self._loss(b, stats), scale) for b in batches]
+        stats = tally.started()
+        work = [(row, lambda row: self._loss(row, stats), scale) for row in rows]
         if ptx:
-            ptx_batch = packing.collate(ptx, self.device)
-            ptx_scale = normaliser(self._sum_over_ranks(float(ptx_batch["mask"].sum())), self.world_size)
-            work.append((ptx_batch, lambda b: self._ptx_loss(b, stats), ptx_scale))
+            ptx_row = packing.collate(ptx, self.device)
+            ptx_scale = normaliser(self._sum_over_ranks(float(ptx_row["mask"].sum())), self.world_size)
+            work.append((ptx_row, lambda row: self._ptx_loss(row, stats), ptx_scale))
+        timer = tally.Timer()
+        bad = self._backward(work, timer)
+        if before_update:
+            before_update()
+        with timer("optimizer_s"):
+            self._apply(bad, stats)
+        stats.update(timer.totals)
+        tally.means(stats, global_tokens)
+        stats["lr"] = self.scheduler.get_last_lr()[0] if self.scheduler else self.cfg.learner.lr
+        return stats
+
+    def _backward(self, work: list[tuple], timer: tally.Timer) -> bool:
+        """Every micro-batch's forward and backward, accumulated to one boundary; whether a loss was not finite."""
         bad = False
-        timer = _Timer()
-        for i, (batch, loss_of, weight) in enumerate(work):
+        for i, (row, loss_of, weight) in enumerate(work):
             last = i == len(work) - 1
             self.model.set_gradient_accumulation_boundary(last)
             with timer("forward_s"):
-                loss = self._empty_micro_batch() if batch is None else loss_of(batch)
+                loss = self._empty_micro_batch() if row is None else loss_of(row)
             if not torch.isfinite(loss):
                 bad, loss = True, self._discarded(loss)
             with timer("backward_s"):
                 self.model.backward(loss * weight)
             if not last:
                 self.model.step()
-        if before_update:
-            before_update()
-        with timer("optimizer_s"):
-            norm = self._grad_norm()
-            if self._any_rank(bad or not math.isfinite(norm)):
-                self.model.zero_grad()
-                self.model.optimizer.zero_grad()
-                stats["skipped"] = 1.0
-            else:
-                if self.cfg.off_policy.ess_lr:
-                    stats["lr_scale"] = self._scale_lr(stats)
-                self.model.step()
-                stats["skipped"] = 0.0
-                # ZeRO's optimizers hold the partitioned gradients and measure their global norm themselves
-                stats["grad_norm"] = float(self.model.get_global_grad_norm() or norm)
-        stats.update(timer.totals)
-        n = max(stats["tokens"], 1.0)
-        stats["clip_frac"] /= n
-        stats["ratio_mean"] /= n
-        for key in ("adv_sum", "is_weight_mean", "is_capped_frac", "is_raw_mean", "is_raw_sq_mean"):
-            if key in stats:
-                stats[key.replace("_sum", "_mean")] = stats.pop(key) / n
-        mean, square = stats.pop("is_raw_mean", 0.0), stats.pop("is_raw_sq_mean", 0.0)
-        if square > 0:  # the importance weights' effective sample size, as a share of the tokens; E[r^2]
-            stats["is_ess"], stats["is_second_moment"] = effective_sample_size(mean, square, 1.0), square
-        stats["entropy"] /= n
-        stats["kl"] /= n
-        mismatch_means(stats)
-        stats["loss"] /= max(global_tokens, 1)
-        stats["lr"] = self.scheduler.get_last_lr()[0] if self.scheduler else self.cfg.learner.lr
-        return stats
+        return bad
 
-    def _loss(self, batch: dict[str, torch.Tensor], stats: dict) -> torch.Tensor:
+    def _apply(self, bad: bool, stats: dict) -> None:
+        """The optimizer's step, or on every rank none where any rank saw a non-finite loss or gradient."""
+        norm = self._grad_norm()
+        if self._any_rank(bad or not math.isfinite(norm)):
+            self.model.zero_grad()
+            self.model.optimizer.zero_grad()
+            stats["skipped"] = 1.0
+            return
+        if self.cfg.off_policy.ess_lr:
+            stats["lr_scale"] = self._scale_lr(stats)
+        self.model.step()
+        stats["skipped"] = 0.0
+        # ZeRO's optimizers hold the partitioned gradients and measure their global norm themselves
+        stats["grad_norm"] = float(self.model.get_global_grad_norm() or norm)
+
+    def _loss(self, row: dict[str, torch.Tensor], stats: dict) -> torch.Tensor:
         """Summed loss of one micro-batch: clipped policy term, minus entropy bonus, plus KL to the reference."""
-        logits = self._logits(batch)
-        logp, entropy = packing.token_logprobs(logits, batch, self.temperature, entropy=True)  # ~3 FLOPs a logit
-        prox = batch.get("proximal")
+        logp, entropy = packing.logprobs(self.model, row, self.temperature, entropy=True,
+                                         bf16=self.mixed)  # ~3 FLOPs a logit
+        prox = row.get("proximal")
         if prox is None and self.cfg.off_policy.correction != "none":  # the first minibatch: see score_proximal
-            prox = batch["proximal"] = logp.detach()  # kept on the batch for later epochs
-        mask = batch["mask"]
-        per_token, s = self.loss(logp, batch["logprobs"], prox, batch["advantages"], mask)
-        add_mismatch(stats, prox if prox is not None else logp.detach(), batch)
+            prox = row["proximal"] = logp.detach()  # kept on the row for later epochs
+        mask = row["mask"]
+        per_token, s = self.loss(logp, row["logprobs"], prox, row["advantages"], mask)
+        tally.add_mismatch(stats, prox if prox is not None else logp.detach(), row)
         if self.cfg.learner.entropy_coef > 0:
             per_token = per_token - self.cfg.learner.entropy_coef * entropy * mask
         stats["entropy"] += float((entropy * mask).sum().detach())
         if self.reference is not None:
-            k = kl(logp, self.reference.logprobs(batch), self.cfg.learner.kl_estimator)
+            k = kl(logp, self.reference.logprobs(row), self.cfg.learner.kl_estimator)
             per_token = per_token + self.cfg.learner.kl_coef * k * mask
             stats["kl"] += float((k * mask).sum().detach())
         n = float(mask.sum())
         stats["loss"] += float(per_token.sum().detach())
-        stats["adv_sum"] = stats.get("adv_sum", 0.0) + float((batch["advantages"] * mask).sum())
-        stats["adv_abs_max"] = max(stats.get("adv_abs_max", 0.0), float((batch["advantages"] * mask).abs().max()))
+        stats["adv_sum"] = stats.get("adv_sum", 0.0) + float((row["advantages"] * mask).sum())
+        stats["adv_abs_max"] = max(stats.get("adv_abs_max", 0.0), float((row["advantages"] * mask).abs().max()))
         for key in ("is_weight_mean", "is_raw_mean", "is_raw_sq_mean"):
             stats[key] = stats.get(key, 0.0) + float(s[key]) * n
         if "is_capped_frac" in s:
@@ -278,35 +290,15 @@ class Policy:
         stats["ratio_mean"] += float(s["ratio_mean"].detach()) * n
         stats["is_weight_max"] = max(stats["is_weight_max"], float(s["is_weight_max"]))
         if self.cfg.learner.loss_agg == "sequence":  # each sequence's mean, summed
-            per_sequence = packing.per_sequence(per_token, batch)
-            return (per_sequence / packing.per_sequence(mask, batch).clamp(min=1)).sum()
+            per_sequence = packing.per_sequence(per_token, row)
+            return (per_sequence / packing.per_sequence(mask, row).clamp(min=1)).sum()
         return per_token.sum()
 
-    def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        # Mixed precision: the forward's matmuls (and so the backward's) run in bfloat16, the gradients land on the
-        # fp32 weights. DeepSpeed's own autocast (deepspeed_config) does it inside its forward; this one around it
-        # keeps the bf16 copies of the weights for both forwards of a shared prompt (5% of a step on a CPU).
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.mixed):
-            return packing.forward(self.model, batch)
-
-    def _ptx_loss(self, batch: dict[str, torch.Tensor], stats: dict) -> torch.Tensor:
+    def _ptx_loss(self, row: dict[str, torch.Tensor], stats: dict) -> torch.Tensor:
         """Summed token cross-entropy on SFT rows, weighted by ``ptx_coef``."""
-        nll = -packing.token_logprobs(self._logits(batch), batch, 1.0)[0] * batch["mask"]
-        stats["ptx_loss"] = float(nll.sum().detach()) / max(float(batch["mask"].sum()), 1.0)
+        nll = -packing.logprobs(self.model, row, 1.0, bf16=self.mixed)[0] * row["mask"]
+        stats["ptx_loss"] = float(nll.sum().detach()) / max(float(row["mask"].sum()), 1.0)
         return self.cfg.learner.ptx_coef * nll.sum()
-
-    def _share_on_every_rank_or_none(self, batches: list[dict | None]) -> None:
-        """ZeRO-3 gathers the weights in every forward, so every rank must run as many forwards: a
-        micro-batch shares prompts (two forwards) only where it does on every rank."""
-        import torch.distributed as dist
-
-        shared = torch.tensor([float(b is not None and "prompt_ids" in b) for b in batches], device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(shared, op=dist.ReduceOp.MIN)
-        for b, everywhere in zip(batches, shared.tolist()):
-            if b is not None and not everywhere:
-                for key in prefix.KEYS:
-                    b.pop(key, None)
 
     def _scale_lr(self, stats: dict) -> float:
         """``off_policy.ess_lr``: this update's learning rate times its importance weights' effective sample size
@@ -320,8 +312,6 @@ class Policy:
         return scale
 
     def _sum_over_ranks(self, value: float) -> float:
-        import torch.distributed as dist
-
         t = torch.tensor([value], device=self.device)
         if dist.is_initialized():
             dist.all_reduce(t)
@@ -354,58 +344,10 @@ class Policy:
         return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0  # one pass, no [P] bool copy
 
     def _any_rank(self, flag: bool) -> bool:
-        import torch.distributed as dist
-
         t = torch.tensor([float(flag)], device=self.device)
         if dist.is_initialized():
             dist.all_reduce(t)
         return bool(t.item() > 0)
-
-
-class _Timer:
-    """Wall time per phase of a step (forward, backward, optimizer), summed over micro-batches."""
-
-    def __init__(self):
-        self.totals: dict[str, float] = {}
-
-    def __call__(self, name: str):
-        import contextlib
-        import time
-
-        @contextlib.contextmanager
-        def span():
-            t0 = time.perf_counter()
-            yield
-            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - t0
-
-        return span()
-
-
-MISMATCH = {key: 0.0 for key in ("mismatch_abs", "mismatch_max", "mismatch_kl", "fresh_tokens", "fresh_mismatch_abs",
-                                   "fresh_mismatch_max", "fresh_mismatch_kl")}
-
-
-def add_mismatch(stats: dict, learner_logp: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
-    """Add a micro-batch's train/inference mismatch to ``stats``: |log pi_learner - log pi_behav| and the k3
-    estimate of KL(behav || learner) over the generated tokens, and again over the fresh ones (of sequences
-    generated wholly by the learner's weights: only numerics differ; a sequence updated in flight attended
-    to keys and values of older weights)."""
-    gap = (learner_logp - batch["logprobs"]).detach()
-    k3 = kl(batch["logprobs"], learner_logp.detach(), "k3")
-    generated = batch["mask"] > 0
-    for scope, where in (("", generated), ("fresh_", batch["fresh"])):
-        stats[f"{scope}mismatch_abs"] += float(gap[where].abs().sum())
-        stats[f"{scope}mismatch_kl"] += float(k3[where].sum())
-        if where.any():
-            stats[f"{scope}mismatch_max"] = max(stats[f"{scope}mismatch_max"], float(gap[where].abs().max()))
-    stats["fresh_tokens"] += float(batch["fresh"].sum())
-
-
-def mismatch_means(stats: dict) -> None:
-    """Sums over tokens to means: over all generated tokens, and over the fresh ones."""
-    for scope, count in (("", stats["tokens"]), ("fresh_", stats["fresh_tokens"])):
-        for key in ("mismatch_abs", "mismatch_kl"):
-            stats[scope + key] /= max(count, 1.0)
 
 
 def has_dropout(model: torch.nn.Module) -> bool:

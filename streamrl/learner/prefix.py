@@ -3,10 +3,11 @@
 A group's samples continue the same context, so a micro-batch of padded sequences spends
 most of its forward (and backward) on identical prompt tokens when prompts are long and
 answers short. Here each distinct prompt runs once, its keys and values are gathered to
-every sequence that continues it, and only the continuations run per sequence. The logits
-come out as the packed forward's do (one row per scored token, ``packing.forward``), so the loss code sees
-no difference; the gather's backward sums the prompt's gradient over its continuations, as the plain forward
-would. The prompt is what precedes a sequence's first generated token.
+every sequence that continues it, and only the continuations run per sequence. This module lays a
+micro-batch out so (``layout``); ``packing.forward`` runs it, and its logits come out as the packed forward's do
+(one row per scored token), so the loss code sees no difference; the gather's backward sums the prompt's
+gradient over its continuations, as the plain forward would. The prompt is what precedes a sequence's first
+generated token.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ MIN_SAVING = 0.25  # sharing runs two forwards instead of one: it must save this
 
 
 def layout(mb: list[TrainSequence], device: torch.device | str = "cpu") -> dict[str, torch.Tensor] | None:
-    """Tensors for ``logits`` (on ``device``) when sharing prompts saves ``MIN_SAVING`` of the tokens of the
+    """Tensors for ``packing.forward`` (on ``device``) when sharing prompts saves ``MIN_SAVING`` of the tokens of the
     micro-batch's packed row (shared prompts long beside their continuations), else None: the packed forward."""
     starts = [int(s.mask.argmax()) if s.mask.any() else 0 for s in mb]
     if min(starts) == 0:  # a sequence with nothing generated, or generated from its first token: no prompt
@@ -52,25 +53,3 @@ def layout(mb: list[TrainSequence], device: torch.device | str = "cpu") -> dict[
     tensors = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "prompt_row": torch.tensor(rows),
                "prompt_len": torch.tensor(starts), "rest_ids": rest_ids, "rest_mask": rest_mask}
     return {k: v.to(device) for k, v in tensors.items()}
-
-
-def logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], where: torch.Tensor) -> torch.Tensor:
-    """``[M, V]`` logits predicting the row's tokens at offsets ``where`` (each after its sequence's prompt)."""
-    prompt_mask, rows, starts = batch["prompt_mask"], batch["prompt_row"], batch["prompt_len"]
-    positions = (prompt_mask.cumsum(1) - 1).clamp(min=0)
-    head = model(input_ids=batch["prompt_ids"], attention_mask=prompt_mask, position_ids=positions, use_cache=True,
-                 logits_to_keep=1)  # only the last position predicts: skip the head's other logits
-    cache = head.past_key_values
-    cache.batch_select_indices(rows)  # each sequence's copy of its prompt's keys and values
-    rest_mask = batch["rest_mask"]
-    # padding slots get position 0: a position past the sequence's end could exceed the model's range
-    rest_positions = (starts[:, None] + torch.arange(rest_mask.shape[1], device=starts.device)) * rest_mask
-    tail = model(input_ids=batch["rest_ids"], attention_mask=torch.cat([prompt_mask[rows], rest_mask], 1),
-                 position_ids=rest_positions, past_key_values=cache, use_cache=True).logits
-    seq = batch["sequence"][0, where]
-    k = where - batch["bounds"][:-1].to(where.device)[seq] - starts[seq]  # the token's place after its prompt
-    first, later = (k == 0).nonzero()[:, 0], (k > 0).nonzero()[:, 0]
-    out = tail.new_empty(len(where), tail.shape[-1])
-    # the prompt's last position predicts each sequence's first generated token; rest slot j the token after it
-    out = out.index_put((first,), head.logits[rows[seq[first]], -1])
-    return out.index_put((later,), tail[seq[later], k[later] - 1])

@@ -54,13 +54,10 @@ class Reference:
         return cls(policy, policy.device, temperature, adapter_off=True)
 
     @torch.no_grad()
-    def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def logprobs(self, row: dict[str, torch.Tensor]) -> torch.Tensor:
         """The reference's logprobs ``[1, N]`` of a packed micro-batch's tokens."""
-        return packing.token_logprobs(self._forward(batch), batch, self.temperature)[0]
-
-    def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with self._weights():
-            return packing.forward(self.model, batch)
+            return packing.logprobs(self.model, row, self.temperature)[0]
 
     @contextlib.contextmanager
     def _weights(self) -> Iterator[None]:
@@ -94,10 +91,10 @@ class Reference:
                                               np.zeros(part.stop - part.start, np.float32), 0))
                     owner.append((g, i))
         totals = np.zeros(len(seqs))
-        for rows in first_fit([len(s) for s in seqs], token_budget):
-            batch = packing.collate([seqs[i] for i in rows], self.device)
-            k = losses.kl(batch["logprobs"], self.logprobs(batch), estimator) * batch["mask"]
-            totals[rows] = packing.per_sequence(k, batch).double().cpu().numpy()
+        for members in first_fit([len(s) for s in seqs], token_budget):
+            row = packing.collate([seqs[i] for i in members], self.device)
+            k = losses.kl(row["logprobs"], self.logprobs(row), estimator) * row["mask"]
+            totals[members] = packing.per_sequence(k, row).double().cpu().numpy()
         out = [np.zeros(len(group.samples)) for group in groups]
         for (g, i), total in zip(owner, totals):
             out[g][i] += coef * total

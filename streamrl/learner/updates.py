@@ -1,49 +1,50 @@
-"""One policy version's updates on a rank: score every minibatch, then an optimizer step per minibatch
-for each epoch, and the step's statistics merged from its updates'."""
+"""One policy version's updates on a rank: score every minibatch, then an optimizer update per minibatch
+for each epoch, and the version's statistics merged from its updates'."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from streamrl.learner import batch as batching
-from streamrl.learner import packing
+from streamrl.learner.batch import Shard
 from streamrl.learner.policy import Policy
 
-Minibatch = tuple[list[list[batching.TrainSequence]], int, int]  # a rank's micro-batches, global tokens, sequences
-SUMMED = ("forward_s", "backward_s", "optimizer_s")  # phase times add up over a step's updates
+SUMMED = ("forward_s", "backward_s", "optimizer_s")  # phase times add up over a version's updates
 MAXED = ("is_weight_max", "adv_abs_max", "skipped", "mismatch_max", "fresh_mismatch_max")
 
 
-def train(policy: Policy, minibatches: list[Minibatch], epochs: int, critic=None, ptx=None,
+def train(policy: Policy, shards: list[Shard], epochs: int, critic=None, ptx=None,
           before_update: Callable[[], None] | None = None) -> tuple[dict, int]:
-    """One policy version's updates: ``epochs`` passes over the minibatches, one optimizer step each.
+    """One policy version's updates: ``epochs`` passes over the minibatches (this rank's ``shards`` of them), one
+    optimizer update each.
 
     Every minibatch is scored before the first update (the critic's values, and the proximal logprobs:
     ``Policy.score_proximal``), so the proximal policy is the weights at the version's start and PPO's clip
     bounds how far the later updates move from it. Scoring here, once, keeps every rank's forwards in step
-    under ZeRO-3 (an empty micro-batch's stand-in forward runs exactly when the others' proximal forwards do). A non-finite update stops the rest. ``before_update``
-    runs once, before the first optimizer step (the learner ends its weight push there). Returns the
-    updates' merged statistics and how many minibatches were trained.
+    under ZeRO-3 (an empty micro-batch's stand-in forward runs exactly when the others' proximal forwards do).
+    Shared prompts are laid out after it. A non-finite update stops the rest. ``before_update`` runs once, before
+    the first optimizer step (the learner ends its weight push there). Returns the updates' merged statistics
+    and how many minibatches were trained.
     """
-    batches = [critic.prepare(shard) if critic else [packing.collate(mb, policy.device) if mb else None for mb in shard]
-               for shard, _, _ in minibatches]
-    policy.score_proximal(batches)
+    rows = [critic.prepare(micro) if critic else policy.collate(micro) for micro, _, _ in shards]
+    policy.score_proximal(rows)
+    for (micro, _, _), minibatch_rows in zip(shards, rows):
+        policy.share_prompts(micro, minibatch_rows)
     updates, landed = [], 0
     for _epoch in range(epochs):
-        for i, ((shard, tokens, sequences), batch) in enumerate(zip(minibatches, batches)):
-            stats = policy.step(shard, tokens, ptx, batch, sequences, before_update)
+        for i, ((_, tokens, sequences), minibatch_rows) in enumerate(zip(shards, rows)):
+            stats = policy.update(minibatch_rows, tokens, sequences, ptx, before_update)
             before_update = None
             if stats["skipped"]:
-                return merge(updates + [stats], len(minibatches)), landed
+                return merge(updates + [stats], len(shards)), landed
             if critic:
-                stats.update(critic.step(batch, tokens))
+                stats.update(critic.update(minibatch_rows, tokens))
             updates.append(stats)
             landed = max(landed, i + 1)
-    return merge(updates, len(minibatches)), landed
+    return merge(updates, len(shards)), landed
 
 
 def merge(updates: list[dict], minibatches: int) -> dict:
-    """A step's statistics from its updates' (one, for a single update): phase times summed, maxima kept,
+    """A version's statistics from its updates' (one, for a single update): phase times summed, maxima kept,
     token counts of one pass over the batch, the rest averaged."""
     merged = {}
     for key in updates[0]:
