@@ -129,41 +129,67 @@ def test_trl_study_stops_before_any_run_when_trl_is_missing(monkeypatch):
         against_trl.main(quick=True)
 
 
-def test_the_report_keeps_the_sections_and_headlines_of_studies_not_rerun(tmp_path):
+TRL_COLUMNS = ["system", "samples/s", "held-out greedy accuracy"]
+
+
+def trl_table(title: str, ours: str, theirs: str, ratio: str) -> dict:
+    return {"title": title, "columns": TRL_COLUMNS, "rows": [["streamrl", ours, "0.6"], ["trl", theirs, "0.6"],
+                                                             ["streamrl / TRL", ratio, ""]]}
+
+
+def test_the_report_keeps_the_sections_of_studies_not_rerun_and_opens_with_one_headline_table(tmp_path):
     from benchmarks import report
 
     page = tmp_path / "docs" / "benchmarks.md"
     page.parent.mkdir()
     page.write_text("# Benchmarks\n\nold intro\n\n## Headlines\n\n- **async (max staleness 2) / sync, x**: 3.00×\n"
                     "- **streamrl / TRL GRPOTrainer**: 1.10× samples/s\n\n"
-                    "## Replay stream (`streamrl bench queue`)\n\nold queue table\n\n"
+                    "## Replay stream (`streamrl bench queue`)\n\nRun 2026-11-22T10:17:08+0000 on 2 CPU cores.\n\n"
+                    "*Replay stream throughput, medians of 5 runs*\n\n"
+                    "| group | op | streamrl MB/s | raw redis-py MB/s | streamrl/raw |\n|---|---|---|---|---|\n"
+                    "| 16x4k | put | 128.17 | 520.12 | 0.25 |\n| 16x4k | read | 210.97 | 367.92 | 0.57 |\n\n"
                     "## Against TRL (`streamrl bench trl`)\n\nold trl table\n")
     results = tmp_path / "results"
     results.mkdir()
-    machine = {"platform": "test", "cpu_count": 2, "torch": "x", "cuda": False, "time": "today"}
+    machine = {"platform": "test", "cpu_count": 2, "cpu": "AMD EPYC", "torch": "x", "cuda": False,
+               "time": "2026-12-01T10:00:00+0000"}
     (results / "trl.json").write_text(json.dumps({
-        "machine": machine, "repeats": 3, "ratio": 1.34, "steady_ratio": 1.43,
-        "median": {"streamrl": {"samples_per_s": 579.0}, "trl": {"samples_per_s": 432.0}},
-        "tables": [{"title": "new trl", "columns": ["a"], "rows": [["1"]]}]}))
+        "machine": machine, "repeats": 3, "ratio": 1.34, "median": {},
+        "tables": [trl_table("streamrl (bf16) vs TRL GRPOTrainer", "579.00", "432.00", "1.34")]}))
     text = report.build(results, page).read_text()
-    assert "old queue table" in text and "old trl table" not in text and "*new trl*" in text
-    assert "3.00×" in text and "1.10×" not in text and "1.34× samples/s" in text
-    assert text.index("3.00×") < text.index("1.34×") < text.index("## Replay stream") < text.index("## Against TRL")
+    assert "old queue table" not in text and "| 16x4k | read | 210.97 |" in text and "old trl table" not in text
+    assert "3.00×" not in text and "1.10×" not in text and "\n- **" not in text  # the bullets are gone
+    head = text[text.index("## Headlines"):text.index("## Replay stream")]
+    rows = [line for line in head.splitlines() if line.startswith("| ")]
+    assert rows[0] == "| " + " | ".join(report.headlines.COLUMNS) + " |"
+    trl = next(r for r in rows if "TRL GRPOTrainer" in r)  # from the new results
+    assert "| 579.0 | 432.0 | 1.34× | 2 CPU cores (AMD EPYC), run 2026-12-01 10:00 | `streamrl bench trl` |" in trl
+    queue = next(r for r in rows if "replay stream put" in r)  # from the section the page kept
+    assert "| 128.2 | 520.1 | 0.25× | 2 CPU cores, run 2026-11-22 10:17 | `streamrl bench queue` |" in queue
+    assert text.index("## Headlines") < text.index("## Replay stream") < text.index("## Against TRL")
 
-    # TRL's async trainer: sections and headlines of their own, and no plot of theirs under the sync one
+    # TRL's async trainer: a section of its own, and no plot of its under the sync one
     (results / "trl_async.json").write_text(json.dumps({
         "machine": machine, "repeats": 3, "ratio": 1.6, "trl_trainer": "async",
-        "median": {"streamrl": {"samples_per_s": 2.0}, "trl": {"samples_per_s": 1.25}},
-        "tables": [{"title": "async trl", "columns": ["a"], "rows": [["1"]]}]}))
+        "tables": [trl_table("streamrl (fp32) vs TRL AsyncGRPOTrainer", "2.00", "1.25", "1.60")]}))
     for name in ("trl", "trl_async"):
         (results / f"{name}.png").write_bytes(b"png")
     text = report.build(results, page).read_text()
-    assert "- **streamrl / TRL AsyncGRPOTrainer (vLLM)**: 1.60× samples/s" in text and "1.34× samples/s" in text
+    assert "| 2.00 | 1.25 | 1.60× |" in text and "| 579.0 | 432.0 | 1.34× |" in text
     sync = text[text.index("## Against TRL (`streamrl bench trl`)"):text.index("## Against TRL's AsyncGRPOTrainer")]
     assert "trl.png" in sync and "trl_async.png" not in sync
     assert "## Against TRL's AsyncGRPOTrainer (`streamrl bench trl --trl-trainer async`)" in text
-    assert "*async trl*" in text and "benchmarks/trl_async.png" in text
+    assert "benchmarks/trl_async.png" in text
     assert report.build(results, page).read_text() == text  # a page rebuilt from itself is the same
+    # the published runs that joined seeds of two invocations: their two numbers, no ratio, and a note why
+    joined = {**machine, "time": "2026-11-27T12:44:09+0000"}
+    (results / "trl_async.json").write_text(json.dumps({"machine": joined, "tables": [
+        trl_table("streamrl (fp32) vs TRL AsyncGRPOTrainer", "2.95", "1.73", "1.70")]}))
+    text = report.build(results, page).read_text()
+    assert "| 2.95 | 1.73 | none (note 1) |" in text and "1.70×" not in text
+    assert "\n1. streamrl / TRL AsyncGRPOTrainer (vLLM), SmolLM2-135M two-digit addition, samples/s: no ratio" in text
+    # the published results alone (``--out docs/benchmarks``): nothing to copy onto itself
+    assert report.build(page.parent / "benchmarks", page).read_text() == text
 
 
 def test_published_results_are_what_later_seeds_join_where_the_results_folder_is_empty(tmp_path, monkeypatch):
@@ -352,11 +378,11 @@ def test_engines_study_times_the_first_evaluation_at_the_target_and_pairs_engine
     assert data["median"]["hf"]["time_to_target"] == 900.0
     assert data["held_out_vllm_vs_hf"]["mean"] == pytest.approx(((0.60 - 0.70) + (0.66 - 0.64)) / 2)
     assert (tmp_path / "engines.png").is_file()
-    from benchmarks import report
+    from benchmarks import headlines
 
-    line = next(x for x in report.headlines(tmp_path) if x.startswith(report.HEADLINES["engines"]))
-    assert "2.50× samples/s (2.5 vs 1; medians of 2)" in line
-    assert "time to 0.672 5.0 min (2/2 runs) vs 15.0 min (2/2 runs)" in line
+    row = next(r for r in headlines.rows({"engines": json.loads((tmp_path / "engines.json").read_text())}).rows)
+    assert row[0].startswith("vllm / hf engine") and row[1:4] == ["2.50", "1.00", "2.50×"]
+    assert row[5] == "`streamrl bench engines`"
 
 
 def test_cpu_share_files_a_process_under_its_ancestors_earlier_role_before_its_own():

@@ -12,24 +12,26 @@ def row(seed: int, samples_per_s: float, held_out: float = 0.5) -> dict:
             "time_to_target_s": None}
 
 
-def test_the_real_model_e2e_study_has_its_own_section_and_headlines_beside_the_toys(tmp_path):
+def test_the_real_model_e2e_study_has_its_own_section_and_headline_rows_beside_the_toys(tmp_path):
     from benchmarks import report
 
     page = tmp_path / "benchmarks.md"
     page.write_text("# Benchmarks\n\n## Headlines\n\n- **async (max staleness 4) / sync, env-latency**: 3.78×\n")
     results = tmp_path / "results"
     results.mkdir()
-    machine = {"platform": "test", "cpu_count": 2, "torch": "x", "cuda": False, "time": "today"}
+    machine = {"platform": "test", "cpu_count": 2, "torch": "x", "cuda": False, "time": "2026-12-01T10:00:00+0000"}
     ratio = {"ratio": 3.1, "steady_ratio": 3.3, "held_out_final_vs_sync": {"mean": 0.01, "ci95": 0.02, "pairs": 3}}
-    summary = {"env-latency": {"sync": {"held_out_final": 0.5}, "async": {"held_out_final": 0.51},
-                               "ratios": {"async": ratio}}}
+    summary = {"env-latency": {"sync": {"samples_per_s": 1.0, "held_out_final": 0.5},
+                               "async": {"samples_per_s": 3.1, "held_out_final": 0.51}, "ratios": {"async": ratio}}}
     (results / "e2e_smollm2.json").write_text(json.dumps({
         "machine": machine, "repeats": 3, "max_staleness": 4, "staleness_modes": {"async": 4}, "summary": summary,
         "tables": [{"title": "smollm2 e2e", "columns": ["a"], "rows": [["1"]]}]}))
     (results / "e2e_smollm2.png").write_bytes(b"png")
     text = report.build(results, page).read_text()
-    assert "- **async (max staleness 4) / sync, env-latency**: 3.78×" in text  # the toy's, kept
-    assert "- **SmolLM2-135M: async (max staleness 4) / sync, env-latency**: 3.10× samples/s" in text
+    assert "3.78×" not in text  # the old bullets are gone
+    assert ("| SmolLM2-135M env-latency: async (max staleness 4, as shipped) / sync, samples/s | 3.10 | 1.00 | 3.10× "
+            "| 2 CPU cores, run 2026-12-01 10:00 | `streamrl bench e2e --real-model --workload env-latency` |") in text
+    assert "| 0.510 | 0.500 | difference +1.0 ± 2.0 pts (3 pairs) |" in text
     section = text[text.index("## End to end on SmolLM2-135M: async vs sync (`streamrl bench e2e --real-model`)"):]
     assert "*smollm2 e2e*" in section and "benchmarks/e2e_smollm2.png" in section and "--real-model" in section
 
@@ -133,9 +135,13 @@ def test_e2e_async_arms_alone_pair_with_the_earlier_sync_runs_and_are_refused_wi
     assert marked == [f"{w}: async-auto / sync{e2e.ACROSS}", f"{w}: async-auto / async (the fastest fixed bound){e2e.ACROSS}"]
     from benchmarks import report
 
-    lines = report.headlines(tmp_path)  # the headline of the ratio across invocations says so, the other does not
-    assert [line for line in lines if "across invocations" in line] == [
-        line for line in lines if line.startswith("- **SmolLM2-135M: async (max staleness auto)")] and len(lines) == 2
+    data = json.loads((tmp_path / "e2e_smollm2.json").read_text())
+    head = report.headlines.rows({"e2e_smollm2": data})  # no arm at the shipped bound (1): max staleness 4's
+    assert [r[3] for r in head.rows if r[0].endswith("samples/s")] == ["2.00×"] and not head.notes
+    # the headline table divides no runs of two invocations: auto's (stamped) and sync's (unrecorded) stand apart
+    head = report.headlines.rows({"e2e_smollm2": {**data, "staleness_modes": {"async": 4, "async-auto": 1}}})
+    assert [r[1:4] for r in head.rows] == [["2.30", "1.50", "none (note 1)"]]
+    assert "no ratio, its sync runs and its async runs ran in different invocations" in head.notes[0]
     with pytest.raises(SystemExit, match="choose one"):
         e2e.main(sync_only=True, async_only=True)
     # seeds added by a later invocation pair among themselves: each seed's two runs ran side by side
