@@ -70,7 +70,8 @@ import torch.nn.functional as F
 
 from streamrl.buffer.redis_server import free_port
 from streamrl.config import Config
-from streamrl.weightsync import broadcast, buckets, make_group, metas, pack
+from streamrl.weightsync import broadcast, buckets, make_group, metas
+from streamrl.weightsync import flatten as pack
 
 TRL_VERSION = "1.16.0"  # the patches below name its internals
 CHATML_RESPONSE = {  # TRL's response schema for ChatML replies: the assistant's text up to its end token

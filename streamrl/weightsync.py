@@ -47,7 +47,7 @@ def buckets(items: list[TensorMeta], bucket_bytes: int) -> list[list[TensorMeta]
     return out
 
 
-def pack(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+def flatten(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
     """One flat uint8 buffer holding the tensors' bytes back to back (written into ``out`` when given)."""
     flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
     if out is None:
@@ -55,8 +55,8 @@ def pack(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.
     return torch.cat(flat, out=out[: sum(f.numel() for f in flat)])
 
 
-def unpack(buffer: torch.Tensor, bucket: list[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
-    """Views into ``buffer`` (no copy): consume them before the buffer is reused."""
+def unflatten(buffer: torch.Tensor, bucket: list[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
+    """``flatten`` undone: views into ``buffer`` (no copy); consume them before the buffer is reused."""
     out, offset = [], 0
     for m in bucket:
         chunk = buffer[offset: offset + m.nbytes]

@@ -210,7 +210,7 @@ def test_a_push_is_swapped_in_whole_or_not_at_all(model, engine):
     from concurrent.futures import ThreadPoolExecutor
 
     from streamrl.buffer.redis_server import free_port
-    from streamrl.weightsync import broadcast, buckets, make_group, metas, pack
+    from streamrl.weightsync import broadcast, buckets, flatten, make_group, metas
 
     receiver, port = engine.weight_receiver(), free_port()
     served = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -221,7 +221,7 @@ def test_a_push_is_swapped_in_whole_or_not_at_all(model, engine):
         group = learner.result()
 
         def send(named: list, version: int) -> int:
-            cast = pool.submit(broadcast, group, pack([t for _, t in named]))
+            cast = pool.submit(broadcast, group, flatten([t for _, t in named]))
             got = loop.run_until_complete(receiver.receive([n for n, _ in named], [str(t.dtype) for _, t in named],
                                                            [list(t.shape) for _, t in named], version))
             cast.result()

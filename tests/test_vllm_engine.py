@@ -27,7 +27,7 @@ from streamrl.generation import SamplingParams
 from streamrl.inference.engines import load_engine
 from streamrl.inference.engines.vllm import _versions, finish_reason
 from streamrl.inference.engines.vllm_receiver import check_tensors
-from streamrl.weightsync import broadcast, buckets, make_group, metas, pack
+from streamrl.weightsync import broadcast, buckets, flatten, make_group, metas
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 TOL = 1e-4  # fp32 engine vs fp32 reference
@@ -207,7 +207,7 @@ def _push(receiver, named_tensors, version, backend="gloo", stop_after=None, lor
             receiver._test_backend = backend
         tensors = dict(named_tensors)
         for bucket in buckets(metas(named_tensors), int(bucket_mb * 2**20))[:stop_after]:
-            buffer = pack([tensors[m.name] for m in bucket])
+            buffer = flatten([tensors[m.name] for m in bucket])
             got = asyncio.gather(receiver.receive([m.name for m in bucket], [m.dtype for m in bucket],
                                                   [list(m.shape) for m in bucket], version, lora),
                                  asyncio.to_thread(broadcast, receiver._test_group, buffer),

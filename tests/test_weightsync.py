@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from streamrl.buffer.redis_server import free_port
-from streamrl.weightsync import TensorMeta, broadcast, buckets, make_group, metas, pack, unpack
+from streamrl.weightsync import TensorMeta, broadcast, buckets, flatten, make_group, metas, unflatten
 
 
 def test_buckets_keep_order_and_size_and_round_trip_bytes():
@@ -17,7 +17,7 @@ def test_buckets_keep_order_and_size_and_round_trip_bytes():
     assert TensorMeta("x", "float32", (3, 4)).nbytes == 48
     for bucket in layout:
         chosen = [t for n, t in tensors if n in {m.name for m in bucket}]
-        back = unpack(pack(chosen), bucket)
+        back = unflatten(flatten(chosen), bucket)
         for (name, got), want in zip(back, chosen):
             assert got.dtype == want.dtype and torch.equal(got, want)
 
@@ -44,7 +44,7 @@ def test_a_push_makes_the_server_generate_with_the_learners_weights(cluster, tin
             sent = pool.submit(httpx.post, f"{url}/update_weights_from_distributed", timeout=90, json={
                 "names": [m.name for m in bucket], "dtypes": [m.dtype for m in bucket],
                 "shapes": [list(m.shape) for m in bucket], "weight_version": 1})
-            broadcast(group, pack([tensors[m.name] for m in bucket]))
+            broadcast(group, flatten([tensors[m.name] for m in bucket]))
             assert sent.result().status_code == 200
     body = httpx.post(f"{url}/generate", timeout=60, json={
         "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 12, "temperature": 0.8, "ignore_eos": True},

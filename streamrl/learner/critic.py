@@ -2,7 +2,7 @@
 
 Rewards sit on each sequence's last generated token; GAE runs over the generated
 tokens of a sequence (observation tokens in between are not time steps). The value
-loss is PPO's clipped squared error around the values at the start of the step.
+loss is PPO's clipped squared error around the values at the version's start.
 """
 
 from __future__ import annotations

@@ -199,11 +199,11 @@ def token_logprobs(logits: torch.Tensor, row: dict[str, torch.Tensor], temperatu
     scale = 1.0 / (temperature or 1.0)
     where = scored(row)
     targets = row["input_ids"][0, where]
-    step = max(1, CHUNK_ELEMENTS // max(logits.shape[-1], 1))
-    recompute = torch.is_grad_enabled() and logits.requires_grad and logits.shape[0] > step
+    chunk = max(1, CHUNK_ELEMENTS // max(logits.shape[-1], 1))
+    recompute = torch.is_grad_enabled() and logits.requires_grad and logits.shape[0] > chunk
     picked, spread = [], []
-    for start in range(0, logits.shape[0], step):
-        args = (logits[start: start + step], targets[start: start + step], scale, entropy)
+    for start in range(0, logits.shape[0], chunk):
+        args = (logits[start: start + chunk], targets[start: start + chunk], scale, entropy)
         lp, h = checkpoint(_gather, *args, use_reentrant=False) if recompute else _gather(*args)
         picked.append(lp)
         spread.append(h)

@@ -51,7 +51,7 @@ def attention_cost(length: int, hidden: int = 1024) -> float:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Partition:
     """``ranks[r]`` is rank r's list of micro-batches, each a list of sequence indices."""
 
     ranks: list[list[list[int]]]
@@ -62,7 +62,7 @@ class Plan:
 
 
 def plan_micro_batches(lengths: Sequence[int], world_size: int, token_budget: int,
-                       costs: Sequence[float] | None = None) -> Plan:
+                       costs: Sequence[float] | None = None) -> Partition:
     """Split sequences into the same number of micro-batches per rank, each within ``token_budget`` real
     tokens, balancing ``costs`` (default: the lengths) over the micro-batches and the ranks."""
     if world_size < 1 or token_budget < 1:
@@ -74,7 +74,7 @@ def plan_micro_batches(lengths: Sequence[int], world_size: int, token_budget: in
     while True:  # ends: with a micro-batch per sequence, every one is within the budget
         parts = karmarkar_karp(costs, k * world_size)
         if all(sum(lengths[i] for i in part) <= token_budget for part in parts):
-            return Plan(_deal(parts, world_size, costs))
+            return Partition(_deal(parts, world_size, costs))
         k += 1
 
 

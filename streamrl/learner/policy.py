@@ -43,7 +43,7 @@ def deepspeed_config(cfg: Config) -> dict[str, Any]:
     bf16 = weights_dtype(cfg) == torch.bfloat16
     return {
         "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,  # boundaries are set per step instead
+        "gradient_accumulation_steps": 1,  # boundaries are set per update instead
         "gradient_clipping": cfg.learner.grad_clip,
         "zero_optimization": {"stage": cfg.learner.zero_stage},
         "zero_allow_untested_optimizer": True,  # learner.optimizer=sgd: ZeRO partitions any torch optimizer
@@ -170,7 +170,7 @@ class Policy:
 
     @torch.no_grad()
     def proximal(self, rows: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """Logprobs of the weights at the start of the step (for tis / decoupled)."""
+        """Logprobs of the weights at the version's start (for tis / decoupled)."""
         self.model.eval()
         out = [packing.logprobs(self.model, row, self.temperature, bf16=self.mixed)[0] for row in rows]
         self.model.train()
@@ -322,8 +322,8 @@ class Policy:
         return sum(p.sum() * 0.0 for p in self.model.module.parameters())
 
     def _discarded(self, loss: torch.Tensor) -> torch.Tensor:
-        """A zero in place of a non-finite loss, whose backward keeps the ranks' collectives in step (the step
-        is then skipped). Under ZeRO-3 it must run back through the forward that gathered the weights."""
+        """A zero in place of a non-finite loss, whose backward keeps the ranks' collectives in step (the
+        update is then skipped). Under ZeRO-3 it must run back through the forward that gathered the weights."""
         return loss * 0.0 if self.cfg.learner.zero_stage == 3 else self._zero_loss()
 
     def _empty_micro_batch(self) -> torch.Tensor:

@@ -25,7 +25,7 @@ from streamrl.buffer import ServerRegistry
 from streamrl.buffer.redis_server import free_port
 from streamrl.config import Config
 from streamrl.node import node_address
-from streamrl.weightsync import Staging, broadcast, buckets, make_group, metas, pack
+from streamrl.weightsync import Staging, broadcast, buckets, flatten, make_group, metas
 
 log = logging.getLogger("streamrl.push")
 GROUP = "streamrl-weights"  # the group's name in SGLang's API, and its store prefix on both ends
@@ -139,15 +139,16 @@ class WeightPusher:
         if self.staging is None:
             self.staging = Staging(str(named_tensors[0][1].device))
 
-        def packed(i: int) -> torch.Tensor:  # two buffers in turn: bucket i+1 packs while bucket i is sent
+        def flattened(i: int) -> torch.Tensor:  # two buffers in turn: bucket i+1 is flattened while bucket i is sent
             bucket = layout[i]
-            return pack([tensors[m.name] for m in bucket], out=self.staging.take(i % 2, sum(m.nbytes for m in bucket)))
+            return flatten([tensors[m.name] for m in bucket],
+                           out=self.staging.take(i % 2, sum(m.nbytes for m in bucket)))
 
-        next_buffer = self.pool.submit(packed, 0)
+        next_buffer = self.pool.submit(flattened, 0)
         for i, bucket in enumerate(layout):
             buffer = next_buffer.result()
             if i + 1 < len(layout):
-                next_buffer = self.pool.submit(packed, i + 1)
+                next_buffer = self.pool.submit(flattened, i + 1)
             body = {"names": [m.name for m in bucket], "dtypes": [m.dtype for m in bucket],
                     "shapes": [list(m.shape) for m in bucket], "weight_version": version,
                     "group_name": GROUP, "flush_cache": True, **adapter}  # SGLang drops its prefix cache

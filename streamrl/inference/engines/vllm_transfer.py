@@ -36,7 +36,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from streamrl.weightsync import Staging, TensorMeta, broadcast, make_group, unpack
+from streamrl.weightsync import Staging, TensorMeta, broadcast, make_group
+from streamrl.weightsync import unflatten as unpack
 
 BACKEND = "streamrl"  # the name in vLLM's WeightTransferEngineFactory
 

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from streamrl import adapters
 from streamrl.adapters import AdapterSpec
 from streamrl.inference.engines.base import Engine
-from streamrl.weightsync import Staging, TensorMeta, broadcast, make_group, unpack
+from streamrl.weightsync import Staging, TensorMeta, broadcast, make_group
+from streamrl.weightsync import unflatten as unpack
 
 log = logging.getLogger(__name__)
 
