@@ -127,3 +127,35 @@ def test_seeded_siblings_go_out_alone_each_with_its_seed():
 
     outs = asyncio.run(main())
     assert sent == [((1, 2), 1, 7), ((1, 2), 1, 7)] and [o.output_ids for o in outs] == [[7], [7]]
+
+
+def test_a_request_every_waiter_gave_up_on_is_cancelled_and_one_a_sibling_still_waits_for_is_not():
+    started, cancelled = asyncio.Event(), []
+
+    async def send(input_ids, params, n, priority=0):
+        started.set()
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.append(n)
+            raise
+        return [Completion(output_ids=[i]) for i in range(n)]
+
+    async def main():
+        co = Coalescer(send, window_s=0.01)
+        alone = asyncio.ensure_future(co.generate([1], P))  # an agent's call that then hangs up
+        await started.wait()
+        alone.cancel()
+        await asyncio.sleep(0.01)
+        assert cancelled == [1]  # the HTTP request goes too, and with it the generation at the server
+        started.clear()
+        pair = [asyncio.ensure_future(co.generate([2], P)) for _ in range(2)]
+        await started.wait()
+        pair[0].cancel()
+        await asyncio.sleep(0.01)
+        assert cancelled == [1]  # the other sibling still waits for its sample
+        pair[1].cancel()
+        await asyncio.sleep(0.01)
+        assert cancelled == [1, 2]
+
+    asyncio.run(main())

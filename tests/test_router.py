@@ -87,6 +87,32 @@ def _latency_count(url: str) -> float:
     return float(line.split()[-1]) if line else 0.0
 
 
+def _counted(url: str, status: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    line = next((x for x in text.splitlines() if x.startswith(f'streamrl_requests_total{{status="{status}"}}')), None)
+    return float(line.split()[-1]) if line else 0.0
+
+
+def test_a_caller_that_hangs_up_aborts_its_generation_at_the_server(cluster):
+    """Directly and through sglang-router: a generation its caller gave up on (an agent gone, a client timeout)
+    is aborted at the server instead of holding a batch slot to its last token."""
+    url, _ = cluster.server()
+    router_url, _ = cluster.router()
+    _until(lambda: _router_workers(router_url) == {url})
+
+    async def hang_up(target: str) -> None:
+        async with GenerateClient(target, retries=0) as client:
+            call = asyncio.ensure_future(client.generate([5, 6, 7], SamplingParams(max_new_tokens=1000, ignore_eos=True)))
+            await asyncio.to_thread(_until, lambda: httpx.get(url + "/get_load").json()[0]["num_reqs"] == 1)
+            call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
+
+    for n, target in enumerate((url, router_url), start=1):
+        asyncio.run(hang_up(target))
+        _until(lambda: httpx.get(url + "/get_load").json()[0]["num_reqs"] == 0)
+        assert _counted(url, "hung_up") == n and _counted(url, "ok") == 0  # aborted, never run to its end
+
+
 def test_client_raises_on_4xx_without_retrying(cluster):
     url, _ = cluster.server()
 

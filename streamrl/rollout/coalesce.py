@@ -58,6 +58,13 @@ class Coalescer:
             self._sending.add(task)  # keep a reference until it is done
             task.add_done_callback(self._sending.discard)
 
+            def gave_up(_: asyncio.Future) -> None:  # nobody waits for it now: the server aborts it (a hang-up)
+                if all(w.cancelled() for w in waiters):
+                    task.cancel()
+
+            for w in waiters:
+                w.add_done_callback(gave_up)
+
     async def _send(self, key: tuple, waiters: list[asyncio.Future]) -> None:
         input_ids, params, priority = key
         try:

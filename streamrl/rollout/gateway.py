@@ -71,8 +71,7 @@ class Gateway:
         app.router.add_post("/e/{episode}/v1/chat/completions", self._chat)
         app.router.add_get("/e/{episode}/v1/models", self._models)
         app.router.add_get("/openapi.json", self._openapi)
-        # a caller that hangs up cancels its call, and the episode records nothing of it (a generation already at a
-        # server may still run to its end there: nothing tells the server to abort it)
+        # a caller that hangs up cancels its call: the episode records nothing of it, and its generation is aborted
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, 0)

@@ -7,10 +7,11 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Awaitable
 from dataclasses import replace
 from typing import Any
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import BaseModel, ConfigDict, Field
@@ -97,7 +98,7 @@ def routes(engine: Engine, tokenizer: Any, metrics: Metrics) -> APIRouter:
     router = APIRouter()
 
     @router.post("/generate")
-    async def generate(req: GenerateIn):
+    async def generate(req: GenerateIn, request: Request):
         prompts, batch = _prompts(req, tokenizer)
         rids = _rids(req.rid, len(prompts), batch)
         _check_logprob_fields(req, prompts, tokenizer)
@@ -110,10 +111,14 @@ def routes(engine: Engine, tokenizer: Any, metrics: Metrics) -> APIRouter:
             params = None
         start = time.perf_counter()
         try:
-            served = await asyncio.gather(*(_serve(engine, req, r, ids, params) for r, ids in zip(rids, prompts)))
+            served = await _unless_hung_up(request, asyncio.gather(
+                *(_serve(engine, req, r, ids, params) for r, ids in zip(rids, prompts))))
         except ValueError as e:
             metrics.requests.labels("bad_request").inc()
             raise HTTPException(400, str(e)) from None
+        except HungUp:
+            metrics.requests.labels("hung_up").inc()
+            raise HTTPException(499, "the client closed the request; its generation was aborted") from None
         except Exception as e:  # an engine fault: 5xx, so the router retries elsewhere
             metrics.requests.labels("error").inc()
             if not engine.healthy():  # the engine died (said once, by serve's watch): no trace per request
@@ -128,6 +133,24 @@ def routes(engine: Engine, tokenizer: Any, metrics: Metrics) -> APIRouter:
         return JSONResponse(bodies if batch or len(bodies) > 1 else bodies[0])
 
     return router
+
+
+class HungUp(Exception):
+    """The caller closed its request before the answer was ready."""
+
+
+async def _unless_hung_up(request: Request, work: Awaitable, every_s: float = 0.5) -> Any:
+    """The work's result; cancelled, and with it its requests in the engine, if the caller hangs up first (a
+    worker whose agent went away, or sglang-router passing on its client's): a generation nobody waits for would
+    hold a batch slot to its last token."""
+    work = asyncio.ensure_future(work)
+    try:
+        while not (await asyncio.wait({work}, timeout=every_s))[0]:
+            if await request.is_disconnected():
+                raise HungUp()
+        return work.result()
+    finally:
+        work.cancel()
 
 
 def _prompts(req: GenerateIn, tokenizer: Any) -> tuple[list[list[int]], bool]:
