@@ -9,7 +9,7 @@ AdamW step per batch, rotated per repeat in one process (a world of one, gloo):
 - plain loop, padded bands: right-padded micro-batches of sequences of similar length within the
   budget of padded tokens, a plain PyTorch loop;
 - plain loop, packed: the same packed rows as streamrl, a plain PyTorch loop (no framework);
-- streamrl: ``Policy.step`` on packed micro-batches (``share_prompts=false``);
+- streamrl: ``Policy.update`` on packed micro-batches (``share_prompts=false``);
 - streamrl, shared prompts: the default (each group's prompt forwarded once per micro-batch).
 
 Reported: real tokens per second, tokens computed per real token, and how far the process's resident
@@ -42,8 +42,10 @@ import torch
 from benchmarks.common import cli, console, median, new_figure, print_table, save_figure, write_json
 from streamrl.learner import batch as batching
 from streamrl.learner import packing, prefix
+from streamrl.learner.batch import Shard
 from streamrl.learner.losses import PolicyLoss
 from streamrl.learner.partition import plan_micro_batches
+from streamrl.learner.updates import train
 from streamrl.models import make_tiny_model
 from streamrl.testing import synthetic_group
 
@@ -207,7 +209,7 @@ def workload(name: str, model_dir: str, repeats: int) -> dict:
         lengths, n = [len(s) for s in seqs], int(sum(s.mask.sum() for s in seqs))
         packed = [[seqs[i] for i in mb] for mb in plan_micro_batches(lengths, 1, budget).ranks[0]]
         if side in ours:
-            ours[side].step(packed, n)
+            train(ours[side], [Shard(packed, n, 0)], epochs=1)
         elif side == "plain-packed":
             plain_step(plain[side], optimizers[side], packed, n, loss_fn, packed=True)
         else:

@@ -34,8 +34,10 @@ def main(model_dir: str, stage: int, steps: int, out: Path, quick: bool) -> None
 
     from benchmarks.learner import ZERO_SHAPE, zero_sequences
     from streamrl.config import load_config
+    from streamrl.learner.batch import Shard
     from streamrl.learner.partition import plan_micro_batches
     from streamrl.learner.policy import Policy, init_distributed
+    from streamrl.learner.updates import train
 
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -50,7 +52,7 @@ def main(model_dir: str, stage: int, steps: int, out: Path, quick: bool) -> None
         shard = [[seqs[i] for i in mb] for mb in plan.ranks[rank]]
         dist.barrier()
         t0 = time.perf_counter()
-        engine.step(shard, int(sum(s.mask.sum() for s in seqs)))
+        train(engine, [Shard(shard, int(sum(s.mask.sum() for s in seqs)), 0)], epochs=1)
         if r:
             seconds.append(time.perf_counter() - t0)
             tokens.append(sum(len(s) for s in seqs))

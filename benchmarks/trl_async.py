@@ -70,8 +70,7 @@ import torch.nn.functional as F
 
 from streamrl.buffer.redis_server import free_port
 from streamrl.config import Config
-from streamrl.weightsync import broadcast, buckets, make_group, metas
-from streamrl.weightsync import flatten as pack
+from streamrl.weightsync import broadcast, buckets, flatten, make_group, metas
 
 TRL_VERSION = "1.16.0"  # the patches below name its internals
 CHATML_RESPONSE = {  # TRL's response schema for ChatML replies: the assistant's text up to its end token
@@ -176,7 +175,7 @@ class GlooTransfer:
             info = {"names": [m.name for m in bucket], "dtype_names": [m.dtype for m in bucket],
                     "shapes": [list(m.shape) for m in bucket]}
             reply = self.announce.submit(self._post, "/update_weights", json={"update_info": info})
-            broadcast(self.group, pack([by_name[m.name] for m in bucket]))
+            broadcast(self.group, flatten([by_name[m.name] for m in bucket]))
             reply.result()
         self._post("/finish_weight_update", json={})
 

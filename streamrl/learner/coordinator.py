@@ -235,8 +235,9 @@ class Coordinator:
 
     def report(self, version: int, plan: Plan, stats: dict) -> dict:
         """The metrics line of a step whose updates were all skipped: the version stays, the batch is reported."""
-        self.metrics.write({"step": version, "time": time.time(), **plan.info, **stats, "cursor": self.reader.cursor})
-        return stats
+        record = {"step": version, "time": time.time(), **plan.info, **stats, "cursor": self.reader.cursor}
+        self.metrics.write(record)
+        return record  # the step's line as any other's (the log line reads its figures: stats alone lack them)
 
     def push(self, params: list[tuple[str, torch.Tensor]], version: int, whole: bool) -> dict:
         """Start the push of ``version``'s weights in the background (its figures land in the next step's record),

@@ -36,8 +36,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from streamrl.weightsync import Staging, TensorMeta, broadcast, make_group
-from streamrl.weightsync import unflatten as unpack
+from streamrl.weightsync import Staging, TensorMeta, broadcast, make_group, unflatten
 
 BACKEND = "streamrl"  # the name in vLLM's WeightTransferEngineFactory
 
@@ -137,7 +136,7 @@ class BroadcastTransferEngine(WeightTransferEngine[GroupInfo, BucketInfo]):
         buffer = self.staging.take(tuple(update_info.names), sum(m.nbytes for m in bucket))
         if bucket:  # an empty bucket only drops the push: the learner is sending nothing
             broadcast(self.group, buffer)
-        self.received = [] if update_info.discard else self.received + unpack(buffer, bucket)
+        self.received = [] if update_info.discard else self.received + unflatten(buffer, bucket)
 
     def finish_weight_update(self) -> None:
         """Load the whole push (nothing when it was discarded) and re-process it into the backend's layout."""

@@ -16,8 +16,7 @@ from safetensors.torch import load_file
 from streamrl import adapters
 from streamrl.adapters import AdapterSpec
 from streamrl.inference.engines.base import Engine
-from streamrl.weightsync import Staging, TensorMeta, broadcast, make_group
-from streamrl.weightsync import unflatten as unpack
+from streamrl.weightsync import Staging, TensorMeta, broadcast, make_group, unflatten
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +60,7 @@ class HostReceiver:
             raise
         push = self.pending = self.pending or _Pending(version)
         push.keys.append(key)
-        push.tensors += unpack(buffer, bucket)
+        push.tensors += unflatten(buffer, bucket)
         # whole: every parameter came; or tensors after a whole push (a state dict's tied head)
         if {n for n, _ in push.tensors} >= self.required or version == self.engine.version:
             self.pending = None
@@ -138,7 +137,7 @@ class AdapterReceiver(HostReceiver):
             self.pending = None
             raise
         push = self.pending = self.pending or _Pending(version)
-        push.tensors += unpack(buffer, bucket)  # views: the engine is done with them when load_adapter returns
+        push.tensors += unflatten(buffer, bucket)  # views: the engine is done with them when load_adapter returns
         if len(push.tensors) >= lora.tensors:
             self.pending = None
             await self.engine.load_adapter(push.tensors, lora, version)
