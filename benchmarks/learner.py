@@ -40,9 +40,8 @@ import numpy as np
 import torch
 
 from benchmarks.common import cli, console, median, new_figure, print_table, save_figure, write_json
-from streamrl.learner import batch as batching
-from streamrl.learner import packing, prefix
-from streamrl.learner.batch import Shard
+from streamrl.learner import batching, packing, prefix
+from streamrl.learner.batching import Shard
 from streamrl.learner.losses import PolicyLoss
 from streamrl.learner.partition import plan_micro_batches
 from streamrl.learner.updates import train

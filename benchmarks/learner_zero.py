@@ -34,7 +34,7 @@ def main(model_dir: str, stage: int, steps: int, out: Path, quick: bool) -> None
 
     from benchmarks.learner import ZERO_SHAPE, zero_sequences
     from streamrl.config import load_config
-    from streamrl.learner.batch import Shard
+    from streamrl.learner.batching import Shard
     from streamrl.learner.partition import plan_micro_batches
     from streamrl.learner.policy import Policy, init_distributed
     from streamrl.learner.updates import train

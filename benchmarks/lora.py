@@ -124,8 +124,8 @@ def push_times(model_dir: str, redis_url: str, run_dir: Path, engine: str, repea
 def learner_arm(model_dir: str, arm: str, steps: int) -> dict:
     """One arm's learner, in this process (a world of one): tokens/s over ``steps`` timed steps after one."""
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    from streamrl.learner import batch as batching
-    from streamrl.learner.batch import Shard
+    from streamrl.learner import batching
+    from streamrl.learner.batching import Shard
     from streamrl.learner.policy import Policy, init_distributed
     from streamrl.learner.updates import train
     from streamrl.testing import synthetic_group

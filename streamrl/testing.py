@@ -92,8 +92,7 @@ def learner_logprob_gap(model, sample: Sample) -> float:
     sequence from its own start) on the generated tokens: ~1e-5 when server and learner agree."""
     import torch
 
-    from streamrl.learner import batch as batching
-    from streamrl.learner import packing
+    from streamrl.learner import batching, packing
 
     seqs = batching.sequences([Group("p", "test", [sample, sample])], version=0, algorithm="rloo")
     batch = packing.collate(seqs[: len(sample.seq_lens) if sample.seq_lens is not None else 1])

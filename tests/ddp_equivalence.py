@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from streamrl.config import load_config
-from streamrl.learner import batch as batching
+from streamrl.learner import batching
 from streamrl.learner.policy import Policy
 from streamrl.learner.updates import train
 from streamrl.protocol import Group, Sample

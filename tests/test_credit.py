@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from streamrl.config import ConfigError, load_config
-from streamrl.learner import batch as batching
-from streamrl.learner import losses
+from streamrl.learner import batching, losses
 from streamrl.protocol import Group, Sample
 from streamrl.testing import synthetic_group
 

@@ -13,8 +13,7 @@ import torch
 
 from streamrl.buffer import Namespace, PolicyVersion, ReplayStream
 from streamrl.buffer.redis_server import free_port
-from streamrl.learner import batch as batching
-from streamrl.learner import packing
+from streamrl.learner import batching, packing
 from streamrl.learner.reference import Reference
 from streamrl.protocol import Group, Sample
 from streamrl.testing import synthetic_group

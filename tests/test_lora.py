@@ -10,8 +10,7 @@ import torch
 
 from streamrl import adapters
 from streamrl.config import load_config
-from streamrl.learner import batch as batching
-from streamrl.learner import packing
+from streamrl.learner import batching, packing
 from streamrl.testing import synthetic_group
 
 LORA = ["learner.lora.rank=4", "learner.lora.alpha=8"]

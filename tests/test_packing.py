@@ -5,8 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from streamrl.learner import batch as batching
-from streamrl.learner import packing
+from streamrl.learner import batching, packing
 from streamrl.protocol import Group, Sample
 
 TOL = 1e-5

@@ -4,7 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from streamrl.learner import packing, prefix
-from streamrl.learner.batch import TrainSequence
+from streamrl.learner.batching import TrainSequence
 
 
 def _sequence(prompt, reply, rng) -> TrainSequence:

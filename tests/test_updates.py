@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from streamrl.learner import batch as batching
-from streamrl.learner import packing
+from streamrl.learner import batching, packing
 from streamrl.testing import synthetic_group
 
 

@@ -20,7 +20,7 @@ import torch
 
 from streamrl.buffer import Admission, Ledger, Namespace, PolicyVersion, ReplayStream, ServerRegistry, StreamReader
 from streamrl.config import Config
-from streamrl.learner import batch as batching
+from streamrl.learner import batching
 from streamrl.learner.metrics import MetricsSink
 from streamrl.learner.partition import attention_cost, plan_micro_batches
 from streamrl.learner.policy import Policy

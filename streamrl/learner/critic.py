@@ -14,7 +14,7 @@ import torch
 
 from streamrl.config import Config
 from streamrl.learner import packing
-from streamrl.learner.batch import TrainSequence
+from streamrl.learner.batching import TrainSequence
 from streamrl.learner.losses import gae, normaliser
 from streamrl.learner.policy import deepspeed_config, empty_micro_batch_loss, weights_dtype
 

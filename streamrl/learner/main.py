@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 
 from streamrl.config import Config
-from streamrl.learner import batch as batching
-from streamrl.learner import checkpoint
+from streamrl.learner import batching, checkpoint
 from streamrl.learner.coordinator import Bystander, Coordinator, Plan
 from streamrl.learner.policy import Policy, init_distributed
 from streamrl.learner.updates import train

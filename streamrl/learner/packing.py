@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from streamrl.learner.batch import TrainSequence
+from streamrl.learner.batching import TrainSequence
 
 VARLEN = "streamrl_varlen"  # the attention implementation name registered with transformers
 CHUNK_ELEMENTS = 1 << 24  # logits elements per chunk (64 MB in fp32)

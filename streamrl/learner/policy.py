@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from streamrl.config import Config
 from streamrl.learner import adapter, packing, prefix, tally
-from streamrl.learner.batch import TrainSequence
+from streamrl.learner.batching import TrainSequence
 from streamrl.learner.losses import PolicyLoss, effective_sample_size, kl, normaliser
 from streamrl.learner.reference import Reference
 

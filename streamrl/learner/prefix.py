@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from streamrl.learner.batch import TrainSequence
+from streamrl.learner.batching import TrainSequence
 
 KEYS = ("prompt_ids", "prompt_mask", "prompt_row", "prompt_len", "rest_ids", "rest_mask")  # what layout adds
 MIN_SAVING = 0.25  # sharing runs two forwards instead of one: it must save this share of the padded tokens

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from streamrl.dataset import DatasetError, load_rows
-from streamrl.learner.batch import TrainSequence
+from streamrl.learner.batching import TrainSequence
 
 
 class PtxData:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from streamrl.learner import losses, packing
-from streamrl.learner.batch import TrainSequence
+from streamrl.learner.batching import TrainSequence
 from streamrl.learner.partition import first_fit
 from streamrl.protocol import Group
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from streamrl.learner.batch import Shard
+from streamrl.learner.batching import Shard
 from streamrl.learner.policy import Policy
 
 SUMMED = ("forward_s", "backward_s", "optimizer_s")  # phase times add up over a version's updates
