@@ -3,7 +3,8 @@
 One process group per push target, built directly from a ``TCPStore`` (+ ``PrefixStore``) and
 ``ProcessGroupGloo`` on CPU or ``ProcessGroupNCCL`` on GPU — the same code path — beside the
 learner's own data-parallel group. Tensors travel in buckets: each bucket is one flat byte
-buffer broadcast from rank 0, laid out by ``buckets`` identically on both ends.
+buffer broadcast from rank 0, laid out by ``buckets`` identically on both ends, its ``digest`` sent beside it
+and checked by the receiver before the bucket is kept.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import xxhash
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,27 @@ def unflatten(buffer: torch.Tensor, bucket: list[TensorMeta]) -> list[tuple[str,
         out.append((m.name, chunk.view(getattr(torch, m.dtype)).reshape(m.shape)))
         offset += m.nbytes
     return out
+
+
+def digest(buffer: torch.Tensor) -> str:
+    """A bucket's checksum: xxh3-128 of its bytes (about 9 GB/s on one CPU core). A GPU buffer is hashed on the
+    host, after a copy."""
+    host = buffer.detach().reshape(-1)
+    host = host.cpu() if host.device.type != "cpu" else host
+    return xxhash.xxh3_128_hexdigest(memoryview(host.numpy()))
+
+
+class CorruptBucket(ValueError):
+    """A bucket's bytes differ from those the learner sent."""
+
+
+def check_digest(buffer: torch.Tensor, expected: str | None, names: list[str], version: int | None = None) -> None:
+    """Raise ``CorruptBucket`` unless ``buffer`` hashes to ``expected`` (None: the sender sent no digest)."""
+    if expected is not None and (got := digest(buffer)) != expected:
+        held = f"{names[0]!r} and {len(names) - 1} more" if len(names) > 1 else repr(names[0]) if names else "nothing"
+        of = "" if version is None else f" of version {version}"
+        raise CorruptBucket(f"a bucket{of} ({held}) arrived corrupted: its bytes hash to {got}, the learner's to "
+                            f"{expected}")
 
 
 class Staging:

@@ -27,7 +27,7 @@ from streamrl.generation import SamplingParams
 from streamrl.inference.engines import load_engine
 from streamrl.inference.engines.vllm import _versions, finish_reason
 from streamrl.inference.engines.vllm_receiver import check_tensors
-from streamrl.weightsync import broadcast, buckets, flatten, make_group, metas
+from streamrl.weightsync import CorruptBucket, broadcast, buckets, digest, flatten, make_group, metas
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 TOL = 1e-4  # fp32 engine vs fp32 reference
@@ -192,10 +192,10 @@ TEXTS = ["What is 12 plus 7?", "The quick brown fox jumps over the lazy dog, and
          "A tool call returns a result", "Guess the number between 1 and 100. Higher, lower, or correct?"]
 
 
-def _push(receiver, named_tensors, version, backend="gloo", stop_after=None, lora=None):
-    """What the learner's WeightPusher does for one server: join once, then a bucket at a time
+def _push(receiver, named_tensors, version, backend="gloo", stop_after=None, lora=None, corrupt=None):
+    """What the learner's WeightPusher does for one server: join once, then a bucket at a time with its digest
     (about eight buckets a push; only the first ``stop_after`` when given); ``lora``: the adapter the tensors
-    make."""
+    make; ``corrupt``: the bucket that gets a bit flipped on the wire, after its digest was taken."""
     bucket_mb = sum(t.numel() * t.element_size() for _, t in named_tensors) / 8 / 2**20
 
     async def run():
@@ -206,10 +206,13 @@ def _push(receiver, named_tensors, version, backend="gloo", stop_after=None, lor
                 receiver.init("127.0.0.1", port, 1, 2, backend, "weight_update_group", 60), learner)
             receiver._test_backend = backend
         tensors = dict(named_tensors)
-        for bucket in buckets(metas(named_tensors), int(bucket_mb * 2**20))[:stop_after]:
+        for i, bucket in enumerate(buckets(metas(named_tensors), int(bucket_mb * 2**20))[:stop_after]):
             buffer = flatten([tensors[m.name] for m in bucket])
+            checksum = digest(buffer)
+            if i == corrupt:
+                buffer[len(buffer) // 2] ^= 4
             got = asyncio.gather(receiver.receive([m.name for m in bucket], [m.dtype for m in bucket],
-                                                  [list(m.shape) for m in bucket], version, lora),
+                                                  [list(m.shape) for m in bucket], version, lora, checksum),
                                  asyncio.to_thread(broadcast, receiver._test_group, buffer),
                                  return_exceptions=True)
             received, sent = await got
@@ -426,6 +429,18 @@ def test_a_bad_push_is_refused_whole_and_the_old_weights_keep_serving(engine, re
     assert _checksums(engine) == before and engine.version == version
     greedy = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
     assert _run(engine, f"after-bad-{fault}", PROMPTS[0], greedy).output_ids == _hf_greedy(reference, PROMPTS[0], 12)
+    _push(receiver, _params(reference), version + 1)  # the group is still in step: the next push lands
+    assert engine.version == version + 1 and _checksums(engine) == before
+
+
+@needs_vllm
+def test_a_bucket_corrupted_on_the_wire_is_refused_and_the_old_weights_keep_serving(engine, receiver, reference):
+    before, version = _checksums(engine), engine.version
+    with pytest.raises(CorruptBucket, match="arrived corrupted"):  # one bit of the third bucket flipped
+        _push(receiver, _params(_perturbed(reference, seed=7)), version + 1, corrupt=2)
+    assert _checksums(engine) == before and engine.version == version  # nothing of the push was applied
+    greedy = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    assert _run(engine, "after-corrupt", PROMPTS[0], greedy).output_ids == _hf_greedy(reference, PROMPTS[0], 12)
     _push(receiver, _params(reference), version + 1)  # the group is still in step: the next push lands
     assert engine.version == version + 1 and _checksums(engine) == before
 

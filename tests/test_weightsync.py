@@ -6,7 +6,18 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from streamrl.buffer.redis_server import free_port
-from streamrl.weightsync import TensorMeta, broadcast, buckets, flatten, make_group, metas, unflatten
+from streamrl.weightsync import (
+    CorruptBucket,
+    TensorMeta,
+    broadcast,
+    buckets,
+    check_digest,
+    digest,
+    flatten,
+    make_group,
+    metas,
+    unflatten,
+)
 
 
 def test_buckets_keep_order_and_size_and_round_trip_bytes():
@@ -168,3 +179,59 @@ def test_a_generation_running_across_an_in_flight_push_switches_version_at_the_s
     for i, token in enumerate(body["output_ids"]):
         want = before[len(prompt) - 1 + i, token] if i < k else after[i - k, token]
         assert abs(got[i] - float(want)) <= 1e-5, (i, k)
+
+
+def test_a_digest_names_a_bucket_whose_bytes_changed():
+    buffer = flatten([torch.randn(64), torch.randn(8, 8)])
+    sent = digest(buffer)
+    check_digest(buffer, sent, ["a", "b"], 3)  # the same bytes pass
+    check_digest(buffer, None, ["a", "b"], 3)  # no digest sent: nothing to check
+    flipped = buffer.clone()
+    flipped[100] ^= 1
+    swapped = flatten([buffer[256:], buffer[:256]])  # the same bytes, two tensors' places exchanged
+    for bad in (flipped, swapped):
+        with pytest.raises(CorruptBucket, match=r"bucket of version 3 \('a' and 1 more\) arrived corrupted"):
+            check_digest(bad, sent, ["a", "b"], 3)
+
+
+@pytest.mark.slow
+def test_a_bucket_corrupted_on_the_wire_is_refused_and_the_old_weights_keep_serving(cluster, tiny_model_dir,
+                                                                                    monkeypatch):
+    from streamrl.buffer import ServerRegistry
+    from streamrl.config import load_config
+    from streamrl.learner import push
+    from streamrl.learner.push import WeightPusher
+
+    url, _ = cluster.server()
+    cfg = load_config(None, [*cluster.common, "weight_sync.bucket_mb=0.05", "weight_sync.timeout_s=30"])
+    pusher = WeightPusher(cfg, ServerRegistry(cluster.ns, ttl_s=cfg.server.registry_ttl_s))
+    learner = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    named = [(n, p.detach()) for n, p in learner.named_parameters()]
+    greedy = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 10, "ignore_eos": True, "temperature": 0}}
+
+    def served() -> tuple[int, list[int]]:
+        body = httpx.post(f"{url}/generate", timeout=60, json=greedy).json()
+        return body["meta_info"]["weight_version"], body["output_ids"]
+
+    before = served()
+    sent, wire = [], push.broadcast
+
+    def flip_a_bit_of_the_third_bucket(group, buffer):
+        sent.append(buffer)
+        if len(sent) == 3:  # after the learner took its digest: the bytes change on their way
+            buffer = buffer.clone()
+            buffer[len(buffer) // 2] ^= 1
+        wire(group, buffer)
+
+    monkeypatch.setattr(push, "broadcast", flip_a_bit_of_the_third_bucket)
+    assert pusher.push(named, 1)["push_targets"] == 0.0  # the server refused the bucket and left the push
+    assert served() == before and before[0] == 0  # the old weights, under their own version, keep serving
+    monkeypatch.setattr(push, "broadcast", wire)
+    assert pusher.push(named, 1)["push_targets"] == 1.0  # it joins again; the clean push lands whole
+    version, tokens = served()
+    with torch.no_grad():
+        logits = learner(torch.tensor([[5, 6, 7, *tokens]])).logits[0]
+    assert version == 1 and logits[2:-1].argmax(-1).tolist() == tokens  # greedy under the learner's weights

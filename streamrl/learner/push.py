@@ -2,7 +2,8 @@
 
 Each server gets its own process group (set up through its ``/init_weights_update_group``
 the first time it is seen in the registry). A push: optionally pause generation, then per
-bucket POST ``/update_weights_from_distributed`` while broadcasting the bucket, then continue.
+bucket POST ``/update_weights_from_distributed`` (with the bucket's digest) while broadcasting the bucket, then
+continue. A server whose bucket arrived corrupted refuses it, drops the push and keeps its weights.
 A server that fails or times out is dropped (it rejoins when it reappears); the others go on.
 With ``learner.lora`` a push carries the adapter alone, and each bucket names it (``lora``: name, rank, alpha
 and the adapter's tensor count), so that the server serves it as a new adapter version.
@@ -25,7 +26,7 @@ from streamrl.buffer import ServerRegistry
 from streamrl.buffer.redis_server import free_port
 from streamrl.config import Config
 from streamrl.node import node_address
-from streamrl.weightsync import Staging, broadcast, buckets, flatten, make_group, metas
+from streamrl.weightsync import Staging, broadcast, buckets, digest, flatten, make_group, metas
 
 log = logging.getLogger("streamrl.push")
 GROUP = "streamrl-weights"  # the group's name in SGLang's API, and its store prefix on both ends
@@ -139,18 +140,18 @@ class WeightPusher:
         if self.staging is None:
             self.staging = Staging(str(named_tensors[0][1].device))
 
-        def flattened(i: int) -> torch.Tensor:  # two buffers in turn: bucket i+1 is flattened while bucket i is sent
-            bucket = layout[i]
-            return flatten([tensors[m.name] for m in bucket],
-                           out=self.staging.take(i % 2, sum(m.nbytes for m in bucket)))
+        def flattened(i: int) -> tuple[torch.Tensor, str]:  # two buffers in turn: bucket i+1 is flattened (and
+            bucket = layout[i]                                  # hashed) while bucket i is sent
+            buffer = flatten([tensors[m.name] for m in bucket], out=self.staging.take(i % 2, sum(m.nbytes for m in bucket)))
+            return buffer, digest(buffer)
 
         next_buffer = self.pool.submit(flattened, 0)
         for i, bucket in enumerate(layout):
-            buffer = next_buffer.result()
+            buffer, checksum = next_buffer.result()
             if i + 1 < len(layout):
                 next_buffer = self.pool.submit(flattened, i + 1)
             body = {"names": [m.name for m in bucket], "dtypes": [m.dtype for m in bucket],
-                    "shapes": [list(m.shape) for m in bucket], "weight_version": version,
+                    "shapes": [list(m.shape) for m in bucket], "weight_version": version, "digest": checksum,
                     "group_name": GROUP, "flush_cache": True, **adapter}  # SGLang drops its prefix cache
             sends = {url: self.pool.submit(self.http.post, f"{url}/update_weights_from_distributed", json=body)
                      for url in targets}

@@ -65,8 +65,10 @@ class WeightReceiver(Protocol):
                    group_name: str, timeout_s: float) -> None:
         """Join the learner's group as ``rank``; returns once every member has joined."""
 
-    async def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int) -> int:
-        """Take the bucket the learner is broadcasting; returns how many tensors it held."""
+    async def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int,
+                      lora: AdapterSpec | None = None, digest: str | None = None) -> int:
+        """Take the bucket the learner is broadcasting; returns how many tensors it held. A bucket whose bytes do
+        not hash to ``digest`` is refused (``weightsync.CorruptBucket``) and its push dropped: the weights stay."""
 
     async def load_from_disk(self, path: str, version: int) -> int:
         """Load a checkpoint directory's safetensors; returns how many tensors it held."""

@@ -9,6 +9,8 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from streamrl.weightsync import CorruptBucket
+
 if TYPE_CHECKING:
     from streamrl.adapters import AdapterSpec
 
@@ -107,13 +109,13 @@ class VLLMReceiver:
         self.joined = True
 
     async def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int,
-                      lora: AdapterSpec | None = None) -> int:
+                      lora: AdapterSpec | None = None, digest: str | None = None) -> int:
         if not self.joined:
             raise RuntimeError("no weight update group: call /init_weights_update_group first")
-        return await self.engine.on_loop(self._receive(names, dtypes, shapes, version, lora))
+        return await self.engine.on_loop(self._receive(names, dtypes, shapes, version, lora, digest))
 
     async def _receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int,
-                       lora: AdapterSpec | None) -> int:
+                       lora: AdapterSpec | None, digest: str | None) -> int:
         engine, llm = self.engine, self.engine.llm
         async with engine.swap_lock:
             if self.push is not None and self.push.version != version:
@@ -130,11 +132,14 @@ class VLLMReceiver:
             if self.push is None:
                 await llm.start_weight_update()
                 self.push = _Push(version)
-            bucket = {"names": names, "dtype_names": dtypes, "shapes": shapes}
+            bucket = {"names": names, "dtype_names": dtypes, "shapes": shapes, "digest": digest}
             try:
                 await llm.update_weights(engine.vllm.UpdateRequest(update_info=bucket))
-            except BaseException:
-                self.push = None  # vLLM's worker ends the update when a bucket fails
+            except BaseException as e:
+                self.push = None  # vLLM's worker ends the update when a bucket fails (one arrived corrupted, say)
+                if "arrived corrupted" in str(e):  # the worker's CorruptBucket, as vLLM passes it on
+                    log.error("%s: version %d dropped, version %d keeps serving", e, version, engine.version)
+                    raise CorruptBucket(str(e)) from None
                 raise
             self.push.names.update(names)
             # complete: every parameter came; or tensors after a complete push (a state dict's tied head)

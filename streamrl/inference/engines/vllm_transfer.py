@@ -36,7 +36,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from streamrl.weightsync import Staging, TensorMeta, broadcast, make_group, unflatten
+from streamrl.weightsync import CorruptBucket, Staging, TensorMeta, broadcast, check_digest, make_group, unflatten
 
 BACKEND = "streamrl"  # the name in vLLM's WeightTransferEngineFactory
 
@@ -93,6 +93,7 @@ class BucketInfo(WeightTransferUpdateInfo):
     shapes: list[list[int]] = field(default_factory=list)
     discard: bool = False
     path: str | None = None
+    digest: str | None = None  # the bucket's xxh3-128, as the learner hashed it
 
 
 class BroadcastTransferEngine(WeightTransferEngine[GroupInfo, BucketInfo]):
@@ -136,6 +137,11 @@ class BroadcastTransferEngine(WeightTransferEngine[GroupInfo, BucketInfo]):
         buffer = self.staging.take(tuple(update_info.names), sum(m.nbytes for m in bucket))
         if bucket:  # an empty bucket only drops the push: the learner is sending nothing
             broadcast(self.group, buffer)
+        try:
+            check_digest(buffer, update_info.digest, update_info.names)
+        except CorruptBucket:
+            self.received = []  # the whole push goes: the weights served stay as they were
+            raise
         self.received = [] if update_info.discard else self.received + unflatten(buffer, bucket)
 
     def finish_weight_update(self) -> None:

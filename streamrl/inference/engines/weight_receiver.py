@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from streamrl import adapters
 from streamrl.adapters import AdapterSpec
 from streamrl.inference.engines.base import Engine
-from streamrl.weightsync import Staging, TensorMeta, broadcast, make_group, unflatten
+from streamrl.weightsync import CorruptBucket, Staging, TensorMeta, broadcast, check_digest, make_group, unflatten
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,8 @@ class HostReceiver:
                                              backend=backend, group_name=group_name, timeout_s=timeout_s)
 
     async def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int,
-                      lora: AdapterSpec | None = None) -> int:
-        bucket, key, buffer = await self._take(names, dtypes, shapes, version)
+                      lora: AdapterSpec | None = None, digest: str | None = None) -> int:
+        bucket, key, buffer = await self._take(names, dtypes, shapes, version, digest)
         try:
             if lora is not None:
                 raise ValueError("this server was started without LoRA support (learner.lora is not set in its "
@@ -67,10 +67,10 @@ class HostReceiver:
             await self.engine.update_weights(push.tensors, version)
         return len(bucket)
 
-    async def _take(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                    version: int) -> tuple[list[TensorMeta], tuple[str, ...], torch.Tensor]:
+    async def _take(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int,
+                    digest: str | None) -> tuple[list[TensorMeta], tuple[str, ...], torch.Tensor]:
         """Receive the bucket the learner is broadcasting (even one about to be refused: the learner is sending),
-        dropping a push of another version left half way."""
+        dropping a push of another version left half way, and the push itself if the bucket arrived corrupted."""
         if self.group is None:
             raise RuntimeError("no weight update group: call /init_weights_update_group first")
         bucket = [TensorMeta(n, d.removeprefix("torch."), tuple(s)) for n, d, s in zip(names, dtypes, shapes)]
@@ -80,6 +80,14 @@ class HostReceiver:
         if self.pending is not None and self.pending.version != version:
             log.warning("push of version %d stopped half way; dropped", self.pending.version)
             self._drop()
+        try:
+            await asyncio.to_thread(check_digest, buffer, digest, names, version)
+        except CorruptBucket as e:
+            self.staging.untake(key)
+            if self.pending is not None:
+                self._drop()
+            log.error("%s: version %d dropped, version %d keeps serving", e, version, self.engine.version)
+            raise
         return bucket, key, buffer
 
     def _drop(self) -> None:
@@ -126,8 +134,8 @@ class AdapterReceiver(HostReceiver):
         await super().init(master_address, master_port, rank, world_size, backend, group_name, timeout_s)
 
     async def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int,
-                      lora: AdapterSpec | None = None) -> int:
-        bucket, _, buffer = await self._take(names, dtypes, shapes, version)
+                      lora: AdapterSpec | None = None, digest: str | None = None) -> int:
+        bucket, _, buffer = await self._take(names, dtypes, shapes, version, digest)
         if lora is None:
             raise ValueError("this server serves LoRA adapters (learner.lora is set in its config) and takes adapter "
                              "pushes only; restart it without learner.lora to take whole weights")

@@ -51,6 +51,8 @@ class WeightsFromDistributedIn(BaseModel):
     group_name: str = "weight_update_group"
     weight_version: int | None = None
     lora: AdapterIn | None = None
+    digest: str | None = Field(None, description="the bucket's xxh3-128 (streamrl's learner sends it): a bucket "
+                               "whose bytes hash otherwise is refused and its push dropped")
 
 
 def routes(engine: Engine, receiver: WeightReceiver, control: Sequence[Any]) -> APIRouter:
@@ -81,7 +83,7 @@ def routes(engine: Engine, receiver: WeightReceiver, control: Sequence[Any]) -> 
         version = req.weight_version if req.weight_version is not None else engine.version + 1
         try:
             count = await receiver.receive(req.names, req.dtypes, req.shapes, version,
-                                           req.lora.spec() if req.lora else None)
+                                           req.lora.spec() if req.lora else None, req.digest)
         except (KeyError, RuntimeError, ValueError) as e:
             raise HTTPException(400, f"weight update failed: {e}") from None
         return {"success": True, "message": f"updated {count} tensors", "weight_version": version}
