@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import random
 import shutil
 import signal
 import socket
@@ -37,9 +38,31 @@ def find_redis_server() -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free to listen on, below the kernel's ephemeral range when it can: a port ``bind(0)`` picks is one
+    the kernel also hands out to outgoing connections, and one took such a port in the seconds before a server
+    started on it (it then failed to bind)."""
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = _PORTS.randrange(10_000, low) if low > 10_000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:  # taken: draw again
+                continue
+            return s.getsockname()[1]
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+_PORTS = random.SystemRandom()  # not the random module's own: a run seeds that, alike in every process
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: take what bind(0) gives
+        return 0
 
 
 def die_with_parent() -> None:
