@@ -4,6 +4,7 @@ reference is sharded too, and rank 0's empty micro-batch runs its stand-in forwa
 LoRA adapter and the reference its base; with ess 1 the learning rate is scaled by the effective sample size of
 every rank's importance weights); rank 0 saves the weights."""
 
+import os
 import sys
 from dataclasses import replace
 
@@ -68,3 +69,8 @@ if zero == "3":  # PPO's critic under ZeRO-3, with rank 0's empty micro-batch: i
     assert train(engine, [(shard, global_tokens, len(seqs))] * 2, epochs=2)[1] == 2
 dist.barrier()
 dist.destroy_process_group()  # an exit with the group up can abort in a gloo thread ("terminate called ...")
+# ... and even after it, once in a few hundred runs, in the interpreter's teardown (exit -6 with every assertion
+# passed and the weights saved): the work is done, so leave without it
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
