@@ -19,9 +19,7 @@ pytestmark = pytest.mark.slow
 
 
 def _served(url: str) -> float:
-    text = httpx.get(url + "/metrics").text
-    line = next((x for x in text.splitlines() if x.startswith('streamrl_requests_total{status="ok"}')), None)
-    return float(line.split()[-1]) if line else 0.0
+    return _counted(url, "ok")
 
 
 def _router_workers(url: str) -> set[str]:
