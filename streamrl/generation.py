@@ -61,3 +61,8 @@ class PromptScores:
     logprobs: list[float]  # logprobs[i] = log p(input_ids[i + 1] | input_ids[: i + 1]); one fewer than the prompt
     top: list[list[tuple[float, int]]]  # top[i]: the k likeliest (logprob, token id) at that position, likeliest first
     version: int = 0
+
+
+class Withdrawn(RuntimeError):
+    """A completion made (in part) by weights that failed their probe and were rolled back: it is never
+    returned; the caller retries (a server answers it with a 503)."""

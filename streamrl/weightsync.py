@@ -4,11 +4,13 @@ One process group per push target, built directly from a ``TCPStore`` (+ ``Prefi
 ``ProcessGroupGloo`` on CPU or ``ProcessGroupNCCL`` on GPU — the same code path — beside the
 learner's own data-parallel group. Tensors travel in buckets: each bucket is one flat byte
 buffer broadcast from rank 0, laid out by ``buckets`` identically on both ends, its ``digest`` sent beside it
-and checked by the receiver before the bucket is kept.
+and checked by the receiver before the bucket is kept. A whole push is then proven by its ``Probe``: the
+logprobs of a fixed token sequence, computed by the learner and again by the server on the weights it applied.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -86,6 +88,34 @@ def check_digest(buffer: torch.Tensor, expected: str | None, names: list[str], v
         of = "" if version is None else f" of version {version}"
         raise CorruptBucket(f"a bucket{of} ({held}) arrived corrupted: its bytes hash to {got}, the learner's to "
                             f"{expected}")
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A version's end-to-end check: the learner's logprobs of ``input_ids[1:]`` (teacher-forced, temperature 1,
+    fp32 log-softmax) under the weights it pushed, which the server must reproduce within ``tolerance``."""
+
+    input_ids: list[int]
+    logprobs: list[float]
+    tolerance: float
+
+    def check(self, served: list[float], version: int) -> float:
+        """The largest gap between the server's logprobs and the learner's; ``ProbeMismatch`` past tolerance."""
+        if len(served) != len(self.logprobs):
+            raise ProbeMismatch(f"version {version} failed its probe: the server scored {len(served)} tokens, the "
+                                f"learner {len(self.logprobs)}")
+        gaps = [abs(a - b) if math.isfinite(a) else math.inf for a, b in zip(served, self.logprobs)]
+        worst = max(range(len(gaps)), key=gaps.__getitem__, default=0)
+        gap = gaps[worst] if gaps else 0.0
+        if not gap <= self.tolerance:
+            raise ProbeMismatch(f"version {version} failed its probe: the served weights' logprob of probe token "
+                                f"{worst + 1} is {served[worst]:.6f}, the learner's {self.logprobs[worst]:.6f} (gap "
+                                f"{gap:.2e}, tolerance {self.tolerance:.0e})")
+        return gap
+
+
+class ProbeMismatch(ValueError):
+    """A server's weights do not compute the learner's function: the push was not applied as sent."""
 
 
 class Staging:

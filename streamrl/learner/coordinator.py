@@ -20,12 +20,13 @@ import torch
 
 from streamrl.buffer import Admission, Ledger, Namespace, PolicyVersion, ReplayStream, ServerRegistry, StreamReader
 from streamrl.config import Config
-from streamrl.learner import batching
+from streamrl.learner import batching, probe
 from streamrl.learner.metrics import MetricsSink
 from streamrl.learner.partition import attention_cost, plan_micro_batches
 from streamrl.learner.policy import Policy
 from streamrl.learner.push import WeightPusher
 from streamrl.learner.staleness import AutoBound
+from streamrl.weightsync import Probe
 
 log = logging.getLogger("streamrl.learner")
 
@@ -75,6 +76,8 @@ class Coordinator:
         self.auto = AutoBound(cfg.off_policy.auto, self.admission) if cfg.off_policy.adaptive else None
         self.version_key.set(version)
         self.published, self.publish_lock = version, threading.Lock()
+        self.probe_ids: list[int] | None = None  # the push's probe: the first tokens trained on (``plan``)
+        self.last_probe: tuple[int, Probe] | None = None  # the last version pushed, and its probe (catch-ups)
         self.ledger = Ledger(ns)
         forgotten = self.ledger.rollback(version, self.reader.cursor)  # gone with the lost weights
         if forgotten:
@@ -94,7 +97,12 @@ class Coordinator:
         sampling; 3. advantages, per minibatch of whole groups; 4. packed micro-batches, balanced over the ranks."""
         plan = Plan(payloads=[])
         groups = self.pull(version, plan)
-        self.partition(self.advantages(groups, version, plan), plan)
+        parts = self.advantages(groups, version, plan)
+        if self.probe_ids is None and self.cfg.weight_sync.verify:
+            context = getattr(self.policy.module.config, "max_position_embeddings", None) or 2**31
+            self.probe_ids = probe.choose([s for _, seqs in parts for s in seqs],
+                                          min(self.cfg.weight_sync.probe_tokens, context - 1))
+        self.partition(parts, plan)
         return plan
 
     def pull(self, version: int, plan: Plan) -> list:
@@ -204,7 +212,8 @@ class Coordinator:
         under ZeRO-3 gathering the weights is a collective the other ranks are not in)."""
         if version == 0 or self.cfg.learner.zero_stage == 3:
             return
-        stats = self.pusher.catch_up([(name, p.detach()) for name, p in self.policy.pushed()], version)
+        stats = self.pusher.catch_up([(name, p.detach()) for name, p in self.policy.pushed()], version,
+                                     self.last_probe if self.last_probe and self.last_probe[0] == version else None)
         if stats:
             log.info("caught up %d server(s) to version %d in %.2fs", stats["push_targets"], version, stats["push_s"])
 
@@ -239,23 +248,29 @@ class Coordinator:
         self.metrics.write(record)
         return record  # the step's line as any other's (the log line reads its figures: stats alone lack them)
 
-    def push(self, params: list[tuple[str, torch.Tensor]], version: int, whole: bool) -> dict:
+    def push(self, params: list[tuple[str, torch.Tensor]], version: int, whole: bool,
+             check: Probe | None = None) -> dict:
         """Start the push of ``version``'s weights in the background (its figures land in the next step's record),
-        or with ``whole`` run it to its end here (the learner waited for all of it)."""
+        or with ``whole`` run it to its end here (the learner waited for all of it). ``check``: the probe each
+        server must pass before it serves the version."""
         named = [(name, p.detach()) for name, p in params]
-        if not whole:  # admission counts this version once the servers serve it (``_publish``)
-            self.pusher.start(named, version, landed=lambda: self._publish(version))
+        self.last_probe = (version, check) if check else None
+        if not whole:  # admission counts this version once a server serves it (``_publish``)
+            self.pusher.start(named, version, check, landed=lambda stats: self._publish(version, stats))
             return {}
-        stats = self.pusher.push(named, version)
+        stats = self.pusher.push(named, version, check=check)
         return {**stats, "push_wait_s": stats["push_s"]}
 
-    def _publish(self, version: int) -> None:
+    def _publish(self, version: int, push: dict | None = None) -> None:
         """The policy version admission counts: the newest the servers serve, or between pushes the learner's.
 
         A push runs in flight for a second or so on CPU. Were slots of a version handed out before its push
         landed, the groups they start would begin on the weights before it and could reach the learner one
-        version past the staleness bound, to be dropped: 17% of the groups on SmolLM2. Called from the push's
-        thread as well: never moves the version back."""
+        version past the staleness bound, to be dropped: 17% of the groups on SmolLM2. A version every server
+        refused (its probe failed) is served by none: it is not published. Called from the push's thread as
+        well: never moves the version back."""
+        if push and push.get("push_rejected") and not push.get("push_targets"):
+            return
         with self.publish_lock:
             if version > self.published:
                 self.version_key.set(version)
@@ -272,7 +287,7 @@ class Coordinator:
         """The new version published (unless its push is in flight: it publishes when it lands), judged by the
         staleness controller, and its metrics line written; returns the line."""
         if not (pushing and self.pusher.pending):
-            self._publish(version)
+            self._publish(version, stats)
         record = {"step": version, "time": time.time(), "train_s": train_s, **plan.info, **stats,
                   "cursor": self.reader.cursor}
         record["tokens_per_s"] = record["tokens_global"] / max(train_s, 1e-9)
@@ -297,6 +312,7 @@ class Bystander:
     the scatter), and it commits nothing."""
 
     cursor = ""
+    probe_ids = None  # rank 0's, shared when a push is verified
 
     def __init__(self, minibatches: int):
         self.minibatches = minibatches
@@ -313,7 +329,8 @@ class Bystander:
     def report(self, version: int, plan: Plan, stats: dict) -> dict:
         return stats
 
-    def push(self, params: list[tuple[str, torch.Tensor]], version: int, whole: bool) -> dict:
+    def push(self, params: list[tuple[str, torch.Tensor]], version: int, whole: bool,
+             check: Probe | None = None) -> dict:
         return {}
 
     def checkpointed(self, version: int, cursor: str) -> None:

@@ -16,11 +16,12 @@ import torch
 import torch.distributed as dist
 
 from streamrl.config import Config
-from streamrl.learner import batching, checkpoint
+from streamrl.learner import batching, checkpoint, probe
 from streamrl.learner.coordinator import Bystander, Coordinator, Plan
 from streamrl.learner.policy import Policy, init_distributed
 from streamrl.learner.updates import train
 from streamrl.models import load_tokenizer
+from streamrl.weightsync import Probe
 
 log = logging.getLogger("streamrl.learner")
 
@@ -110,13 +111,24 @@ class Learner:
         Plain DP: rank 0 pushes in the background (figures land in the next step's record).
         ZeRO-3: the shards are gathered, a collective every rank enters, so the push runs to the end here.
         """
-        params = self.policy.pushed()
+        params, check = self.policy.pushed(), self.probe()
         if self.cfg.learner.zero_stage != 3:
-            return self.coordinator.push(params, self.version, whole=False)
+            return self.coordinator.push(params, self.version, whole=False, check=check)
         import deepspeed
 
         with deepspeed.zero.GatheredParameters([p for _, p in params]):
-            return self.coordinator.push(params, self.version, whole=True)
+            return self.coordinator.push(params, self.version, whole=True, check=check)
+
+    def probe(self) -> Probe | None:
+        """The check each server must pass before it serves this version: rank 0's probe, scored on every rank
+        under the weights about to be pushed (None with ``weight_sync.verify`` off)."""
+        sync = self.cfg.weight_sync
+        if not sync.verify:
+            return None
+        ids = probe.share(self.coordinator.probe_ids, self.policy.device)
+        if not ids:
+            return None
+        return Probe(ids, probe.logprobs(self.policy.model, ids, self.policy.device), sync.tolerance(self.cfg.model.dtype))
 
     def export(self) -> None:
         checkpoint.export_hf(self.policy.model, self.cfg.model.tokenizer or self.cfg.model.path,

@@ -4,7 +4,10 @@ Each server gets its own process group (set up through its ``/init_weights_updat
 the first time it is seen in the registry). A push: optionally pause generation, then per
 bucket POST ``/update_weights_from_distributed`` (with the bucket's digest) while broadcasting the bucket, then
 continue. A server whose bucket arrived corrupted refuses it, drops the push and keeps its weights.
-A server that fails or times out is dropped (it rejoins when it reappears); the others go on.
+The last bucket carries the version's probe: a server serves the version only once the weights it applied
+reproduce the learner's logprobs of it; one that fails (a 409) rolls back and stays in the group, and the push
+counts it as ``push_rejected``. A server that fails or times out otherwise is dropped (it rejoins when it
+reappears); the others go on.
 With ``learner.lora`` a push carries the adapter alone, and each bucket names it (``lora``: name, rank, alpha
 and the adapter's tensor count), so that the server serves it as a new adapter version.
 Every server gets each bucket at the same time (one broadcast per group, run side by side).
@@ -18,6 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 
 import httpx
 import torch
@@ -26,7 +30,7 @@ from streamrl.buffer import ServerRegistry
 from streamrl.buffer.redis_server import free_port
 from streamrl.config import Config
 from streamrl.node import node_address
-from streamrl.weightsync import Staging, broadcast, buckets, digest, flatten, make_group, metas
+from streamrl.weightsync import Probe, Staging, broadcast, buckets, digest, flatten, make_group, metas
 
 log = logging.getLogger("streamrl.push")
 GROUP = "streamrl-weights"  # the group's name in SGLang's API, and its store prefix on both ends
@@ -40,6 +44,29 @@ def transport(cfg: Config) -> str:
         return cfg.weight_sync.backend
     full_into_vllm = cfg.server.engine == "vllm" and cfg.learner.lora is None
     return "nccl" if torch.cuda.is_available() and full_into_vllm else "gloo"
+
+
+@dataclass
+class Verdicts:
+    """What the servers said of one push: those whose probe failed (a reason each), the gaps of those that passed."""
+
+    rejected: dict[str, str] = field(default_factory=dict)
+    gaps: list[float] = field(default_factory=list)
+
+    def failed(self, url: str, error: BaseException, version: int) -> None:
+        if isinstance(error, httpx.HTTPStatusError) and error.response.status_code == 409:
+            self.rejected[url] = reason = _detail(error.response)
+            log.error("%s refused version %d: %s", url, version, reason)
+            return
+        reason = _detail(error.response) if isinstance(error, httpx.HTTPStatusError) else error or type(error).__name__
+        log.warning("dropping %s from the weight push: %s", url, reason)
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        return response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return response.text
 
 
 class WeightPusher:
@@ -80,18 +107,20 @@ class WeightPusher:
             except Exception as e:
                 log.warning("could not set up a weight group with %s: %s", url, e)
 
-    def start(self, named_tensors: list[tuple[str, torch.Tensor]], version: int,
-              landed: Callable[[], None] | None = None) -> None:
+    def start(self, named_tensors: list[tuple[str, torch.Tensor]], version: int, check: Probe | None = None,
+              landed: Callable[[dict], None] | None = None) -> None:
         """Push in the background; the tensors must not change until ``wait`` returns. ``landed`` is called
-        (on the push's thread) once the push is over, whether or not every server took it."""
+        (on the push's thread) with the push's figures once it is over, whether or not every server took it."""
         self.wait()
 
         def push() -> dict[str, float]:
+            stats: dict[str, float] = {}
             try:
-                return self.push(named_tensors, version)
+                stats = self.push(named_tensors, version, check=check)
+                return stats
             finally:  # before ``wait`` returns
                 if landed is not None:
-                    landed()
+                    landed(stats)
 
         self.pending = self.pool.submit(push)
 
@@ -100,7 +129,8 @@ class WeightPusher:
         pending, self.pending = self.pending, None
         return pending.result() if pending else {}
 
-    def catch_up(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+    def catch_up(self, named_tensors: list[tuple[str, torch.Tensor]], version: int,
+                 check: Probe | None = None) -> dict[str, float]:
         """Push ``version`` to servers that lack it (joined or restarted since the last push).
 
         Called while the learner waits for data: a server that came back with old weights would
@@ -114,10 +144,13 @@ class WeightPusher:
         if not lagging:
             return {}
         log.info("catching up %s to weight version %d", ", ".join(lagging), version)
-        return self.push(named_tensors, version, lagging)
+        return self.push(named_tensors, version, lagging, check)
 
     def push(self, named_tensors: list[tuple[str, torch.Tensor]], version: int,
-             only: list[str] | None = None) -> dict[str, float]:
+             only: list[str] | None = None, check: Probe | None = None) -> dict[str, float]:
+        """Every bucket to every live server (or to ``only``); ``check``: the probe each must pass to serve the
+        version. Figures: ``push_targets`` servers serve it, ``push_rejected`` failed its probe and rolled back,
+        ``push_probe_gap`` the largest gap among those that passed."""
         t0 = time.perf_counter()
         if only is None:
             self.refresh()
@@ -125,14 +158,20 @@ class WeightPusher:
         paused = targets[:] if self.sync.mode == "pause" else []
         self._each(paused, "/pause_generation")
         try:
-            self._send(named_tensors, version, targets)
+            verdicts = self._send(named_tensors, version, targets, check)
             self.has.update(dict.fromkeys(targets, version))
         finally:  # every server that was paused continues, even one dropped from this push
             self._each(paused, "/continue_generation")
-        return {"push_s": time.perf_counter() - t0, "push_targets": float(len(targets)), "push_version": version}
+        stats = {"push_s": time.perf_counter() - t0, "push_targets": float(len(targets)), "push_version": version,
+                 "push_rejected": float(len(verdicts.rejected))}
+        if verdicts.gaps:
+            stats["push_probe_gap"] = max(verdicts.gaps)
+        return stats
 
-    def _send(self, named_tensors: list[tuple[str, torch.Tensor]], version: int, targets: list[str]) -> None:
-        """Every bucket to every target; a target that fails is dropped from ``targets``."""
+    def _send(self, named_tensors: list[tuple[str, torch.Tensor]], version: int, targets: list[str],
+              check: Probe | None) -> Verdicts:
+        """Every bucket to every target, the last with ``check``; a target that fails is dropped from ``targets``
+        (one whose probe failed stays in the group: it took every bucket)."""
         tensors, layout = dict(named_tensors), buckets(metas(named_tensors), int(self.sync.bucket_mb * 2**20))
         lora = self.cfg.learner.lora
         adapter = {} if lora is None else {"lora": {"name": lora.name, "rank": lora.rank, "alpha": lora.alpha,
@@ -145,14 +184,19 @@ class WeightPusher:
             buffer = flatten([tensors[m.name] for m in bucket], out=self.staging.take(i % 2, sum(m.nbytes for m in bucket)))
             return buffer, digest(buffer)
 
+        verdicts = Verdicts()
         next_buffer = self.pool.submit(flattened, 0)
         for i, bucket in enumerate(layout):
             buffer, checksum = next_buffer.result()
-            if i + 1 < len(layout):
+            last = i + 1 == len(layout)
+            if not last:
                 next_buffer = self.pool.submit(flattened, i + 1)
             body = {"names": [m.name for m in bucket], "dtypes": [m.dtype for m in bucket],
                     "shapes": [list(m.shape) for m in bucket], "weight_version": version, "digest": checksum,
                     "group_name": GROUP, "flush_cache": True, **adapter}  # SGLang drops its prefix cache
+            if last and check is not None:
+                body["probe"] = {"input_ids": check.input_ids, "logprobs": check.logprobs,
+                                 "tolerance": check.tolerance}
             sends = {url: self.pool.submit(self.http.post, f"{url}/update_weights_from_distributed", json=body)
                      for url in targets}
             casts = {url: self.pool.submit(broadcast, self.groups[url], buffer) for url in targets}
@@ -160,13 +204,17 @@ class WeightPusher:
             for url in list(targets):
                 try:
                     casts[url].result(0)
-                    sends[url].result(0).raise_for_status()
+                    reply = sends[url].result(0).raise_for_status()
                 except Exception as e:  # a dead or failing server must not stop the others
-                    reason = e.response.text if isinstance(e, httpx.HTTPStatusError) else e or type(e).__name__
-                    log.warning("dropping %s from the weight push: %s", url, reason)
                     targets.remove(url)
-                    self.groups.pop(url, None)
                     self.has.pop(url, None)
+                    verdicts.failed(url, e, version)
+                    if url not in verdicts.rejected:  # out of step with the learner: it joins again
+                        self.groups.pop(url, None)
+                    continue
+                if last and check is not None:
+                    verdicts.gaps.append(float(reply.json().get("probe_gap") or 0.0))
+        return verdicts
 
     def _each(self, urls: list[str], path: str) -> None:
         for url in urls:

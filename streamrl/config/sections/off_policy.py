@@ -117,5 +117,20 @@ class WeightSyncConfig(Section):
                                                      "learner into vllm servers, else gloo (also where `streamrl up` "
                                                      "puts servers on the learner's GPU)")
     timeout_s: float = Field(60.0, gt=0, description="how long a push waits for a server before dropping it")
+    verify: bool = Field(True, description="commit a pushed version on a server only once it is proven: each "
+                         "bucket's digest on arrival, then a probe (the logprobs of a fixed token sequence from the "
+                         "run's data) computed by the learner and by the server on the applied weights; a server "
+                         "that fails rolls back and takes no generation until a later version passes")
+    probe_tokens: int = Field(256, ge=2, le=8192, description="the probe's length in tokens (the first sequences the "
+                              "learner trains on, concatenated)")
+    probe_tolerance: float | None = Field(None, gt=0, le=1, description="the largest gap allowed between the "
+                                          "server's and the learner's probe logprobs; empty: 1e-4 when model.dtype "
+                                          "is float32, 0.1 under bfloat16")
+
+    def tolerance(self, dtype: str) -> float:
+        """``probe_tolerance`` resolved for weights served in ``dtype``."""
+        if self.probe_tolerance is not None:
+            return self.probe_tolerance
+        return 1e-4 if dtype == "float32" else 0.1
     master_address: str | None = Field(None, description="learner rank 0's address, as servers reach it; empty: its "
                                        "node's address on a Ray cluster (ray.address), else 127.0.0.1")

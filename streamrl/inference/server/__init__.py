@@ -23,7 +23,8 @@ from streamrl.inference.server import control, generation, weights
 def create_app(engine: Engine, *, model_path: str, tokenizer: Any = None, token: str | None = None,
                engine_name: str = "hf") -> FastAPI:
     app = FastAPI(title="streamrl rollout server", version=__version__)
-    metrics = generation.Metrics(engine)
+    standing = generation.Standing()  # set by the weight routes, honoured by generation
+    metrics = generation.Metrics(engine, standing)
 
     def authorized(request: Request) -> None:
         if token is None:
@@ -42,8 +43,8 @@ def create_app(engine: Engine, *, model_path: str, tokenizer: Any = None, token:
         return JSONResponse({"error": {"message": exc.detail, "code": exc.status_code}}, status_code=exc.status_code)
 
     control_only = [Depends(authorized)]
-    app.include_router(generation.routes(engine, tokenizer, metrics))
-    app.include_router(control.routes(engine, metrics, model_path=model_path, engine_name=engine_name,
+    app.include_router(generation.routes(engine, tokenizer, metrics, standing))
+    app.include_router(control.routes(engine, metrics, standing, model_path=model_path, engine_name=engine_name,
                                       control=control_only))
-    app.include_router(weights.routes(engine, engine.weight_receiver(), control_only))
+    app.include_router(weights.routes(engine, engine.weight_receiver(), standing, control_only))
     return app

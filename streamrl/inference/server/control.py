@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict
 
 from streamrl import __version__
 from streamrl.inference.engines.base import Engine
-from streamrl.inference.server.generation import Metrics
+from streamrl.inference.server.generation import Metrics, Standing
 
 
 class AbortIn(BaseModel):
@@ -21,7 +21,8 @@ class AbortIn(BaseModel):
     abort_all: bool = False
 
 
-def routes(engine: Engine, metrics: Metrics, *, model_path: str, engine_name: str, control: Sequence[Any]) -> APIRouter:
+def routes(engine: Engine, metrics: Metrics, standing: Standing, *, model_path: str, engine_name: str,
+           control: Sequence[Any]) -> APIRouter:
     router = APIRouter()
 
     @router.get("/health")
@@ -38,7 +39,7 @@ def routes(engine: Engine, metrics: Metrics, *, model_path: str, engine_name: st
     @router.get("/server_info")
     async def server_info() -> dict:
         return {"model_path": model_path, "engine": engine_name, "version": __version__,
-                "weight_version": engine.version, **engine.load()}
+                "weight_version": engine.version, "withdrawn": standing.withdrawn, **engine.load()}
 
     @router.get("/get_load")
     async def get_load() -> list[dict]:

@@ -8,7 +8,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
@@ -68,8 +68,17 @@ class GenerateIn(BaseModel):
                                   "served name NAME-vN (default: the newest)")
 
 
+@dataclass
+class Standing:
+    """Whether the server may generate: ``withdrawn`` says which version failed its probe (set by the weight
+    routes); until a later version passes, generation is refused with a 503 that sglang-router retries elsewhere."""
+
+    withdrawn: str | None = None
+    failures: int = 0  # probes failed since the server started
+
+
 class Metrics:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, standing: Standing):
         self.registry = CollectorRegistry()
         self.requests = Counter("streamrl_requests", "generate requests by outcome", ["status"], registry=self.registry)
         self.prompt_tokens = Counter("streamrl_prompt_tokens", "prompt tokens", registry=self.registry)
@@ -82,6 +91,10 @@ class Metrics:
                 lambda key=key: engine.load()[key])
         Gauge("streamrl_weight_version", "weight version served", registry=self.registry).set_function(
             lambda: engine.version)
+        Gauge("streamrl_probe_failures", "pushed versions that failed their probe and were rolled back",
+              registry=self.registry).set_function(lambda: standing.failures)
+        Gauge("streamrl_withdrawn", "1 while a failed probe keeps the server from generating",
+              registry=self.registry).set_function(lambda: standing.withdrawn is not None)
         if hasattr(engine, "busy_s"):  # the hf engine: seconds it spent generating, for tokens/s while it has work
             Gauge("streamrl_busy_seconds", "seconds spent prefilling and decoding", registry=self.registry
                   ).set_function(lambda: engine.busy_s)
@@ -94,11 +107,14 @@ class Metrics:
         self.latency.observe(latency)
 
 
-def routes(engine: Engine, tokenizer: Any, metrics: Metrics) -> APIRouter:
+def routes(engine: Engine, tokenizer: Any, metrics: Metrics, standing: Standing) -> APIRouter:
     router = APIRouter()
 
     @router.post("/generate")
     async def generate(req: GenerateIn, request: Request):
+        if standing.withdrawn:
+            metrics.requests.labels("withdrawn").inc()
+            raise HTTPException(503, f"this server is withdrawn from generation: {standing.withdrawn}")
         prompts, batch = _prompts(req, tokenizer)
         rids = _rids(req.rid, len(prompts), batch)
         _check_logprob_fields(req, prompts, tokenizer)
