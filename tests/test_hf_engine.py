@@ -250,3 +250,39 @@ def test_a_push_is_swapped_in_whole_or_not_at_all(model, engine):
             send([(wrong, torch.zeros(3))], version=3)
         assert engine.version == 2 and all(torch.equal(p, served[n] * 3.0) for n, p in model.named_parameters())
     loop.close()
+
+
+def _learner_probe(learner, ids, tolerance=1e-4):
+    from streamrl.learner import probe
+    from streamrl.weightsync import Probe
+
+    return Probe(ids, probe.logprobs(learner, ids, torch.device("cpu")), tolerance)
+
+
+@pytest.mark.parametrize("fault", ["swapped", "transposed", "rounded_to_bf16", "kept_old_weights", "half_applied"])
+def test_a_version_whose_weights_fail_the_probe_is_never_served(model, engine, fault):
+    """The learner's weights as a faulty loader would leave them: the probe catches it before a decode step runs
+    on them, the weights served before are put back, and no token carries the version; the clean push passes."""
+    import copy
+
+    from faults import FAULTS
+    from streamrl.weightsync import ProbeMismatch
+
+    learner = copy.deepcopy(model)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    old = [(n, p.detach().clone()) for n, p in model.named_parameters()]
+    new = [(n, p.detach().clone()) for n, p in learner.named_parameters()]
+    check = _learner_probe(learner, list(range(3, 131)))
+    running = engine.submit("long", [1, 2, 3], SamplingParams(max_new_tokens=1000, ignore_eos=True))
+    wait_for_first_tokens(engine)
+    with pytest.raises(ProbeMismatch, match=r"version 1 failed its probe: .* \(gap .*, tolerance 1e-04\)"):
+        engine.swap_weights(FAULTS[fault](new, old), 1, check).result(30)
+    assert engine.version == 0
+    assert all(torch.equal(p, dict(old)[n]) for n, p in model.named_parameters())  # the old weights, back
+    assert engine.swap_weights([(n, t.clone()) for n, t in new], 2, _learner_probe(learner, check.input_ids)
+                               ).result(30) <= 1e-4
+    out = running.result(60)
+    assert [s["version"] for s in out.version_spans()] == [0, 2]  # never 1

@@ -192,10 +192,11 @@ TEXTS = ["What is 12 plus 7?", "The quick brown fox jumps over the lazy dog, and
          "A tool call returns a result", "Guess the number between 1 and 100. Higher, lower, or correct?"]
 
 
-def _push(receiver, named_tensors, version, backend="gloo", stop_after=None, lora=None, corrupt=None):
+def _push(receiver, named_tensors, version, backend="gloo", stop_after=None, lora=None, corrupt=None, probe=None):
     """What the learner's WeightPusher does for one server: join once, then a bucket at a time with its digest
     (about eight buckets a push; only the first ``stop_after`` when given); ``lora``: the adapter the tensors
-    make; ``corrupt``: the bucket that gets a bit flipped on the wire, after its digest was taken."""
+    make; ``corrupt``: the bucket that gets a bit flipped on the wire, after its digest was taken; ``probe``: the
+    check that comes with the last bucket."""
     bucket_mb = sum(t.numel() * t.element_size() for _, t in named_tensors) / 8 / 2**20
 
     async def run():
@@ -206,13 +207,15 @@ def _push(receiver, named_tensors, version, backend="gloo", stop_after=None, lor
                 receiver.init("127.0.0.1", port, 1, 2, backend, "weight_update_group", 60), learner)
             receiver._test_backend = backend
         tensors = dict(named_tensors)
-        for i, bucket in enumerate(buckets(metas(named_tensors), int(bucket_mb * 2**20))[:stop_after]):
+        layout = buckets(metas(named_tensors), int(bucket_mb * 2**20))
+        for i, bucket in enumerate(layout[:stop_after]):
             buffer = flatten([tensors[m.name] for m in bucket])
             checksum = digest(buffer)
             if i == corrupt:
                 buffer[len(buffer) // 2] ^= 4
+            check = probe if i + 1 == len(layout) else None
             got = asyncio.gather(receiver.receive([m.name for m in bucket], [m.dtype for m in bucket],
-                                                  [list(m.shape) for m in bucket], version, lora, checksum),
+                                                  [list(m.shape) for m in bucket], version, lora, checksum, check),
                                  asyncio.to_thread(broadcast, receiver._test_group, buffer),
                                  return_exceptions=True)
             received, sent = await got
@@ -443,6 +446,67 @@ def test_a_bucket_corrupted_on_the_wire_is_refused_and_the_old_weights_keep_serv
     assert _run(engine, "after-corrupt", PROMPTS[0], greedy).output_ids == _hf_greedy(reference, PROMPTS[0], 12)
     _push(receiver, _params(reference), version + 1)  # the group is still in step: the next push lands
     assert engine.version == version + 1 and _checksums(engine) == before
+
+
+def _learner_probe(learner, n_tokens=128):
+    from streamrl.learner import probe
+    from streamrl.weightsync import Probe
+
+    ids = list(range(3, 3 + n_tokens))
+    return Probe(ids, probe.logprobs(learner, ids, torch.device("cpu")), TOL)
+
+
+@needs_vllm
+@pytest.mark.parametrize("fault", ["swapped", "transposed", "rounded_to_bf16", "kept_old_weights", "half_applied"])
+def test_a_version_whose_weights_fail_the_probe_is_rolled_back(engine, receiver, reference, fault):
+    """A loader fault the digest cannot see (the bytes arrived intact): the probe fails, the weights served
+    before are loaded again (the same bytes in vLLM's parameters), the version is not served; the clean push of
+    the same version then passes."""
+    from faults import FAULTS
+    from streamrl.weightsync import ProbeMismatch
+
+    before, version = _checksums(engine), engine.version
+    learner = _perturbed(reference, seed=11)
+    check = _learner_probe(learner)
+    with pytest.raises(ProbeMismatch, match=f"version {version + 1} failed its probe"):
+        _push(receiver, FAULTS[fault](_params(learner), _params(reference)), version + 1, probe=check)
+    assert _checksums(engine) == before and engine.version == version
+    greedy = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    out = _run(engine, f"after-{fault}", PROMPTS[0], greedy)
+    assert out.output_ids == _hf_greedy(reference, PROMPTS[0], 12) and set(out.versions) == {version}
+    try:
+        _push(receiver, _params(learner), version + 1, probe=check)
+        assert engine.version == version + 1 and receiver.probe_gap <= TOL
+        assert _run(engine, f"passed-{fault}", PROMPTS[0], greedy).output_ids == _hf_greedy(learner, PROMPTS[0], 12)
+    finally:
+        _push(receiver, _params(reference), engine.version + 1)
+
+
+@needs_vllm
+def test_requests_that_ran_on_weights_that_failed_the_probe_are_withdrawn(engine, receiver, reference):
+    """A request running while a version is on trial may sample from its weights: when the probe fails it is
+    refused (``Withdrawn``), never returned under any version; one started after the rollback is served."""
+    from faults import kept_old_weights
+    from streamrl.generation import Withdrawn
+    from streamrl.weightsync import ProbeMismatch
+
+    version = engine.version
+    learner = _perturbed(reference, seed=12)
+
+    async def fail_mid_request():
+        task = asyncio.create_task(engine.generate("trial-long", PROMPTS[2], SamplingParams(
+            max_new_tokens=200, ignore_eos=True, seed=5)))
+        while engine.load()["num_tokens"] < len(PROMPTS[2]) + 10:
+            await asyncio.sleep(0.05)
+        with pytest.raises(ProbeMismatch):
+            await asyncio.to_thread(_push, receiver, kept_old_weights(_params(learner), _params(reference)),
+                                    version + 1, probe=_learner_probe(learner))
+        after = await engine.generate("after-trial", PROMPTS[0], SamplingParams(max_new_tokens=8, ignore_eos=True))
+        with pytest.raises(Withdrawn, match="failed their probe"):
+            await task
+        return after
+
+    assert asyncio.run(fail_mid_request()).versions == [version] * 8
 
 
 @needs_vllm

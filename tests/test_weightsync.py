@@ -235,3 +235,63 @@ def test_a_bucket_corrupted_on_the_wire_is_refused_and_the_old_weights_keep_serv
     with torch.no_grad():
         logits = learner(torch.tensor([[5, 6, 7, *tokens]])).logits[0]
     assert version == 1 and logits[2:-1].argmax(-1).tolist() == tokens  # greedy under the learner's weights
+
+
+def test_a_probe_passes_within_its_tolerance_and_names_the_worst_token():
+    from streamrl.weightsync import Probe, ProbeMismatch
+
+    check = Probe([1, 2, 3, 4], [-1.0, -2.0, -3.0], 1e-4)
+    assert check.check([-1.00005, -2.0, -2.99991], 7) == pytest.approx(9e-5)
+    with pytest.raises(ProbeMismatch, match=r"version 7 failed its probe: .* probe token 2 is -2\.000200, the "
+                                            r"learner's -2\.000000 \(gap 2\.00e-04, tolerance 1e-04\)"):
+        check.check([-1.0, -2.0002, -3.0], 7)
+    with pytest.raises(ProbeMismatch, match="gap inf"):
+        check.check([-1.0, float("nan"), -3.0], 7)
+    with pytest.raises(ProbeMismatch, match="scored 2 tokens, the learner 3"):
+        check.check([-1.0, -2.0], 7)
+
+
+@pytest.mark.slow
+def test_a_server_refuses_every_faulty_push_by_its_probe_and_takes_no_generation_until_one_passes(cluster,
+                                                                                                  tiny_model_dir):
+    """Each loader fault (tests/faults.py) reaches the server with intact bytes: its probe fails, the push is
+    rejected (409), the server rolls back and answers generation with 503 until a clean push passes; the clean
+    push then serves the learner's function under its version."""
+    from faults import FAULTS
+    from streamrl.buffer import ServerRegistry
+    from streamrl.config import load_config
+    from streamrl.learner import probe
+    from streamrl.learner.push import WeightPusher
+    from streamrl.weightsync import Probe
+
+    url, _ = cluster.server()
+    cfg = load_config(None, [*cluster.common, "weight_sync.bucket_mb=0.05", "weight_sync.timeout_s=30"])
+    pusher = WeightPusher(cfg, ServerRegistry(cluster.ns, ttl_s=cfg.server.registry_ttl_s))
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    old = [(n, p.detach().clone()) for n, p in base.named_parameters()]
+    greedy = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 10, "ignore_eos": True, "temperature": 0}}
+    ids = list(range(3, 259))
+    for version, fault in enumerate(FAULTS, start=1):
+        torch.manual_seed(version)
+        with torch.no_grad():
+            for p in base.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        new = [(n, p.detach().clone()) for n, p in base.named_parameters()]
+        check = Probe(ids, probe.logprobs(base, ids, torch.device("cpu")), 1e-4)
+        stats = pusher.push(FAULTS[fault](new, old), version, check=check)
+        assert (stats["push_rejected"], stats["push_targets"]) == (1.0, 0.0), fault
+        info = httpx.get(f"{url}/server_info", timeout=10).json()
+        assert info["weight_version"] == version - 1 and f"version {version} failed its probe" in info["withdrawn"]
+        refused = httpx.post(f"{url}/generate", timeout=60, json=greedy)
+        assert refused.status_code == 503 and "withdrawn from generation" in refused.text, fault
+        stats = pusher.push(new, version, check=check)  # the same version, loaded right: it passes
+        assert (stats["push_rejected"], stats["push_targets"]) == (0.0, 1.0), fault
+        assert stats["push_probe_gap"] <= 1e-4
+        body = httpx.post(f"{url}/generate", timeout=60, json=greedy).json()
+        with torch.no_grad():
+            logits = base(torch.tensor([[5, 6, 7, *body["output_ids"]]])).logits[0]
+        assert body["meta_info"]["weight_version"] == version, fault
+        assert logits[2:-1].argmax(-1).tolist() == body["output_ids"], fault  # greedy under the learner's weights
+        old = new
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    assert f"streamrl_probe_failures {float(len(FAULTS))}" in metrics and "streamrl_withdrawn 0.0" in metrics
