@@ -12,7 +12,11 @@ another thread, one torch thread: the learner's load in ``streamrl up`` on two c
 timed under the same load. Before timing, each bucket size is pushed twice: a run's first pushes touch
 every staging buffer (two per bucket layout on a server), and later pushes reuse them.
 
-    python -m benchmarks.weight_push [--quick]      (or: streamrl bench weight-push)
+The verification study (``--study verification``) pushes SmolLM2-135M into one server of each engine three
+ways, interleaved: unchecked (``weight_sync.verify=false``), with each bucket's digest, and with digests and the
+probe; and times the learner's forward of the probe apart.
+
+    python -m benchmarks.weight_push [--quick] [--study transport|verification]   (or: streamrl bench weight-push)
 """
 
 from __future__ import annotations
@@ -139,6 +143,53 @@ def measure(model_dir: str, redis_url: str, run_dir: Path, n_servers: int, bucke
             "median_s": medians, "ratio": {k: medians["bound"] / v for k, v in medians.items() if k != "bound"}}
 
 
+ARMS = ("off", "digest", "digest+probe")  # weight_sync.verify off; on without a probe; on with one
+
+
+def verification(model_dir: str, redis_url: str, run_dir: Path, engine: str, repeats: int,
+                 probe_tokens: int = 256) -> dict:
+    """What checking a push costs, into one ``engine`` server, 64 MB buckets: the push without verification,
+    with the buckets' digests, and with digests and the probe, interleaved within each repeat; and the
+    learner's own probe forward, timed apart (it runs in the learner's step, not in the push)."""
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.learner import probe
+    from streamrl.weightsync import Probe
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    named = [(name, p.detach()) for name, p in model.named_parameters()]
+    ids = torch.randint(0, model.config.vocab_size, (probe_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    learner_s = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        check = Probe(ids, probe.logprobs(model, ids, torch.device("cpu")), 1e-4)
+        learner_s.append(time.perf_counter() - t0)
+    run = f"verify-{time.monotonic_ns()}"
+    common = [f"model.path={model_dir}", f"redis.url={redis_url}", f"run.name={run}", f"run.dir={run_dir}",
+              "server.heartbeat_s=0.3", f"server.engine={engine}"]
+    cfg = load_config(None, [*common, "weight_sync.timeout_s=300"])
+    registry = ServerRegistry(Namespace.open(redis_url, run), ttl_s=cfg.server.registry_ttl_s)
+    samples: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    gaps = []
+    with serve_processes(common, 1, {"OMP_NUM_THREADS": "1"}, timeout_s=300):
+        while not registry.alive():
+            time.sleep(0.1)
+        pusher = WeightPusher(cfg, registry)
+        for version in range(1, 4 + 3 * repeats):
+            arm = ARMS[version % 3]
+            pusher.sync.verify = arm != "off"
+            stats = pusher.push(named, version, check=check if arm == "digest+probe" else None)
+            if stats["push_targets"] != 1:
+                raise RuntimeError(f"the {arm} push of version {version} was not served: {stats}")
+            if version > 3:  # the first three touch every staging buffer
+                samples[arm].append(stats["push_s"])
+                gaps += [stats["push_probe_gap"]] if "push_probe_gap" in stats else []
+    medians = {arm: median(v) for arm, v in samples.items()}
+    return {"engine": engine, "params": sum(t.numel() for _, t in named), "probe_tokens": probe_tokens,
+            "samples": samples, "median_s": medians, "learner_probe_s": median(learner_s),
+            "probe_gap_max": max(gaps), "cost": {arm: medians[arm] / medians["off"] - 1 for arm in ARMS[1:]}}
+
+
 def run(quick: bool) -> dict:
     mode = "quick" if quick else "full"
     repeats = 2 if quick else 5
@@ -159,6 +210,41 @@ def run(quick: bool) -> dict:
         _log(rows[-1])
     return {"study": "weight-push", "repeats": repeats, "buckets_mb": BUCKETS_MB[mode], "transport": "gloo (CPU)",
             "rows": rows}
+
+
+def run_verification(quick: bool) -> dict:
+    """The cost of verification on SmolLM2-135M (a tiny model with --quick), into each engine installed."""
+    from streamrl.models import convert_smollm2
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as redis:
+        model_dir = str(make_tiny_model(Path(tmp) / "tiny") if quick else convert_smollm2(Path(tmp) / "smollm2"))
+        for engine in ["hf"] + ([] if importlib.util.find_spec("vllm") is None else ["vllm"]):
+            rows.append(verification(model_dir, redis.url, Path(tmp) / "runs", engine, repeats=3 if quick else 7))
+            console.log(f"verification into {engine}: " + ", ".join(f"{k} {v:.3f}s" for k, v in
+                                                                    rows[-1]["median_s"].items())
+                        + f", learner probe {rows[-1]['learner_probe_s']:.3f}s")
+    return {"study": "weight-push verification", "model": "tiny" if quick else "SmolLM2-135M", "rows": rows}
+
+
+def report_verification(data: dict, out: Path) -> None:
+    rows = data["rows"]
+    print_table(f"What verifying a push costs, {data['model']} (one server, 64 MB buckets), medians; cost = vs "
+                "the push without",
+                ["engine", "push s", "+ digest s", "cost", "+ digest + probe s", "cost", "learner probe s",
+                 "largest probe gap"],
+                [[r["engine"], r["median_s"]["off"], r["median_s"]["digest"], f"{r['cost']['digest']:+.1%}",
+                  r["median_s"]["digest+probe"], f"{r['cost']['digest+probe']:+.1%}", r["learner_probe_s"],
+                  f"{r['probe_gap_max']:.1e}"] for r in rows])
+    json_path = write_json(out, "weight_push_verification", data)
+    fig, (ax,) = new_figure(1, f"Push seconds with and without verification, {data['model']}")
+    width = 0.8 / len(ARMS)
+    for i, arm in enumerate(ARMS):
+        ax.bar([j + i * width for j in range(len(rows))], [r["median_s"][arm] for r in rows], width, label=arm)
+    ax.set_xticks([j + width for j in range(len(rows))], [r["engine"] for r in rows])
+    ax.set_ylabel("seconds per push")
+    ax.legend(fontsize=7)
+    save_figure(fig, out, "weight_push_verification", json_path)
 
 
 def _log(row: dict) -> None:
@@ -199,9 +285,18 @@ def report(data: dict, out: Path) -> None:
     save_figure(fig, out, "weight_push", json_path)
 
 
-def main(quick: bool = False, out: Path = Path("benchmarks/results")) -> dict:
-    data = run(quick)
-    report(data, out)
+def main(quick: bool = False, out: Path = Path("benchmarks/results"), study: str | None = None) -> dict:
+    """``--study transport`` (push time against model and bucket size) or ``verification`` (what checking a push
+    costs); both by default."""
+    if study not in (None, "transport", "verification"):
+        raise SystemExit(f"--study {study}: one of transport, verification")
+    data = {}
+    if study in (None, "transport"):
+        data = run(quick)
+        report(data, out)
+    if study in (None, "verification"):
+        data["verification"] = run_verification(quick)
+        report_verification(data["verification"], out)
     return data
 
 

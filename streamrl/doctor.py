@@ -68,3 +68,6 @@ def show(report: LedgerReport, console: Console) -> None:
                       f"(cursor {report.cursor})")
     for problem in report.problems:
         console.print(f"[red]imbalance:[/] {problem}")
+    for push, reason in sorted(report.refused.items(), key=lambda kv: int(kv[0].split("@")[0])):
+        version, server = push.split("@", 1)
+        console.print(f"[yellow]push refused:[/] {server} rolled back version {version}: {reason}")

@@ -93,24 +93,31 @@ def check_digest(buffer: torch.Tensor, expected: str | None, names: list[str], v
 @dataclass(frozen=True)
 class Probe:
     """A version's end-to-end check: the learner's logprobs of ``input_ids[1:]`` (teacher-forced, temperature 1,
-    fp32 log-softmax) under the weights it pushed, which the server must reproduce within ``tolerance``."""
+    fp32 log-softmax) under the weights it pushed, which the server must reproduce within ``tolerance``.
+
+    Token i passes when ``|served - learner| <= tolerance * max(1, |learner|)``: absolute for likely tokens,
+    relative for unlikely ones, whose large logprobs carry proportionally larger rounding (numpy's ``isclose``
+    with atol = rtol = tolerance, both sides fp32)."""
 
     input_ids: list[int]
     logprobs: list[float]
     tolerance: float
 
     def check(self, served: list[float], version: int) -> float:
-        """The largest gap between the server's logprobs and the learner's; ``ProbeMismatch`` past tolerance."""
+        """The largest gap, as a share of what token i allows (``tolerance * max(1, |learner's|)``) times the
+        tolerance: comparable to ``tolerance``; ``ProbeMismatch`` past it."""
         if len(served) != len(self.logprobs):
             raise ProbeMismatch(f"version {version} failed its probe: the server scored {len(served)} tokens, the "
                                 f"learner {len(self.logprobs)}")
-        gaps = [abs(a - b) if math.isfinite(a) else math.inf for a, b in zip(served, self.logprobs)]
+        gaps = [abs(a - b) / max(1.0, abs(b)) if math.isfinite(a) else math.inf
+                for a, b in zip(served, self.logprobs)]
         worst = max(range(len(gaps)), key=gaps.__getitem__, default=0)
         gap = gaps[worst] if gaps else 0.0
         if not gap <= self.tolerance:
+            want = self.logprobs[worst]
             raise ProbeMismatch(f"version {version} failed its probe: the served weights' logprob of probe token "
-                                f"{worst + 1} is {served[worst]:.6f}, the learner's {self.logprobs[worst]:.6f} (gap "
-                                f"{gap:.2e}, tolerance {self.tolerance:.0e})")
+                                f"{worst + 1} is {served[worst]:.6f}, the learner's {want:.6f} (off by "
+                                f"{abs(served[worst] - want):.2e}; allowed {self.tolerance * max(1.0, abs(want)):.2e})")
         return gap
 
 

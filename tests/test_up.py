@@ -261,6 +261,59 @@ def test_up_trains_a_lora_adapter_and_resumes_it_and_a_late_server_serves_it(tmp
     _check_doctor_balances(run_path)
 
 
+# Loaded into the rollout server's process alone (sitecustomize): its loader applies the first half of the
+# tensors of versions 3 and 5, once each, and reports success, as a buggy loader would.
+HALF_APPLYING_LOADER = """
+import sys
+if "serve" in sys.argv:
+    from streamrl.inference.engines import hf
+
+    applied, faulty = hf.HFEngine.swap_weights, {3, 5}
+
+    def swap_weights(self, named_tensors, version, probe=None):
+        if version in faulty:
+            faulty.discard(version)
+            named_tensors = named_tensors[: len(named_tensors) // 2]
+        return applied(self, named_tensors, version, probe)
+
+    hf.HFEngine.swap_weights = swap_weights
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # the session's warm start (~90 s) when it is the first to ask for it
+def test_up_refuses_pushes_a_faulty_loader_applied_by_half_and_finishes_balanced(tmp_path, quickstart_prepared):
+    """The server's own loader applies half of two pushes: each version's probe fails, the server rolls back
+    and takes no generation until the learner pushes again (a catch-up while it waits for data); the refusal
+    is in the metrics, on the display and in the ledger; the run finishes and its ledger balances."""
+    run_path, hook = tmp_path / "faulty", tmp_path / "hook"
+    shutil.copytree(quickstart_prepared, run_path / "prepared")
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HALF_APPLYING_LOADER)
+    argv = [sys.executable, "-m", "streamrl", "up", "configs/quickstart.yaml", "learner.max_steps=8",
+            f"run.dir={tmp_path}", "run.name=faulty", f"router.port={free_port()}",
+            f"router.prometheus_port={free_port()}", f"server.base_port={free_port()}", "server.heartbeat_s=0.3",
+            "server.registry_ttl_s=2", "router.sync_every_s=0.3", "supervise.display=plain", "supervise.refresh_s=0.3"]
+    env = {**os.environ, "COLUMNS": "200", "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
+    output = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            timeout=540).stdout
+    assert "Traceback" not in output and "refused version 3: version 3 failed its probe" in output, output[-4000:]
+    records = read_records(run_path / "metrics" / "learner.jsonl")
+    assert {r["step"] for r in records if "loss" in r} == set(range(1, 9))
+    pushes = [r for r in records if "push_version" in r]
+    assert sum(r["push_rejected"] for r in pushes) == 2
+    assert {r["push_version"] for r in pushes if r["push_rejected"]} == {3, 5}
+    assert all(r["push_probe_gap"] <= 1e-4 for r in pushes if r["push_targets"])
+    log = (run_path / "logs" / "server-0.log").read_text()
+    assert log.count("failed its probe") >= 2 and "rolled back" in log
+    evals = read_records(run_path / "metrics" / "eval.jsonl")
+    assert evals[-1]["eval/version_min"] == 8  # the server serves the learner's last weights
+    doctor = subprocess.run([sys.executable, "-m", "streamrl", "doctor", str(run_path)], capture_output=True,
+                            text=True, env={**os.environ, "COLUMNS": "200"})
+    assert doctor.returncode == 0 and "balanced" in doctor.stdout, doctor.stdout + doctor.stderr
+    assert doctor.stdout.count("push refused:") == 2 and "rolled back version 5" in doctor.stdout
+
+
 @pytest.mark.slow
 def test_up_places_the_parts_on_a_local_ray_cluster(tmp_path):
     run_path = tmp_path / "onray"

@@ -449,10 +449,13 @@ def test_a_bucket_corrupted_on_the_wire_is_refused_and_the_old_weights_keep_serv
 
 
 def _learner_probe(learner, n_tokens=128):
+    """The learner's probe of text, as a run draws it from its own data."""
     from streamrl.learner import probe
+    from streamrl.models import load_tokenizer
     from streamrl.weightsync import Probe
 
-    ids = list(range(3, 3 + n_tokens))
+    tokenizer = load_tokenizer(learner.name_or_path)
+    ids = [t for text in TEXTS for t in tokenizer(text, add_special_tokens=False).input_ids][:n_tokens]
     return Probe(ids, probe.logprobs(learner, ids, torch.device("cpu")), TOL)
 
 
@@ -463,6 +466,7 @@ def test_a_version_whose_weights_fail_the_probe_is_rolled_back(engine, receiver,
     before are loaded again (the same bytes in vLLM's parameters), the version is not served; the clean push of
     the same version then passes."""
     from faults import FAULTS
+
     from streamrl.weightsync import ProbeMismatch
 
     before, version = _checksums(engine), engine.version
@@ -487,6 +491,7 @@ def test_requests_that_ran_on_weights_that_failed_the_probe_are_withdrawn(engine
     """A request running while a version is on trial may sample from its weights: when the probe fails it is
     refused (``Withdrawn``), never returned under any version; one started after the rollback is served."""
     from faults import kept_old_weights
+
     from streamrl.generation import Withdrawn
     from streamrl.weightsync import ProbeMismatch
 

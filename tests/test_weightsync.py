@@ -240,14 +240,17 @@ def test_a_bucket_corrupted_on_the_wire_is_refused_and_the_old_weights_keep_serv
 def test_a_probe_passes_within_its_tolerance_and_names_the_worst_token():
     from streamrl.weightsync import Probe, ProbeMismatch
 
-    check = Probe([1, 2, 3, 4], [-1.0, -2.0, -3.0], 1e-4)
-    assert check.check([-1.00005, -2.0, -2.99991], 7) == pytest.approx(9e-5)
-    with pytest.raises(ProbeMismatch, match=r"version 7 failed its probe: .* probe token 2 is -2\.000200, the "
-                                            r"learner's -2\.000000 \(gap 2\.00e-04, tolerance 1e-04\)"):
-        check.check([-1.0, -2.0002, -3.0], 7)
-    with pytest.raises(ProbeMismatch, match="gap inf"):
-        check.check([-1.0, float("nan"), -3.0], 7)
-    with pytest.raises(ProbeMismatch, match="scored 2 tokens, the learner 3"):
+    check = Probe([1, 2, 3, 4, 5], [-1.0, -2.0, -0.5, -40.0], 1e-4)
+    # allowed: 1e-4 up to |logprob| 1, then 1e-4 of its size (4e-3 at -40): the gap is the share used, x 1e-4
+    assert check.check([-1.00005, -2.0, -0.49991, -40.0039], 7) == pytest.approx(9.75e-5)
+    with pytest.raises(ProbeMismatch, match=r"version 7 failed its probe: .* probe token 2 is -2\.000300, the "
+                                            r"learner's -2\.000000 \(off by 3\.00e-04; allowed 2\.00e-04\)"):
+        check.check([-1.0, -2.0003, -0.5, -40.0], 7)
+    with pytest.raises(ProbeMismatch, match=r"token 4 .* allowed 4\.00e-03"):
+        check.check([-1.0, -2.0, -0.5, -40.005], 7)
+    with pytest.raises(ProbeMismatch, match="off by nan"):
+        check.check([-1.0, float("nan"), -0.5, -40.0], 7)
+    with pytest.raises(ProbeMismatch, match="scored 2 tokens, the learner 4"):
         check.check([-1.0, -2.0], 7)
 
 
@@ -258,6 +261,7 @@ def test_a_server_refuses_every_faulty_push_by_its_probe_and_takes_no_generation
     rejected (409), the server rolls back and answers generation with 503 until a clean push passes; the clean
     push then serves the learner's function under its version."""
     from faults import FAULTS
+
     from streamrl.buffer import ServerRegistry
     from streamrl.config import load_config
     from streamrl.learner import probe

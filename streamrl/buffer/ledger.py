@@ -84,6 +84,7 @@ class LedgerReport:
     pending: int
     cursor: str
     problems: list[str] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)  # "VERSION@SERVER": why a server refused that push
 
     @property
     def balanced(self) -> bool:
@@ -126,6 +127,11 @@ class Ledger:
         with self.ns.reachable("settle the ledger"):
             return int(self._settle(keys=[self._outcome, self._steps, self._counts], args=[through_version]))
 
+    def refuse(self, version: int, server: str, reason: str) -> None:
+        """Record that ``server`` refused the push of ``version`` (its probe failed; it kept its weights)."""
+        with self.ns.reachable("record a refused push"):
+            self.ns.conn.hset(self.ns.key("ledger:refused"), f"{version}@{server}", reason)
+
     def report(self) -> LedgerReport:
         from streamrl.buffer.admission import COUNTERS
 
@@ -138,9 +144,10 @@ class Ledger:
             outcomes = conn.hlen(self._outcome)
             twice_ids = [g.decode() for g in conn.lrange(self._outcome + ":twice", 0, 9)]
             pending = _count_after(conn, self.ns.key("groups"), cursor)
+            refused = {k.decode(): v.decode() for k, v in conn.hgetall(self.ns.key("ledger:refused")).items()}
         rollout = {name: raw.pop(name, 0) for name in COUNTERS} | raw
         learner = {name: counts.get(name, 0) for name in (*OUTCOMES, "twice", "settled")}
-        report = LedgerReport(rollout, learner, running, pending, cursor)
+        report = LedgerReport(rollout, learner, running, pending, cursor, refused=refused)
         started_gap = rollout["admitted"] - (rollout["accepted"] + rollout["abandoned"] + rollout["expired"] + running
                                              - rollout.get("late", 0))
         if started_gap:

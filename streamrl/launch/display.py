@@ -46,6 +46,7 @@ class Dashboard:
         self.supervisor = None
         self.final: dict[str, Any] = {}
         self.changes_said = 0  # bound changes already on screen
+        self.refusals_said = 0  # refused pushes already on screen
 
     def connect(self, redis_url: str, supervisor) -> None:
         from streamrl.buffer import Admission, Namespace, PolicyVersion
@@ -89,6 +90,7 @@ class Dashboard:
         except Exception:  # Redis restarting: show what the files say
             pass
         out["bound_changes"] = [r["staleness_change"] for r in lines if "staleness_change" in r]
+        out["refusals"] = [r["push_refusal"] for r in lines if "push_refusal" in r]
         if learner:
             last = learner[-1]
             out.update(step=last["step"], reward=last.get("reward_mean"), loss=last.get("loss"),
@@ -100,6 +102,8 @@ class Dashboard:
                 out.setdefault("bound", last["staleness_bound"])
         if pushes:
             out["push_s"] = pushes[-1]["push_s"]
+            out["pushes_served"] = sum(r.get("push_targets", 0) for r in pushes)
+            out["pushes_refused"] = sum(r.get("push_rejected", 0) for r in pushes)
         waits = [r["push_wait_s"] for r in lines if "push_wait_s" in r]
         if waits:  # how long the learner stalled on it (a background push overlaps its step)
             out["push_wait_s"] = waits[-1]
@@ -147,6 +151,7 @@ class Dashboard:
             ("generation tokens/s", _fmt(s.get("gen_tok_s"), ".0f")),
             ("training tokens/s", _fmt(s.get("train_tok_s"), ".0f")),
             ("weight push s (learner waited)", f"{_fmt(s.get('push_s'))} ({_fmt(s.get('push_wait_s'))})"),
+            ("pushes served / refused by a probe", f"{s.get('pushes_served', 0):.0f} / {s.get('pushes_refused', 0):.0f}"),
             ("groups without signal (last step)", f"{s.get('no_signal', '–')} of {s.get('groups', '–')}"),
             ("|Δ logprob| learner vs rollout (fresh)", f"{_fmt(s.get('mismatch'), '.1e')} "
                                                       f"({_fmt(s.get('fresh_mismatch'), '.1e')})"),
@@ -164,6 +169,9 @@ class Dashboard:
         for change in s["bound_changes"][self.changes_said:]:  # each move of an auto bound, with its cause
             self.say(change)
         self.changes_said = len(s["bound_changes"])
+        for refusal in s["refusals"][self.refusals_said:]:  # a server whose weights failed their probe
+            self.say(f"weight push {refusal}")
+        self.refusals_said = len(s["refusals"])
         if self.live is not None:
             self.live.update(Group(self._progress(s), self._health()))
         elif time.time() - self.last_plain >= 10:

@@ -79,6 +79,7 @@ class Coordinator:
         self.probe_ids: list[int] | None = None  # the push's probe: the first tokens trained on (``plan``)
         self.last_probe: tuple[int, Probe] | None = None  # the last version pushed, and its probe (catch-ups)
         self.ledger = Ledger(ns)
+        self.pusher.refused = self.ledger.refuse
         forgotten = self.ledger.rollback(version, self.reader.cursor)  # gone with the lost weights
         if forgotten:
             log.info("ledger: %d outcomes of steps after version %d forgotten; they are replayed", forgotten, version)

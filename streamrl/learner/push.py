@@ -79,6 +79,7 @@ class WeightPusher:
         self.pool = ThreadPoolExecutor(32, thread_name_prefix="push")
         self.pending: Future | None = None
         self.staging: Staging | None = None
+        self.refused: Callable[[int, str, str], None] = lambda version, url, reason: None  # the ledger's record
         headers = {"Authorization": f"Bearer {cfg.server.token}"} if cfg.server.token else {}
         self.http = httpx.Client(timeout=self.sync.timeout_s, headers=headers)
 
@@ -160,12 +161,17 @@ class WeightPusher:
         try:
             verdicts = self._send(named_tensors, version, targets, check)
             self.has.update(dict.fromkeys(targets, version))
+            for url, reason in verdicts.rejected.items():
+                self.refused(version, url, reason)
         finally:  # every server that was paused continues, even one dropped from this push
             self._each(paused, "/continue_generation")
         stats = {"push_s": time.perf_counter() - t0, "push_targets": float(len(targets)), "push_version": version,
                  "push_rejected": float(len(verdicts.rejected))}
         if verdicts.gaps:
             stats["push_probe_gap"] = max(verdicts.gaps)
+        if verdicts.rejected:  # a line of news on the live display
+            stats["push_refusal"] = "; ".join(f"{url} refused version {version}: {reason}"
+                                              for url, reason in verdicts.rejected.items())
         return stats
 
     def _send(self, named_tensors: list[tuple[str, torch.Tensor]], version: int, targets: list[str],
@@ -179,10 +185,10 @@ class WeightPusher:
         if self.staging is None:
             self.staging = Staging(str(named_tensors[0][1].device))
 
-        def flattened(i: int) -> tuple[torch.Tensor, str]:  # two buffers in turn: bucket i+1 is flattened (and
+        def flattened(i: int) -> tuple[torch.Tensor, str | None]:  # two buffers in turn: bucket i+1 is flattened (and
             bucket = layout[i]                                  # hashed) while bucket i is sent
             buffer = flatten([tensors[m.name] for m in bucket], out=self.staging.take(i % 2, sum(m.nbytes for m in bucket)))
-            return buffer, digest(buffer)
+            return buffer, digest(buffer) if self.sync.verify else None
 
         verdicts = Verdicts()
         next_buffer = self.pool.submit(flattened, 0)

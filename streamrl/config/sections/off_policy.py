@@ -123,9 +123,9 @@ class WeightSyncConfig(Section):
                          "that fails rolls back and takes no generation until a later version passes")
     probe_tokens: int = Field(256, ge=2, le=8192, description="the probe's length in tokens (the first sequences the "
                               "learner trains on, concatenated)")
-    probe_tolerance: float | None = Field(None, gt=0, le=1, description="the largest gap allowed between the "
-                                          "server's and the learner's probe logprobs; empty: 1e-4 when model.dtype "
-                                          "is float32, 0.1 under bfloat16")
+    probe_tolerance: float | None = Field(None, gt=0, le=1, description="how far the server's probe logprob of a "
+                                          "token may be from the learner's: this times max(1, |learner's|); empty: "
+                                          "1e-4 when model.dtype is float32, 0.1 under bfloat16")
 
     def tolerance(self, dtype: str) -> float:
         """``probe_tolerance`` resolved for weights served in ``dtype``."""

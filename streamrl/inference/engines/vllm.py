@@ -344,12 +344,13 @@ class VLLMEngine:
             return None
         served, self._on_trial = self._version, version
         try:
-            await self.swap(apply, version)
-            return probe.check(await self._probe_scores(probe.input_ids), version)
-        except BaseException:
-            self._tainted = self._tokens.keys() | self._at_gate  # whatever ran on the failed weights
-            await self.swap(restore(), served)
-            raise
+            await self.swap(apply, version)  # raises before it serves anything when the weights did not load
+            try:
+                return probe.check(await self._probe_scores(probe.input_ids), version)
+            except BaseException:
+                self._tainted = self._tokens.keys() | self._at_gate  # whatever ran on the failed weights
+                await self.swap(restore(), served)
+                raise
         finally:
             self._on_trial = None
             async with self._settling():

@@ -67,6 +67,13 @@ def check_tensors(expected: dict[str, tuple[str, tuple[int, ...]]], names: list[
             raise ValueError(f"{name!r} must be a floating-point tensor, not {dtype}")
 
 
+def _corrupted(error: Exception, version: int, serving: int) -> None:
+    """Raise the worker's ``CorruptBucket``, as vLLM passes it on, as one; anything else goes on as it is."""
+    if "arrived corrupted" in str(error) and not isinstance(error, CorruptBucket):
+        log.error("%s: version %d dropped, version %d keeps serving", error, version, serving)
+        raise CorruptBucket(str(error)) from None
+
+
 class _Push:
     """The tensors of one version received so far."""
 
@@ -143,9 +150,8 @@ class VLLMReceiver:
                 await llm.update_weights(engine.vllm.UpdateRequest(update_info=bucket))
             except BaseException as e:
                 self.push = None  # vLLM's worker ends the update when a bucket fails (one arrived corrupted, say)
-                if "arrived corrupted" in str(e):  # the worker's CorruptBucket, as vLLM passes it on
-                    log.error("%s: version %d dropped, version %d keeps serving", e, version, engine.version)
-                    raise CorruptBucket(str(e)) from None
+                if isinstance(e, Exception):
+                    _corrupted(e, version, engine.version)
                 raise
             self.push.names.update(names)
             # complete: every parameter came; or tensors after a complete push (a state dict's tied head)
@@ -156,7 +162,11 @@ class VLLMReceiver:
                                  "bucket")
             if whole:
                 self.push = None
-                self.probe_gap = await engine.commit(llm.finish_weight_update(), version, probe, self._restore)
+                try:
+                    self.probe_gap = await engine.commit(llm.finish_weight_update(), version, probe, self._restore)
+                except Exception as e:  # a bucket's digest, checked while the next arrived
+                    _corrupted(e, version, engine.version)
+                    raise
         return len(names)
 
     async def _restore(self) -> None:

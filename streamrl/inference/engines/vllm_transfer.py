@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import signal
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,8 @@ class BroadcastTransferEngine(WeightTransferEngine[GroupInfo, BucketInfo]):
         self.loaded = Loaded([], [])  # the push loaded last
         self.before: Loaded | None = None  # the one before it (None: the model's own files)
         self.restoring = False
+        self.hasher = ThreadPoolExecutor(1, thread_name_prefix="digest")
+        self.checks: list[Future] = []  # the digest checks of the push being received
 
     def init_transfer_engine(self, init_info: GroupInfo) -> None:
         parallel = self.parallel_config  # one rank per worker of every data-parallel replica, after the learner
@@ -133,7 +136,7 @@ class BroadcastTransferEngine(WeightTransferEngine[GroupInfo, BucketInfo]):
                                 timeout_s=init_info.timeout_s)
 
     def start_weight_update(self) -> None:
-        self.received, self.taken, self.restoring = [], [], False
+        self.received, self.taken, self.checks, self.restoring = [], [], [], False
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # the base class also syncs torch.accelerator, which raises on a machine without one
@@ -158,21 +161,30 @@ class BroadcastTransferEngine(WeightTransferEngine[GroupInfo, BucketInfo]):
         self.taken.append(key)
         if bucket:  # an empty bucket only drops the push: the learner is sending nothing
             broadcast(self.group, buffer)
-        try:
-            check_digest(buffer, update_info.digest, update_info.names)
-        except CorruptBucket:
-            self._forget()  # the whole push goes: the weights served stay as they were
-            raise
         if update_info.discard:
             self._forget()
-        else:
-            self.received += unflatten(buffer, bucket)
+            return
+        if update_info.digest is not None:  # hashed while the next bucket arrives; checked before the push loads
+            self.checks.append(self.hasher.submit(check_digest, buffer, update_info.digest, update_info.names))
+        self._intact(wait=False)
+        self.received += unflatten(buffer, bucket)
+
+    def _intact(self, wait: bool) -> None:
+        """Raise ``CorruptBucket`` (and drop the push: the weights served stay) once a bucket's digest check
+        failed: at once when one has, and with ``wait`` after every check finished."""
+        try:
+            for check in self.checks:
+                if wait or check.done():
+                    check.result()
+        except CorruptBucket:
+            self._forget()
+            raise
 
     def _forget(self) -> None:
         """Drop the push being received; its buffers are taken again next (not those kept for a restore)."""
         for key in reversed(self.taken):
             self.staging.untake(key)
-        self.received, self.taken = [], []
+        self.received, self.taken, self.checks = [], [], []
 
     def _before(self) -> list[tuple[str, torch.Tensor]]:
         """The weights served before the last push: kept in their buffers, or before any push the model's files."""
@@ -185,7 +197,8 @@ class BroadcastTransferEngine(WeightTransferEngine[GroupInfo, BucketInfo]):
         """Load the whole push (nothing when it was discarded) and re-process it into the backend's layout."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-        received, self.received = self.received, []
+        self._intact(wait=True)
+        received, self.received, self.checks = self.received, [], []
         if not received:
             return
         if self.restoring:  # the undone push's buffers are taken next; the restored ones are the last loaded

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,7 @@ class _Pending:
     version: int
     tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     keys: list[tuple[str, ...]] = field(default_factory=list)
+    checks: list[Future] = field(default_factory=list)  # each bucket's digest check, run while the next arrives
 
 
 class HostReceiver:
@@ -51,6 +53,7 @@ class HostReceiver:
         self.required = {n for n, _ in model.named_parameters()}
         self.pending: _Pending | None = None  # the version being received, until whole
         self.probe_gap: float | None = None  # the gap of the last probe that passed
+        self.hasher = ThreadPoolExecutor(1, thread_name_prefix="digest")
 
     async def init(self, master_address: str, master_port: int, rank: int, world_size: int, backend: str,
                    group_name: str, timeout_s: float) -> None:
@@ -70,7 +73,7 @@ class HostReceiver:
         except (KeyError, ValueError):
             self.staging.untake(key)
             raise
-        push = self.pending = self.pending or _Pending(version)
+        push = self.pending
         push.keys.append(key)
         push.tensors += unflatten(buffer, bucket)
         # whole: every parameter came; or tensors after a whole push (a state dict's tied head)
@@ -78,6 +81,7 @@ class HostReceiver:
         if probe is not None and not whole:
             self._drop()
             raise ValueError(f"a probe came before version {version} was whole: it belongs to a push's last bucket")
+        await self._intact(push, whole)
         if whole:
             self.pending = None
             try:
@@ -101,15 +105,23 @@ class HostReceiver:
         if self.pending is not None and self.pending.version != version:
             log.warning("push of version %d stopped half way; dropped", self.pending.version)
             self._drop()
-        try:
-            await asyncio.to_thread(check_digest, buffer, digest, names, version)
-        except CorruptBucket as e:
-            self.staging.untake(key)
-            if self.pending is not None:
-                self._drop()
-            log.error("%s: version %d dropped, version %d keeps serving", e, version, self.engine.version)
-            raise
+        push = self.pending = self.pending or _Pending(version)
+        if digest is not None:  # hashed while the next bucket arrives; the push waits for it before it applies
+            push.checks.append(self.hasher.submit(check_digest, buffer, digest, names, version))
         return bucket, key, buffer
+
+    async def _intact(self, push: _Pending, whole: bool) -> None:
+        """Raise ``CorruptBucket`` (dropping the push) once a bucket's digest check failed: at once when one has,
+        and, when ``whole``, after waiting for every check (no version is applied before)."""
+        try:
+            for check in push.checks:
+                if whole or check.done():
+                    await asyncio.wrap_future(check)
+        except CorruptBucket as e:
+            self.pending = push
+            self._drop()
+            log.error("%s: version %d dropped, version %d keeps serving", e, push.version, self.engine.version)
+            raise
 
     def _drop(self) -> None:
         for key in self.pending.keys:
@@ -148,6 +160,7 @@ class AdapterReceiver(HostReceiver):
         self.staging = Staging()
         self.pending: _Pending | None = None
         self.probe_gap: float | None = None
+        self.hasher = ThreadPoolExecutor(1, thread_name_prefix="digest")
 
     async def init(self, master_address: str, master_port: int, rank: int, world_size: int, backend: str,
                    group_name: str, timeout_s: float) -> None:
@@ -166,12 +179,13 @@ class AdapterReceiver(HostReceiver):
         except ValueError:
             self.pending = None
             raise
-        push = self.pending = self.pending or _Pending(version)
+        push = self.pending
         push.tensors += unflatten(buffer, bucket)  # views: the engine is done with them when load_adapter returns
         whole = len(push.tensors) >= lora.tensors
         if probe is not None and not whole:
             self.pending = None
             raise ValueError(f"a probe came before version {version} was whole: it belongs to a push's last bucket")
+        await self._intact(push, whole)
         if whole:
             self.pending = None
             self.probe_gap = await self.engine.load_adapter(push.tensors, lora, version, probe)
