@@ -14,7 +14,9 @@ every staging buffer (two per bucket layout on a server), and later pushes reuse
 
 The verification study (``--study verification``) pushes SmolLM2-135M into one server of each engine three
 ways, interleaved: unchecked (``weight_sync.verify=false``), with each bucket's digest, and with digests and the
-probe; and times the learner's forward of the probe apart.
+probe; and times the learner's forward of the probe apart. The fleet study (``--study fleet``) pushes into two
+servers (vllm where installed) all at once and in waves of half the fleet, and reads each server's own record of
+its pauses.
 
     python -m benchmarks.weight_push [--quick] [--study transport|verification]   (or: streamrl bench weight-push)
 """
@@ -212,6 +214,83 @@ def run(quick: bool) -> dict:
             "rows": rows}
 
 
+def fleet_pauses(model_dir: str, redis_url: str, run_dir: Path, engine: str, repeats: int, n_servers: int = 2) -> dict:
+    """How much of the fleet stops generating while a push is applied: every server at once
+    (``max_paused_share`` 1, as before waves) against waves of half of them, pushes interleaved. From each
+    server's own record of its pauses (``/server_info``'s ``weight_pauses``)."""
+    import httpx
+    from transformers import AutoModelForCausalLM
+
+    named = [(n, p.detach()) for n, p in AutoModelForCausalLM.from_pretrained(model_dir).named_parameters()]
+    run = f"fleet-{time.monotonic_ns()}"
+    common = [f"model.path={model_dir}", f"redis.url={redis_url}", f"run.name={run}", f"run.dir={run_dir}",
+              "server.heartbeat_s=0.3", f"server.engine={engine}"]
+    cfg = load_config(None, [*common, "weight_sync.timeout_s=300"])
+    registry = ServerRegistry(Namespace.open(redis_url, run), ttl_s=cfg.server.registry_ttl_s)
+    arms = {"all at once": 1.0, "waves of half": 0.5}
+    samples: dict[str, list[dict]] = {arm: [] for arm in arms}
+    with serve_processes(common, n_servers, {"OMP_NUM_THREADS": "1"}, timeout_s=300):
+        while len(registry.alive()) < n_servers:
+            time.sleep(0.1)
+        urls = [s.url for s in registry.alive()]
+        pusher = WeightPusher(cfg, registry)
+        for version in range(1, 3 + 2 * repeats):
+            arm = list(arms)[version % 2]
+            pusher.sync.max_paused_share = arms[arm]
+            start = time.time()
+            stats = pusher.push(named, version)
+            if stats["push_targets"] != n_servers:
+                raise RuntimeError(f"push {version} reached {stats['push_targets']:.0f} of {n_servers} servers")
+            spans = [[(a, b) for a, b in httpx.get(f"{url}/server_info", timeout=30).json()["weight_pauses"]
+                      if a >= start] for url in urls]
+            if version > 2:  # the first two touch every staging buffer
+                samples[arm].append(_pause_figures(spans, stats["push_s"]))
+    summary = {arm: {k: median([s[k] for s in rows]) for k in rows[0]} for arm, rows in samples.items()}
+    return {"engine": engine, "servers": n_servers, "params": sum(t.numel() for _, t in named), "samples": samples,
+            "median": summary}
+
+
+def _pause_figures(spans: list[list[tuple[float, float]]], push_s: float) -> dict[str, float]:
+    """One push's pauses, a list of spans per server: server-seconds paused, the seconds during which every server
+    was paused at once, the largest share of the fleet paused at one moment, and the paused share of the fleet's
+    server-time over the push."""
+    paused = sum(b - a for server in spans for a, b in server)
+    edges = sorted({t for server in spans for span in server for t in span})
+    counts = [(hi - lo, sum(any(a <= lo and hi <= b for a, b in server) for server in spans))
+              for lo, hi in zip(edges, edges[1:])]
+    return {"push_s": push_s, "paused_server_s": paused,
+            "all_paused_s": sum(d for d, n in counts if n == len(spans)),
+            "peak_paused_share": max((n for d, n in counts if d > 0), default=0) / len(spans),
+            "paused_share": paused / (len(spans) * push_s)}
+
+
+def run_fleet(quick: bool) -> dict:
+    """The fleet's pauses with two servers of SmolLM2-135M (a tiny model with --quick): vllm where installed."""
+    from streamrl.models import convert_smollm2
+
+    engine = "hf" if importlib.util.find_spec("vllm") is None else "vllm"
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as redis:
+        model_dir = str(make_tiny_model(Path(tmp) / "tiny") if quick else convert_smollm2(Path(tmp) / "smollm2"))
+        row = fleet_pauses(model_dir, redis.url, Path(tmp) / "runs", engine, repeats=3 if quick else 7)
+    return {"study": "weight-push fleet", "model": "tiny" if quick else "SmolLM2-135M", "row": row}
+
+
+def report_fleet(data: dict, out: Path) -> None:
+    row = data["row"]
+    print_table(f"The fleet's pauses per push, {row['servers']} {row['engine']} servers, {data['model']}, medians",
+                ["servers take a push", "push s", "server-s paused", "s all paused at once", "most paused at once",
+                 "paused share of server-time over the push"],
+                [[arm, m["push_s"], m["paused_server_s"], m["all_paused_s"], f"{m['peak_paused_share']:.0%}",
+                  f"{m['paused_share']:.0%}"] for arm, m in row["median"].items()])
+    json_path = write_json(out, "weight_push_fleet", data)
+    fig, (ax,) = new_figure(1, f"Paused share of the fleet's server-time per push ({row['servers']} {row['engine']})")
+    for i, (arm, rows) in enumerate(row["samples"].items()):
+        ax.plot([i] * len(rows), [r["paused_share"] for r in rows], "o", alpha=0.6)
+    ax.set_xticks(range(len(row["samples"])), list(row["samples"]))
+    ax.set_ylabel("paused server-time / (servers x push time)")
+    save_figure(fig, out, "weight_push_fleet", json_path)
+
+
 def run_verification(quick: bool) -> dict:
     """The cost of verification on SmolLM2-135M (a tiny model with --quick), into each engine installed."""
     from streamrl.models import convert_smollm2
@@ -286,10 +365,10 @@ def report(data: dict, out: Path) -> None:
 
 
 def main(quick: bool = False, out: Path = Path("benchmarks/results"), study: str | None = None) -> dict:
-    """``--study transport`` (push time against model and bucket size) or ``verification`` (what checking a push
-    costs); both by default."""
-    if study not in (None, "transport", "verification"):
-        raise SystemExit(f"--study {study}: one of transport, verification")
+    """``--study transport`` (push time against model and bucket size), ``verification`` (what checking a push
+    costs) or ``fleet`` (how much of the fleet a push pauses); all by default."""
+    if study not in (None, "transport", "verification", "fleet"):
+        raise SystemExit(f"--study {study}: one of transport, verification, fleet")
     data = {}
     if study in (None, "transport"):
         data = run(quick)
@@ -297,6 +376,9 @@ def main(quick: bool = False, out: Path = Path("benchmarks/results"), study: str
     if study in (None, "verification"):
         data["verification"] = run_verification(quick)
         report_verification(data["verification"], out)
+    if study in (None, "fleet"):
+        data["fleet"] = run_fleet(quick)
+        report_fleet(data["fleet"], out)
     return data
 
 

@@ -299,3 +299,29 @@ def test_a_server_refuses_every_faulty_push_by_its_probe_and_takes_no_generation
         old = new
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
     assert f"streamrl_probe_failures {float(len(FAULTS))}" in metrics and "streamrl_withdrawn 0.0" in metrics
+
+
+def test_waves_hold_at_most_the_share_and_at_least_one_server():
+    from streamrl.learner.push import waves
+
+    assert waves(["a", "b", "c", "d"], 0.5) == [["a", "b"], ["c", "d"]]
+    assert waves(["a", "b", "c"], 0.5) == [["a"], ["b"], ["c"]]
+    assert waves(["a", "b", "c"], 1.0) == [["a", "b", "c"]]
+    assert waves(["a"], 0.1) == [["a"]] and waves([], 0.5) == []
+
+
+@pytest.mark.slow
+def test_a_push_reaches_the_fleet_in_waves_and_no_two_servers_pause_together(cluster, tiny_model_dir):
+    from streamrl.buffer import ServerRegistry
+    from streamrl.config import load_config
+    from streamrl.learner.push import WeightPusher
+
+    urls = [url for url, _ in cluster.servers(2)]
+    cfg = load_config(None, [*cluster.common, "weight_sync.max_paused_share=0.5"])
+    pusher = WeightPusher(cfg, ServerRegistry(cluster.ns, ttl_s=cfg.server.registry_ttl_s))
+    named = [(n, p.detach()) for n, p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters()]
+    for version in (1, 2, 3):
+        assert pusher.push(named, version)["push_targets"] == 2.0
+    spans = sorted(span for url in urls for span in httpx.get(f"{url}/server_info", timeout=10).json()["weight_pauses"])
+    assert len(spans) == 6
+    assert all(earlier[1] <= later[0] for earlier, later in zip(spans, spans[1:]))  # one server at a time

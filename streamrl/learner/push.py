@@ -10,7 +10,9 @@ counts it as ``push_rejected``. A server that fails or times out otherwise is dr
 reappears); the others go on.
 With ``learner.lora`` a push carries the adapter alone, and each bucket names it (``lora``: name, rank, alpha
 and the adapter's tensor count), so that the server serves it as a new adapter version.
-Every server gets each bucket at the same time (one broadcast per group, run side by side).
+The servers take a push in waves of at most ``weight_sync.max_paused_share`` of them (one server at least):
+each server of a wave gets each bucket at the same time (one broadcast per group, run side by side) and applies
+the version, then the next wave starts; the servers not in the wave go on generating.
 ``start`` runs a push in the background so that it overlaps the learner's wait for data;
 the learner calls ``wait`` before its optimizer touches the weights again.
 """
@@ -60,6 +62,12 @@ class Verdicts:
             return
         reason = _detail(error.response) if isinstance(error, httpx.HTTPStatusError) else error or type(error).__name__
         log.warning("dropping %s from the weight push: %s", url, reason)
+
+
+def waves(targets: list[str], share: float) -> list[list[str]]:
+    """``targets`` in turns of at most ``share`` of them (at least one server a turn)."""
+    size = max(1, int(share * len(targets) + 1e-9))
+    return [targets[i: i + size] for i in range(0, len(targets), size)]
 
 
 def _detail(response: httpx.Response) -> str:
@@ -149,23 +157,27 @@ class WeightPusher:
 
     def push(self, named_tensors: list[tuple[str, torch.Tensor]], version: int,
              only: list[str] | None = None, check: Probe | None = None) -> dict[str, float]:
-        """Every bucket to every live server (or to ``only``); ``check``: the probe each must pass to serve the
+        """Every bucket to every live server (or to ``only``), in waves of at most ``max_paused_share`` of them, so
+        that the rest keep generating while a wave applies; ``check``: the probe each must pass to serve the
         version. Figures: ``push_targets`` servers serve it, ``push_rejected`` failed its probe and rolled back,
         ``push_probe_gap`` the largest gap among those that passed."""
         t0 = time.perf_counter()
         if only is None:
             self.refresh()
         targets = list(self.groups) if only is None else [url for url in only if url in self.groups]
-        paused = targets[:] if self.sync.mode == "pause" else []
-        self._each(paused, "/pause_generation")
-        try:
-            verdicts = self._send(named_tensors, version, targets, check)
-            self.has.update(dict.fromkeys(targets, version))
-            for url, reason in verdicts.rejected.items():
-                self.refused(version, url, reason)
-        finally:  # every server that was paused continues, even one dropped from this push
-            self._each(paused, "/continue_generation")
-        stats = {"push_s": time.perf_counter() - t0, "push_targets": float(len(targets)), "push_version": version,
+        served, verdicts = [], Verdicts()
+        for wave in waves(targets, self.sync.max_paused_share):
+            paused = wave[:] if self.sync.mode == "pause" else []
+            self._each(paused, "/pause_generation")
+            try:
+                self._send(named_tensors, version, wave, check, verdicts)
+                self.has.update(dict.fromkeys(wave, version))
+                served += wave
+            finally:  # every server that was paused continues, even one dropped from this push
+                self._each(paused, "/continue_generation")
+        for url, reason in verdicts.rejected.items():
+            self.refused(version, url, reason)
+        stats = {"push_s": time.perf_counter() - t0, "push_targets": float(len(served)), "push_version": version,
                  "push_rejected": float(len(verdicts.rejected))}
         if verdicts.gaps:
             stats["push_probe_gap"] = max(verdicts.gaps)
@@ -175,7 +187,7 @@ class WeightPusher:
         return stats
 
     def _send(self, named_tensors: list[tuple[str, torch.Tensor]], version: int, targets: list[str],
-              check: Probe | None) -> Verdicts:
+              check: Probe | None, verdicts: Verdicts) -> None:
         """Every bucket to every target, the last with ``check``; a target that fails is dropped from ``targets``
         (one whose probe failed stays in the group: it took every bucket)."""
         tensors, layout = dict(named_tensors), buckets(metas(named_tensors), int(self.sync.bucket_mb * 2**20))
@@ -190,7 +202,6 @@ class WeightPusher:
             buffer = flatten([tensors[m.name] for m in bucket], out=self.staging.take(i % 2, sum(m.nbytes for m in bucket)))
             return buffer, digest(buffer) if self.sync.verify else None
 
-        verdicts = Verdicts()
         next_buffer = self.pool.submit(flattened, 0)
         for i, bucket in enumerate(layout):
             buffer, checksum = next_buffer.result()
@@ -220,7 +231,6 @@ class WeightPusher:
                     continue
                 if last and check is not None:
                     verdicts.gaps.append(float(reply.json().get("probe_gap") or 0.0))
-        return verdicts
 
     def _each(self, urls: list[str], path: str) -> None:
         for url in urls:

@@ -117,6 +117,9 @@ class WeightSyncConfig(Section):
                                                      "learner into vllm servers, else gloo (also where `streamrl up` "
                                                      "puts servers on the learner's GPU)")
     timeout_s: float = Field(60.0, gt=0, description="how long a push waits for a server before dropping it")
+    max_paused_share: float = Field(0.5, gt=0, le=1, description="the share of the servers that take a push at once "
+                                    "(at least one): the push goes to the fleet in waves, and the servers of the "
+                                    "other waves keep generating while one applies it; 1: every server at once")
     verify: bool = Field(True, description="commit a pushed version on a server only once it is proven: each "
                          "bucket's digest on arrival, then a probe (the logprobs of a fixed token sequence from the "
                          "run's data) computed by the learner and by the server on the applied weights; a server "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Protocol
 
 from streamrl.adapters import AdapterSpec
@@ -13,6 +14,10 @@ class Engine(Protocol):
     """What the HTTP server needs from an inference engine (hf, vllm)."""
 
     version: int
+
+    pauses: deque[tuple[float, float]]
+    """The wall-clock spans (``time.time()``) of the latest weight changes during which the engine generated
+    nothing: a swap between decode steps and its probe (hf), or vLLM's pause around a reload."""
 
     adapter_name: str | None
     """A LoRA server's adapter name (version N is served as NAME-vN); None: the server serves no adapters."""

@@ -17,6 +17,7 @@ import itertools
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ class HFEngine:
         eos = config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else []
         self.eos_token_ids = tuple(eos_token_ids) or tuple(eos)
         self.version = 0
+        self.pauses: deque[tuple[float, float]] = deque(maxlen=32)
         self.busy_s = 0.0  # time spent prefilling and decoding: generated tokens / busy_s is its speed with work
         # larger priority first, then first come first served
         self._waiting: queue.PriorityQueue[tuple[int, int, _Sequence]] = queue.PriorityQueue()
@@ -157,6 +159,13 @@ class HFEngine:
         the new weights score it before a decode step runs on them: a mismatch puts the old weights back and
         raises ``ProbeMismatch`` (no token ever carries a version that failed); the future holds the probe's gap."""
         def apply() -> float | None:
+            started = time.time()
+            try:
+                return swap()
+            finally:
+                self.pauses.append((started, time.time()))
+
+        def swap() -> float | None:
             params = dict(self.model.named_parameters())
             missing = [name for name, _ in named_tensors if name not in params]
             if missing:

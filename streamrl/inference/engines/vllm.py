@@ -33,6 +33,8 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Coroutine, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -94,6 +96,7 @@ class VLLMEngine:
             engine_kwargs.update(enable_lora=True, max_loras=lora.slots, max_cpu_loras=lora.slots,
                                  max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= lora.max_rank))
         self.swap_lock = asyncio.Lock()  # one weight change at a time
+        self.pauses: deque[tuple[float, float]] = deque(maxlen=32)
         self._on_trial: int | None = None  # a version served before its probe settled
         self._at_gate: set[str] = set()  # finished requests waiting for the version on trial to settle
         self._tainted: set[str] = set()  # requests that ran on weights that failed their probe: never returned
@@ -321,6 +324,7 @@ class VLLMEngine:
     async def swap(self, apply: Coroutine, version: int) -> None:
         """Run ``apply`` (it changes the weights) with generation frozen, then go on under ``version``."""
         # "keep": running requests freeze in the scheduler and go on after the resume.
+        started = time.time()
         await self._llm.pause_generation(mode="keep", clear_cache=False)
         try:
             await apply
@@ -333,6 +337,7 @@ class VLLMEngine:
         finally:
             if not self._user_paused:
                 await self._llm.resume_generation()
+            self.pauses.append((started, time.time()))
 
     async def commit(self, apply: Coroutine, version: int, probe: Probe | None,
                      restore: Callable[[], Coroutine]) -> float | None:

@@ -39,7 +39,8 @@ def routes(engine: Engine, metrics: Metrics, standing: Standing, *, model_path: 
     @router.get("/server_info")
     async def server_info() -> dict:
         return {"model_path": model_path, "engine": engine_name, "version": __version__,
-                "weight_version": engine.version, "withdrawn": standing.withdrawn, **engine.load()}
+                "weight_version": engine.version, "withdrawn": standing.withdrawn,
+                "weight_pauses": list(engine.pauses), **engine.load()}
 
     @router.get("/get_load")
     async def get_load() -> list[dict]:
