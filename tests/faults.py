@@ -10,9 +10,14 @@ Named = list[tuple[str, torch.Tensor]]
 
 
 def _two_alike(new: Named) -> tuple[int, int]:
-    """Two tensors of one shape in different layers: one layer's q_proj and the next one's."""
-    q = [i for i, (name, _) in enumerate(new) if name.endswith("q_proj.weight")]
-    return q[0], q[1]
+    """Two q_proj tensors of one shape (one layer's q_proj and the next one's; for an adapter, its lora_A)."""
+    first: dict[tuple[int, ...], int] = {}
+    for i, (name, t) in enumerate(new):
+        if "q_proj" in name:
+            if tuple(t.shape) in first:
+                return first[tuple(t.shape)], i
+            first[tuple(t.shape)] = i
+    raise ValueError("no two q_proj tensors of one shape")
 
 
 def swapped(new: Named, old: Named) -> Named:
@@ -23,7 +28,7 @@ def swapped(new: Named, old: Named) -> Named:
 
 
 def transposed(new: Named, old: Named) -> Named:
-    i, _ = _two_alike(new)  # square: hidden x hidden
+    i, _ = _two_alike(new)  # a model's q_proj is square: hidden x hidden
     out = list(new)
     out[i] = (new[i][0], new[i][1].t().contiguous())
     return out

@@ -234,3 +234,37 @@ def test_adapter_pushes_into_an_hf_server_serve_the_learners_logprobs_and_bad_on
                          lora=cfg.learner.lora, base_model=tiny_model_dir)
     late, _ = cluster.server(*LORA)
     assert _served_against_learner(late, policy, 3) <= 1e-4
+
+
+@pytest.mark.slow
+def test_an_adapter_push_the_hf_server_merges_wrong_fails_its_probe_and_the_version_before_stays(
+        one_rank_world, cluster, redis_server, tiny_model_dir):
+    """The learner's probe runs with its adapter, the hf server's on the weights it merged: an adapter push whose
+    tensors are not the learner's (two swapped, or the last version's again) is refused and rolled back, and the
+    right one then serves the learner's logprobs."""
+    from faults import FAULTS
+
+    from streamrl.buffer import ServerRegistry
+    from streamrl.learner import probe
+    from streamrl.learner.policy import Policy
+    from streamrl.learner.push import WeightPusher
+    from streamrl.weightsync import Probe
+
+    url, _ = cluster.server(*LORA)
+    cfg = lora_config(tiny_model_dir, f"redis.url={redis_server.url}", f"run.name={cluster.run}",
+                      f"run.dir={cluster.run_path.parent}", "weight_sync.timeout_s=30")
+    policy = Policy(cfg, tiny_model_dir)
+    pusher = WeightPusher(cfg, ServerRegistry(cluster.ns, ttl_s=1.5))
+    ids = list(range(3, 99))
+    old = [(n, p.detach().clone()) for n, p in policy.pushed()]  # PEFT's start: B is zero
+    for version, fault in enumerate(["swapped", "kept_old_weights"], start=1):
+        randomize_adapter(policy, seed=10 + version)
+        new = [(n, p.detach().clone()) for n, p in policy.pushed()]
+        check = Probe(ids, probe.logprobs(policy.model, ids, policy.device), 1e-4)
+        stats = pusher.push(FAULTS[fault](new, old), version, check=check)
+        assert (stats["push_rejected"], stats["push_targets"]) == (1.0, 0.0), fault
+        assert httpx.get(f"{url}/server_info", timeout=10).json()["weight_version"] == version - 1
+        stats = pusher.push(new, version, check=check)
+        assert (stats["push_rejected"], stats["push_targets"]) == (0.0, 1.0), fault
+        assert _served_against_learner(url, policy, version) <= 1e-4
+        old = new

@@ -59,8 +59,17 @@ def adapted(model_dir: str, seed: int, rank: int = RANK):
     return model.eval(), [(n, p.detach().clone()) for n, p in tensors(model)]
 
 
-def push_adapter(receiver, named, version, rank=RANK):
-    _push(receiver, named, version, lora=AdapterSpec(rank, ALPHA, len(named)))
+def push_adapter(receiver, named, version, rank=RANK, probe=None):
+    _push(receiver, named, version, lora=AdapterSpec(rank, ALPHA, len(named)), probe=probe)
+
+
+def probe_of(model, n_tokens=96):
+    """The learner's probe, scored with the adapter (the PEFT model's forward)."""
+    from streamrl.learner import probe
+    from streamrl.weightsync import Probe
+
+    ids = [t for prompt in PROMPTS for t in prompt] * 8
+    return Probe(ids[:n_tokens], probe.logprobs(model, ids[:n_tokens], torch.device("cpu")), TOL)
 
 
 def sampled(engine, rid, prompt, n=16, adapter=None):
@@ -126,6 +135,30 @@ def test_an_adapter_the_server_cannot_take_is_refused_and_nothing_changes(engine
     assert engine.version == version and sorted(engine._adapters.held) == held
     again = sampled(engine, f"after-{fault}", PROMPTS[0])
     assert again.output_ids == before.output_ids and again.versions == before.versions
+
+
+@pytest.mark.parametrize("fault", ["swapped", "kept_old_weights", "half_applied"])
+def test_an_adapter_that_fails_its_probe_is_never_picked_and_the_next_passes(engine, receiver, model_dir, fault):
+    """The probe runs with the adapter a request would use: an adapter loaded wrong is unloaded before any request
+    picks it; the newest verified version serves on. (Rounded to bf16, an adapter of this size moves no logprob
+    past the tolerance: that fault is harmless here and not tested.)"""
+    from faults import FAULTS
+
+    from streamrl.weightsync import ProbeMismatch
+
+    version = engine.version + 1
+    old_model, old = adapted(model_dir, seed=300)
+    push_adapter(receiver, old, version, probe=probe_of(old_model))
+    assert receiver.probe_gap <= TOL
+    new_model, new = adapted(model_dir, seed=301)
+    with pytest.raises(ProbeMismatch, match=f"version {version + 1} failed its probe"):
+        push_adapter(receiver, FAULTS[fault](new, old), version + 1, probe=probe_of(new_model))
+    assert max(engine._adapters.held) == version
+    out = sampled(engine, f"after-lora-{fault}", PROMPTS[0])
+    assert set(out.versions) == {version}
+    assert _max_gap(_tempered_logprobs(old_model, PROMPTS[0], out.output_ids, 1.0), out.logprobs) <= TOL
+    push_adapter(receiver, new, version + 1, probe=probe_of(new_model))
+    assert set(sampled(engine, f"passed-lora-{fault}", PROMPTS[0]).versions) == {version + 1}
 
 
 def test_a_late_joiner_serves_the_exported_adapter(engine, receiver, model_dir, tmp_path):
