@@ -159,7 +159,7 @@ def test_a_generation_running_across_an_in_flight_push_switches_version_at_the_s
             time.sleep(0.01)
         seen = []  # the server's version when the pusher says the push landed (admission counts it from then)
         pusher.start(list(new.state_dict().items()), version=1,
-                     landed=lambda: seen.append(httpx.get(f"{url}/get_server_info").json()["weight_version"]))
+                     landed=lambda _: seen.append(httpx.get(f"{url}/get_server_info").json()["weight_version"]))
         stats = pusher.wait()
         body = running.result().json()
     assert stats["push_targets"] == 1.0 and seen == [1]
@@ -325,3 +325,46 @@ def test_a_push_reaches_the_fleet_in_waves_and_no_two_servers_pause_together(clu
     spans = sorted(span for url in urls for span in httpx.get(f"{url}/server_info", timeout=10).json()["weight_pauses"])
     assert len(spans) == 6
     assert all(earlier[1] <= later[0] for earlier, later in zip(spans, spans[1:]))  # one server at a time
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loads_right", [True, False])
+def test_a_server_starting_from_an_export_verifies_it_with_the_probe_written_beside_it(cluster, tiny_model_dir,
+                                                                                       loads_right):
+    """A late joiner serves the learner's export only if its weights, as loaded, reproduce the probe the learner
+    exported with them; otherwise it starts withdrawn (503s; version -1 in the registry, so the learner's
+    catch-up reaches it)."""
+    import dataclasses
+    import json
+    import shutil
+    import time
+
+    from streamrl.buffer import ServerRegistry
+    from streamrl.learner import probe
+    from streamrl.weightsync import Probe
+
+    export = cluster.run_path / "export"
+    shutil.copytree(tiny_model_dir, export / "version-3")
+    (export / "latest").write_text("version-3")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    if not loads_right:  # what the learner exported is not what the server loads
+        with torch.no_grad():
+            model.model.layers[0].self_attn.q_proj.weight.mul_(1.5)
+    ids = list(range(3, 99))
+    check = Probe(ids, probe.logprobs(model, ids, torch.device("cpu")), 1e-4)
+    (export / "version-3" / "probe.json").write_text(json.dumps(dataclasses.asdict(check)))
+    url, _ = cluster.server()
+    reply = httpx.post(f"{url}/generate", timeout=60, json={"input_ids": [5, 6, 7],
+                                                            "sampling_params": {"max_new_tokens": 4}})
+    info = httpx.get(f"{url}/server_info", timeout=10).json()
+    registry = ServerRegistry(cluster.ns, ttl_s=1.5)
+    deadline = time.monotonic() + 10
+    while not registry.alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    announced = registry.alive()[0].weight_version
+    if loads_right:
+        assert reply.status_code == 200 and reply.json()["meta_info"]["weight_version"] == 3
+        assert info["withdrawn"] is None and announced == 3
+    else:
+        assert reply.status_code == 503 and "version 3 failed its probe" in reply.text
+        assert "version 3 failed its probe" in info["withdrawn"] and announced == -1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import threading
@@ -19,6 +20,7 @@ from streamrl.inference.engines import load_engine
 from streamrl.inference.server import create_app
 from streamrl.models import load_tokenizer
 from streamrl.node import node_address
+from streamrl.weightsync import Probe, ProbeMismatch
 
 log = logging.getLogger("streamrl.serve")
 
@@ -42,11 +44,13 @@ def serve(cfg: Config, *, host: str | None = None, port: int | None = None) -> N
         asyncio.run(engine.weight_receiver().load_from_disk(str(Path(model_path) / "adapter"), version))
     else:
         engine.version = version
+    withdrawn = None
     if version:
         log.info("late joiner: serving the learner's export %s (weight version %d)", model_path, version)
+        withdrawn = asyncio.run(_unverified(engine, Path(model_path), version))
     model_path = served
     app = create_app(engine, model_path=model_path, tokenizer=tokenizer, token=cfg.server.token,
-                     engine_name=cfg.server.engine)
+                     engine_name=cfg.server.engine, withdrawn=withdrawn)
     url = f"http://{host}:{port}"
     stop = threading.Event()
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5))
@@ -54,7 +58,8 @@ def serve(cfg: Config, *, host: str | None = None, port: int | None = None) -> N
     if cfg.redis.url:
         ns = Namespace.open(cfg.redis.url, cfg.run.name, **cfg.redis.retry())
         registry = ServerRegistry(ns, ttl_s=cfg.server.registry_ttl_s)
-        beat = threading.Thread(target=_heartbeat, args=(registry, url, engine, cfg, stop), daemon=True)
+        beat = threading.Thread(target=_heartbeat, args=(registry, url, engine, app.state.standing, cfg, stop),
+                                daemon=True)
         beat.start()
     else:
         log.warning("redis.url is not set: %s will not announce itself in a registry", url)
@@ -97,8 +102,27 @@ def newest_weights(cfg: Config) -> tuple[str, int]:
     return str(pointer.parent / name), int(name.removeprefix("version-"))
 
 
-def _heartbeat(registry: ServerRegistry, url: str, engine, cfg: Config, stop: threading.Event) -> None:
-    """Announce the server once it answers /health, then keep the registry entry alive."""
+async def _unverified(engine, export: Path, version: int) -> str | None:
+    """Why the export's weights, as loaded, fail the probe the learner wrote beside them (None: they pass, or the
+    export has no probe). Scored like a prompt: the server takes no request before this returns."""
+    path = export / "probe.json"
+    if not path.is_file():
+        return None
+    check = Probe(**json.loads(path.read_text()))
+    scores = await engine.score_prompt("export-probe", check.input_ids)
+    try:
+        gap = check.check(scores.logprobs, version)
+    except ProbeMismatch as e:
+        log.error("%s: the export at %s did not load as the learner wrote it; this server takes no generation "
+                  "until the learner pushes a version that passes", e, export)
+        return str(e)
+    log.info("the export's weights pass their probe (gap %.1e)", gap)
+    return None
+
+
+def _heartbeat(registry: ServerRegistry, url: str, engine, standing, cfg: Config, stop: threading.Event) -> None:
+    """Announce the server once it answers /health, then keep the registry entry alive. A withdrawn server (its
+    weights failed a probe) announces version -1: the learner catches it up."""
     started = time.time()
     while not stop.is_set():
         try:
@@ -109,7 +133,8 @@ def _heartbeat(registry: ServerRegistry, url: str, engine, cfg: Config, stop: th
         stop.wait(0.2)
     while not stop.is_set():
         try:
-            registry.heartbeat(ServerInfo(url, cfg.server.engine, engine.version, started))
+            version = -1 if standing.withdrawn else engine.version
+            registry.heartbeat(ServerInfo(url, cfg.server.engine, version, started))
         except Exception as e:  # keep serving; the registry entry expires and the router drops us
             log.warning("heartbeat to the registry failed: %s", e)
         stop.wait(cfg.server.heartbeat_s)

@@ -10,11 +10,15 @@ learner killed mid-save resumes from the previous checkpoint. PPO's critic is sa
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from streamrl.weightsync import Probe
 
 log = logging.getLogger("streamrl.learner")
 
@@ -54,12 +58,13 @@ def _load_critic(critic: Any, root: Path, tag: str) -> None:
 
 
 def export_hf(model: Any, tokenizer_dir: str, root: Path, *, version: int, rank: int, zero_stage: int,
-              lora: Any = None, base_model: str = "") -> Path | None:
+              lora: Any = None, base_model: str = "", check: Probe | None = None) -> Path | None:
     """Write the policy as a plain HF directory ``root/version-N`` (then point ``root/latest`` at it).
 
     Loadable by transformers, vLLM and SGLang; late-joining rollout servers start from it. With ``lora`` (the
     learner's LoRA settings) the directory holds the merged model, and the adapter in PEFT's format under
-    ``adapter/`` (from which late joiners serve it over ``base_model``).
+    ``adapter/`` (from which late joiners serve it over ``base_model``). ``check``: the version's probe, kept as
+    ``probe.json`` so that a server starting from the export verifies what it loaded.
     Collective under ZeRO-3 (the shards are gathered); rank 0 writes.
     """
     import os
@@ -83,6 +88,8 @@ def export_hf(model: Any, tokenizer_dir: str, root: Path, *, version: int, rank:
 
             adapter.export(model.module, lora, tmp, base_model)
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
+        if check is not None:
+            (tmp / "probe.json").write_text(json.dumps(dataclasses.asdict(check)))
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)  # a reader sees the whole directory or none of it
     (root / "latest.tmp").write_text(target.name)

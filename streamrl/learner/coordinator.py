@@ -76,7 +76,7 @@ class Coordinator:
         self.auto = AutoBound(cfg.off_policy.auto, self.admission) if cfg.off_policy.adaptive else None
         self.version_key.set(version)
         self.published, self.publish_lock = version, threading.Lock()
-        self.probe_ids: list[int] | None = None  # the push's probe: the first tokens trained on (``plan``)
+        self.probe_ids = probe.load(Path(cfg.run.path))  # the push's probe: the first tokens trained on
         self.last_probe: tuple[int, Probe] | None = None  # the last version pushed, and its probe (catch-ups)
         self.ledger = Ledger(ns)
         self.pusher.refused = self.ledger.refuse
@@ -103,6 +103,7 @@ class Coordinator:
             context = getattr(self.policy.module.config, "max_position_embeddings", None) or 2**31
             self.probe_ids = probe.choose([s for _, seqs in parts for s in seqs],
                                           min(self.cfg.weight_sync.probe_tokens, context - 1))
+            probe.save(Path(self.cfg.run.path), self.probe_ids)
         self.partition(parts, plan)
         return plan
 
@@ -214,9 +215,22 @@ class Coordinator:
         if version == 0 or self.cfg.learner.zero_stage == 3:
             return
         stats = self.pusher.catch_up([(name, p.detach()) for name, p in self.policy.pushed()], version,
-                                     self.last_probe if self.last_probe and self.last_probe[0] == version else None)
+                                     self._check(version))
         if stats:
             log.info("caught up %d server(s) to version %d in %.2fs", stats["push_targets"], version, stats["push_s"])
+
+    def _check(self, version: int) -> Probe | None:
+        """The probe of the weights the learner holds (``version``): the last push's, or after a restart scored
+        here, on rank 0's whole module (below ZeRO-3)."""
+        if self.last_probe and self.last_probe[0] == version:
+            return self.last_probe[1]
+        if not (self.cfg.weight_sync.verify and self.probe_ids):
+            return None
+        ids = self.probe_ids
+        check = Probe(ids, probe.logprobs(self.policy.module, ids, self.policy.device),
+                      self.cfg.weight_sync.tolerance(self.cfg.model.dtype))
+        self.last_probe = (version, check)
+        return check
 
     # ------------------------------------------------------------------ the commit
 

@@ -70,6 +70,7 @@ class Learner:
         resumed = (checkpoint.load(self.policy.model, self.checkpoints, critic, adapter_only)
                    if cfg.learner.resume == "auto" else None)
         self.version = resumed["version"] if resumed else 0
+        self.checked: tuple[int, Probe | None] = (-1, None)  # the last version scored, and its probe
         self.coordinator = (Coordinator(cfg, redis_url, self.policy, resumed) if self.rank == 0
                             else Bystander(cfg.learner.minibatches))
 
@@ -121,20 +122,24 @@ class Learner:
 
     def probe(self) -> Probe | None:
         """The check each server must pass before it serves this version: rank 0's probe, scored on every rank
-        under the weights about to be pushed (None with ``weight_sync.verify`` off)."""
+        under the weights of this version (once per version), None with ``weight_sync.verify`` off."""
         sync = self.cfg.weight_sync
         if not sync.verify:
             return None
-        ids = probe.share(self.coordinator.probe_ids, self.policy.device)
-        if not ids:
-            return None
-        return Probe(ids, probe.logprobs(self.policy.model, ids, self.policy.device), sync.tolerance(self.cfg.model.dtype))
+        if self.checked[0] != self.version:
+            ids = probe.share(self.coordinator.probe_ids, self.policy.device)
+            check = Probe(ids, probe.logprobs(self.policy.model, ids, self.policy.device),
+                          sync.tolerance(self.cfg.model.dtype)) if ids else None
+            self.checked = (self.version, check)
+        return self.checked[1]
 
     def export(self) -> None:
+        """The weights as a plain HF directory, with their probe: a server that starts from it verifies them."""
+        check = self.probe()
         checkpoint.export_hf(self.policy.model, self.cfg.model.tokenizer or self.cfg.model.path,
                              Path(self.cfg.run.path) / "export", version=self.version, rank=self.rank,
                              zero_stage=self.cfg.learner.zero_stage, lora=self.cfg.learner.lora,
-                             base_model=self.cfg.model.path)
+                             base_model=self.cfg.model.path, check=check)
 
     def checkpoint(self) -> None:
         """Save on every rank (the cursor is rank 0's); then trim what the checkpoint covers."""

@@ -2,11 +2,15 @@
 trains on, and their logprobs under the weights being pushed. A server serves a version only once its own
 logprobs of the probe, on the weights it applied, agree within the tolerance (``weightsync.Probe``).
 
-The probe is chosen once, on rank 0, from the first step's sequences; every rank scores it (under ZeRO-3 the
-forward is a collective), at the point of the step where the pushed weights are the model's.
+The probe is chosen once, on rank 0, from the first step's sequences, and kept in the run directory
+(``probe.json``) for the run's life, restarts included; every rank scores it (under ZeRO-3 the forward is a
+collective), at the point of the step where the pushed weights are the model's.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -22,6 +26,19 @@ def choose(sequences: list[TrainSequence], n_tokens: int) -> list[int]:
         if len(ids) == n_tokens:
             break
     return ids
+
+
+def load(run_dir: Path) -> list[int] | None:
+    """The run's probe, if one was chosen (by this learner or before a restart)."""
+    path = run_dir / "probe.json"
+    return json.loads(path.read_text())["input_ids"] if path.is_file() else None
+
+
+def save(run_dir: Path, ids: list[int]) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / ".probe.json.tmp"
+    tmp.write_text(json.dumps({"input_ids": ids}))
+    tmp.replace(run_dir / "probe.json")
 
 
 def share(ids: list[int] | None, device: torch.device) -> list[int]:

@@ -21,9 +21,10 @@ from streamrl.inference.server import control, generation, weights
 
 
 def create_app(engine: Engine, *, model_path: str, tokenizer: Any = None, token: str | None = None,
-               engine_name: str = "hf") -> FastAPI:
+               engine_name: str = "hf", withdrawn: str | None = None) -> FastAPI:
+    """``withdrawn``: why the server starts withdrawn from generation (weights that failed their probe)."""
     app = FastAPI(title="streamrl rollout server", version=__version__)
-    standing = generation.Standing()  # set by the weight routes, honoured by generation
+    standing = app.state.standing = generation.Standing(withdrawn)  # set by the weight routes, honoured here
     metrics = generation.Metrics(engine, standing)
 
     def authorized(request: Request) -> None:
