@@ -105,7 +105,9 @@ def measure(model_dir: str, redis_url: str, run_dir: Path, n_servers: int, bucke
     run = f"push-{time.monotonic_ns()}"
     common = [f"model.path={model_dir}", f"redis.url={redis_url}", f"run.name={run}", f"run.dir={run_dir}",
               "server.heartbeat_s=0.3", f"server.engine={engine}"]
-    cfg = load_config(None, [*common, "weight_sync.mode=in_flight", "weight_sync.timeout_s=300"])
+    # every server at once, as the bound's one broadcast to all peers (a run's default pushes in waves)
+    cfg = load_config(None, [*common, "weight_sync.mode=in_flight", "weight_sync.timeout_s=300",
+                             "weight_sync.max_paused_share=1"])
     registry = ServerRegistry(Namespace.open(redis_url, run), ttl_s=cfg.server.registry_ttl_s)
     samples: dict[str, list[float]] = {"bound": [], **{f"push_{b:g}MB": [] for b in buckets_mb}}
     with ExitStack() as stack:
