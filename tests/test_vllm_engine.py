@@ -25,7 +25,8 @@ import torch
 from streamrl.buffer.redis_server import free_port
 from streamrl.generation import SamplingParams
 from streamrl.inference.engines import load_engine
-from streamrl.inference.engines.vllm import _versions, finish_reason
+from streamrl.inference.engines.vllm_outputs import finish_reason
+from streamrl.inference.engines.vllm_outputs import token_versions as _versions
 from streamrl.inference.engines.vllm_receiver import check_tensors
 from streamrl.weightsync import CorruptBucket, broadcast, buckets, digest, flatten, make_group, metas
 

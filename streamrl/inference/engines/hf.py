@@ -30,6 +30,7 @@ from streamrl import adapters
 from streamrl.adapters import AdapterSpec, LoraServing
 from streamrl.generation import Completion, PromptScores, SamplingParams
 from streamrl.inference.engines.hf_cache import SlackLayer
+from streamrl.inference.engines.hf_weights import Weights
 from streamrl.inference.engines.sampling import sample_batch
 from streamrl.inference.engines.weight_receiver import AdapterReceiver, HostReceiver
 from streamrl.weightsync import Probe
@@ -52,8 +53,7 @@ class HFEngine:
         self.model = model.eval()
         self.lora = lora
         self.adapter_name = lora.name if lora else None
-        self._base: dict[str, torch.Tensor] = {}  # a LoRA server's base weights of every layer an adapter touched
-        self._merge_buffers: dict[str, list[torch.Tensor]] = {}
+        self.weights = Weights(self.model)
         self.tokenizer = tokenizer  # only needed for stop strings
         self.max_batch_size = max_batch_size
         self.max_length = getattr(model.config, "max_position_embeddings", None) or 2**31
@@ -161,50 +161,21 @@ class HFEngine:
         def apply() -> float | None:
             started = time.time()
             try:
-                return swap()
+                gap = self.weights.swap(named_tensors, version, probe, lambda ids: self._score(ids, 0).logprobs)
+                self.version = version
+                return gap
             finally:
                 self.pauses.append((started, time.time()))
-
-        def swap() -> float | None:
-            params = dict(self.model.named_parameters())
-            missing = [name for name, _ in named_tensors if name not in params]
-            if missing:
-                raise KeyError(f"model has no parameter {missing[0]!r}")
-            served = _assign(params, named_tensors)
-            if probe is None:
-                self.version = version
-                return None
-            try:
-                gap = probe.check(self._score(probe.input_ids, 0).logprobs, version)
-            except Exception:  # a mismatch, or a probe the model cannot score: the weights served stay
-                _assign(params, served)
-                raise
-            self.version = version
-            return gap
 
         return self._run_between_steps(apply)
 
     async def load_adapter(self, tensors: list[tuple[str, torch.Tensor]], spec: AdapterSpec, version: int,
                            probe: Probe | None = None) -> float | None:
-        """Serve an adapter version by merging it into the weights, ``W = W_base + (alpha / r) * B @ A``, swapped
-        in between two decode steps like a whole push (and probed the same way, with the adapter merged): running
-        requests go on, each token keeps its version."""
-        weights = await asyncio.to_thread(self._merged, adapters.pairs(tensors), spec.scale)  # the loop stays free
-        return await self.update_weights(weights, version, probe)
-
-    def _merged(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> list:
-        """The new weight of every layer the adapter touches, and the base again where an earlier one did; each
-        written into the layer's buffer not being served (two a layer, in turn: no allocation per push)."""
-        layers = dict(self.model.named_modules())
-        out = []
-        for module in pairs.keys() | self._base.keys():
-            served = layers[module].weight.detach()
-            base = self._base.setdefault(module, served.clone())
-            ring = self._merge_buffers.setdefault(module, [torch.empty_like(served), torch.empty_like(served)])
-            spare = ring[0] if ring[0].data_ptr() != served.data_ptr() else ring[1]
-            weight = adapters.merged(base, *pairs[module], scale, out=spare) if module in pairs else spare.copy_(base)
-            out.append((f"{module}.weight", weight))
-        return out
+        """Serve an adapter version by merging it into the weights, swapped in between two decode steps like a
+        whole push (and probed the same way, with the adapter merged): running requests go on, each token keeps
+        its version."""
+        merged = await asyncio.to_thread(self.weights.merged, adapters.pairs(tensors), spec.scale)  # loop stays free
+        return await self.update_weights(merged, version, probe)
 
     def load(self) -> dict:
         running = list(self._rows)  # a snapshot: the engine thread changes the list between steps
@@ -407,23 +378,6 @@ class HFEngine:
                 pending.append(entry)  # with its place in the order
         for entry in pending:
             self._waiting.put(entry)
-
-
-def _assign(params: dict[str, torch.nn.Parameter],
-            named_tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """Make each tensor its parameter's data: adopted where dtype, device and shape agree (no copy), else copied
-    in (converting the dtype; a wrong shape raises). Returns what was served before, to put back."""
-    before = []
-    with torch.no_grad():
-        for name, tensor in named_tensors:
-            param = params[name]
-            if (tensor.dtype, tensor.device, tensor.shape) == (param.dtype, param.device, param.shape):
-                before.append((name, param.data))
-                param.data = tensor
-            else:
-                before.append((name, param.data.clone()))
-                param.copy_(tensor)
-    return before
 
 
 def _pad_left_mask(mask: torch.Tensor, width: int) -> torch.Tensor:

@@ -19,8 +19,8 @@ against the served model (names, shapes, floating dtypes) before a byte moves; t
 when every parameter has arrived: pause (``keep``) → ``finish_weight_update`` → running requests recompute
 their KV under the new weights → resume. ``load_from_disk`` runs the same lifecycle over a checkpoint.
 A push with a probe is then scored like a prompt. vLLM cannot run a request while generation is paused, so the
-version is on trial until the probe settles: completions carrying its tokens wait, and if it fails they are
-refused (``Withdrawn``) and the weights served before are loaded again (the transfer engine keeps them).
+version is on trial until the probe settles (``vllm_trial``): completions carrying its tokens wait, and if it
+fails they are refused and the weights served before are loaded again (the transfer engine keeps them).
 
 Threads. ``AsyncLLM`` is bound to the event loop it first runs on, so the engine owns one private loop
 thread and every vLLM call runs there. Coroutines can be awaited from any loop, and the sync controls
@@ -41,9 +41,11 @@ from typing import Any
 
 from streamrl import adapters
 from streamrl.adapters import AdapterSpec, LoraServing
-from streamrl.generation import Completion, PromptScores, SamplingParams, Withdrawn
+from streamrl.generation import Completion, PromptScores, SamplingParams
 from streamrl.inference.engines.vllm_adapters import AdapterVersions
+from streamrl.inference.engines.vllm_outputs import finish_reason, prompt_scores, token_versions
 from streamrl.inference.engines.vllm_receiver import VLLMReceiver, meta_model, model_tensors
+from streamrl.inference.engines.vllm_trial import Trial
 from streamrl.inference.engines.weight_receiver import AdapterReceiver
 from streamrl.weightsync import Probe
 
@@ -97,10 +99,7 @@ class VLLMEngine:
                                  max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= lora.max_rank))
         self.swap_lock = asyncio.Lock()  # one weight change at a time
         self.pauses: deque[tuple[float, float]] = deque(maxlen=32)
-        self._on_trial: int | None = None  # a version served before its probe settled
-        self._at_gate: set[str] = set()  # finished requests waiting for the version on trial to settle
-        self._tainted: set[str] = set()  # requests that ran on weights that failed their probe: never returned
-        self._settled: asyncio.Condition | None = None  # on the engine loop (made there)
+        self._trial = Trial()  # a pushed version served before its probe settled
         if kv_cache_gb is None and not torch.cuda.is_available():
             kv_cache_gb = CPU_KV_CACHE_GB
         if kv_cache_gb is not None:
@@ -186,9 +185,9 @@ class VLLMEngine:
             if final is None or final.prompt_logprobs is None:
                 raise RuntimeError(f"vllm returned no prompt logprobs for {rid} (aborted?)")
             version = (adapter_version if self.lora else
-                       _versions(getattr(final.outputs[0], "weight_versions", None), 1, self.version)[0])
+                       token_versions(getattr(final.outputs[0], "weight_versions", None), 1, self.version)[0])
             if not self.lora:
-                await self._verified(rid, [version])
+                await self._trial.gate(rid, [version])
             return prompt_scores(list(input_ids), final.prompt_logprobs, top_logprobs_num, version)
 
         return await self.on_loop(run())
@@ -299,8 +298,8 @@ class VLLMEngine:
         if self.lora is not None:  # the adapter a request started on serves it to the end
             out.versions = [adapter_version] * len(out.output_ids)
         else:
-            out.versions = _versions(getattr(final, "weight_versions", None), len(out.output_ids), self.version)
-            await self._verified(rid, out.versions)
+            out.versions = token_versions(getattr(final, "weight_versions", None), len(out.output_ids), self.version)
+            await self._trial.gate(rid, out.versions)
         out.finish_reason = finish_reason(final.finish_reason if final else "abort",
                                           final.stop_reason if final else None, out.output_ids)
         return out
@@ -342,24 +341,22 @@ class VLLMEngine:
     async def commit(self, apply: Coroutine, version: int, probe: Probe | None,
                      restore: Callable[[], Coroutine]) -> float | None:
         """``swap`` in ``version``, then prove it with ``probe``: until the probe settles the version is on trial
-        (completions carrying it wait); if it fails, ``restore()`` brings back the weights served before, the
-        version's completions are refused, and ``ProbeMismatch`` is raised. Returns the probe's gap."""
+        (``Trial``); if it fails, ``restore()`` brings back the weights served before, the requests that ran on
+        the failed ones are refused, and ``ProbeMismatch`` is raised. Returns the probe's gap."""
         if probe is None:
             await self.swap(apply, version)
             return None
-        served, self._on_trial = self._version, version
-        try:
+        served = self._version
+
+        async def verdict() -> float:
             await self.swap(apply, version)  # raises before it serves anything when the weights did not load
             try:
                 return probe.check(await self._probe_scores(probe.input_ids), version)
             except BaseException:
-                self._tainted = self._tokens.keys() | self._at_gate  # whatever ran on the failed weights
                 await self.swap(restore(), served)
                 raise
-        finally:
-            self._on_trial = None
-            async with self._settling():
-                self._settled.notify_all()
+
+        return await self._trial.hold(version, verdict, lambda: list(self._tokens))
 
     async def _probe_scores(self, input_ids: list[int], lora_request: Any = None) -> list[float]:
         """The served weights' logprobs of ``input_ids[1:]`` (with ``lora_request``'s adapter), ahead of every
@@ -373,25 +370,6 @@ class VLLMEngine:
         if final is None or final.prompt_logprobs is None:
             raise RuntimeError("vllm returned no prompt logprobs for the probe")
         return prompt_scores(list(input_ids), final.prompt_logprobs, 0, self._version).logprobs
-
-    def _settling(self) -> asyncio.Condition:
-        if self._settled is None:
-            self._settled = asyncio.Condition()
-        return self._settled
-
-    async def _verified(self, rid: str, versions: list[int]) -> None:
-        """Hold a finished request while a version it carries is on trial; refuse it if it ran on weights that
-        failed their probe."""
-        self._at_gate.add(rid)
-        try:
-            async with self._settling():
-                await self._settled.wait_for(lambda: self._on_trial is None or self._on_trial not in versions)
-        finally:
-            self._at_gate.discard(rid)
-        if rid in self._tainted:
-            self._tainted.discard(rid)
-            raise Withdrawn(f"request {rid} ran on pushed weights that failed their probe and were rolled back; "
-                            "retry it")
 
     async def _close(self) -> None:
         llm, self._llm = self._llm, None
@@ -416,35 +394,3 @@ class VLLMEngine:
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(30)
-
-
-def finish_reason(reason: str | None, stop_reason: int | str | None, output_ids: list[int]) -> dict:
-    """vLLM's finish/stop reasons in SGLang's shape."""
-    if reason == "length":
-        return {"type": "length", "length": len(output_ids)}
-    if reason == "stop":  # stop_reason: the stop token id or string; None means EOS, the last token
-        if stop_reason is None:
-            stop_reason = output_ids[-1] if output_ids else None
-        return {"type": "stop", "matched": stop_reason}
-    return {"type": "abort", "message": "aborted" if reason == "abort" else f"vllm: {reason}"}
-
-
-def prompt_scores(input_ids: list[int], prompt_logprobs: list, k: int, version: int) -> PromptScores:
-    """vLLM's prompt logprobs (None, then one ``{token: Logprob}`` per later position: the prompt's token
-    and the top ``k``, ranked from 1) as ``PromptScores``."""
-    logprobs, top = [], []
-    for token, position in zip(input_ids[1:], prompt_logprobs[1:], strict=True):
-        logprobs.append(position[token].logprob)
-        ranked = sorted((lp.rank, lp.logprob, t) for t, lp in position.items() if lp.rank <= k)
-        top.append([(logprob, t) for _, logprob, t in ranked[:k]])
-    return PromptScores(logprobs, top, version)
-
-
-def _versions(spans: list | None, n: int, current: int) -> list[int]:
-    """Per-token versions from vLLM's ``weight_versions`` spans (labels are our version numbers)."""
-    if not spans:  # no step reported a label (an abort before the first token)
-        return [current] * n
-    versions = [int(spans[0].version)] * n
-    for span in spans:
-        versions[span.start: span.end] = [int(span.version)] * (span.end - span.start)
-    return versions
