@@ -176,6 +176,21 @@ def rows(studies: dict[str, dict]) -> Rows:
                          "seconds (best bucket size; baseline: one raw gloo broadcast of the same bytes)",
                          min(pushes), number(row["raw broadcast s"]), f"{number(row['best ratio']):.2f} (bound / push)",
                          "weight-push", " s")
+    if data := studies.get("weight_push_verification"):
+        for row in data.get("rows", []):  # a section read back from the page has tables alone: no row here
+            for arm in ("digest", "digest+probe 256"):
+                checked, plain = row["median_s"][arm], row["median_s"]["off"]
+                out.pair("weight_push_verification", data, f"weight push, SmolLM2-135M into one {row['engine']} "
+                         f"server, checked ({arm}) / unchecked, seconds", checked, plain, f"{checked / plain:.2f}×",
+                         "weight-push --study verification", " s")
+    if (data := studies.get("weight_push_fleet")) and "row" in data:
+        row = data["row"]
+        waves, once = row["median"]["waves of half"], row["median"]["all at once"]
+        out.pair("weight_push_fleet", data, f"weight push, {row['servers']} {row['engine']} servers: seconds every "
+                 "server is paused at once, per push (waves of half / all at once; most of the fleet paused at once: "
+                 f"{waves['peak_paused_share']:.0%} / {once['peak_paused_share']:.0%})", waves["all_paused_s"],
+                 once["all_paused_s"], f"{waves['all_paused_s'] / once['all_paused_s']:.2f}×" if once["all_paused_s"]
+                 else "no pause at once on either side", "weight-push --study fleet", " s")
     if data := studies.get("lora"):
         for figure, what, unit, study in (("push into vllm: seconds", "push into a vllm server, seconds", " s", "push"),
                                           ("learner: trained tokens/s", "learner, trained tokens/s", "", "learner")):

@@ -27,9 +27,12 @@ TITLES = {"queue": "Replay stream", "partition": "Micro-batch partitioning", "ge
           "nodes": "One node or two on Ray", "lora": "LoRA against full fine-tuning",
           "trl_async": "Against TRL's AsyncGRPOTrainer", "trl_async_lora": "Against TRL's AsyncGRPOTrainer, LoRA",
           "trl_tune": "TRL's AsyncGRPOTrainer: its settings here", "engines": "The real-model recipe on each engine",
-          "stress": "Stale data on purpose: the auto staleness bound under stress"}
+          "stress": "Stale data on purpose: the auto staleness bound under stress",
+          "weight_push_verification": "Weight push: what verifying it costs",
+          "weight_push_fleet": "Weight push: how much of the fleet pauses"}
 MODULES = {"queue": "replay_stream", "trl": "against_trl", "e2e_smollm2": "e2e"}  # a study's module, where not its own name
-COMMANDS = {"e2e_smollm2": "e2e --real-model", "trl_async": "trl --trl-trainer async", "trl_async_lora": "trl --trl-trainer async --lora"}
+COMMANDS = {"e2e_smollm2": "e2e --real-model", "trl_async": "trl --trl-trainer async", "trl_async_lora": "trl --trl-trainer async --lora",
+            "weight_push_verification": "weight-push --study verification", "weight_push_fleet": "weight-push --study fleet"}
 
 
 def about(name: str) -> str:
@@ -41,6 +44,9 @@ def about(name: str) -> str:
     if name == "e2e_smollm2":  # the toy study's method (its section above), on the real model's workloads
         real = next(p for p in about("e2e").split("\n\n") if p.startswith("With `--real-model`"))
         return "The end-to-end study of the section above. " + real + "\n"
+    if name.startswith("weight_push_"):  # a study of the weight-push module: its paragraph of the docstring
+        study = name.removeprefix("weight_push_")
+        return next(p for p in about("weight_push").split("\n\n") if f"`--study {study}`" in p) + "\n"
     path = Path(__file__).parent / f"{MODULES.get(name, name)}.py"
     text = ast.get_docstring(ast.parse(path.read_text())) or ""
     lines = [line for line in text.splitlines() if not line.lstrip().startswith("python -m benchmarks")]

@@ -12,11 +12,17 @@ another thread, one torch thread: the learner's load in ``streamrl up`` on two c
 timed under the same load. Before timing, each bucket size is pushed twice: a run's first pushes touch
 every staging buffer (two per bucket layout on a server), and later pushes reuse them.
 
-The verification study (``--study verification``) pushes SmolLM2-135M into one server of each engine three
-ways, interleaved: unchecked (``weight_sync.verify=false``), with each bucket's digest, and with digests and the
-probe; and times the learner's forward of the probe apart. The fleet study (``--study fleet``) pushes into two
-servers (vllm where installed) all at once and in waves of half the fleet, and reads each server's own record of
-its pauses.
+The verification study (``--study verification``) pushes SmolLM2-135M into one server of each engine four
+ways, interleaved: unchecked (``weight_sync.verify=false``), with each bucket's digest, and with digests and a
+probe of 64 or of 256 tokens of text (``weight_sync.probe_tokens``; 256 is the default); and times the learner's
+forward of the probe apart (it runs in the learner's step, not in the push). Servers get one torch thread, as
+``streamrl up`` gives a server beside the learner on two cores. Cost = push seconds / unchecked push seconds - 1.
+
+The fleet study (``--study fleet``) pushes SmolLM2-135M into two servers (vllm where installed) all at once
+(``weight_sync.max_paused_share=1``) and in waves of half the fleet (0.5, the default), pushes interleaved, and
+reads each server's own record of its pauses (``/server_info``'s ``weight_pauses``): the server-seconds paused
+per push, the seconds during which every server was paused at once, the largest share of the fleet paused at one
+moment, and the paused share of the fleet's server-time over the push.
 
     python -m benchmarks.weight_push [--quick] [--study transport|verification]   (or: streamrl bench weight-push)
 """
