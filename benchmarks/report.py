@@ -46,7 +46,7 @@ def about(name: str) -> str:
         return "The end-to-end study of the section above. " + real + "\n"
     if name.startswith("weight_push_"):  # a study of the weight-push module: its paragraph of the docstring
         study = name.removeprefix("weight_push_")
-        return next(p for p in about("weight_push").split("\n\n") if f"`--study {study}`" in p) + "\n"
+        return next(p for p in about("weight_push").split("\n\n") if f"`--study {study}`" in p).strip() + "\n"
     path = Path(__file__).parent / f"{MODULES.get(name, name)}.py"
     text = ast.get_docstring(ast.parse(path.read_text())) or ""
     lines = [line for line in text.splitlines() if not line.lstrip().startswith("python -m benchmarks")]
