@@ -121,3 +121,20 @@ def test_doctor_prints_the_ledger_and_exits_by_balance(ns, redis_server, tmp_pat
 def test_doctor_names_what_is_missing(tmp_path):
     out = subprocess.run([sys.executable, "-m", "streamrl", "doctor", str(tmp_path)], capture_output=True, text=True)
     assert out.returncode == 2 and "config.yaml does not exist" in out.stderr
+
+
+def test_a_refused_push_is_in_the_ledger_with_its_reason_and_leaves_it_balanced(ns, redis_server, tmp_path):
+    _, reader = _run(ns, admitted=2, put=2)
+    ids = [e.group.group_id for e in reader.read(2)]
+    ledger = Ledger(ns)
+    ledger.record(1, reader.cursor, dict.fromkeys(ids, "trained"))
+    ledger.refuse(2, "http://10.0.0.2:31000", "version 2 failed its probe: token 5 off by 3e-01")
+    report = ledger.report()
+    assert report.balanced and report.refused == {"2@http://10.0.0.2:31000": "version 2 failed its probe: token 5 "
+                                                                              "off by 3e-01"}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"run": {"name": ns.run, "dir": str(tmp_path.parent)},
+                                                          "redis": {"url": redis_server.url}}))
+    out = subprocess.run([sys.executable, "-m", "streamrl", "doctor", str(tmp_path)], capture_output=True, text=True,
+                         env={"COLUMNS": "200", "PATH": ""})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "push refused: http://10.0.0.2:31000 rolled back version 2: version 2 failed its probe" in out.stdout

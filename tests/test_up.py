@@ -454,3 +454,25 @@ def test_the_display_says_each_move_of_an_auto_bound_once_with_its_cause(tmp_pat
     dashboard.summary(1.0, 0)
     summary = capsys.readouterr().out
     assert "bound changes (auto)" in summary and "(auto: 2)" in summary  # the last step's, with Redis gone
+
+
+def test_the_display_says_each_refused_push_once_and_counts_them(tmp_path, capsys):
+    from streamrl.config import load_config
+    from streamrl.launch.display import Dashboard
+
+    cfg = load_config("configs/quickstart.yaml", [f"run.dir={tmp_path}", "supervise.display=plain"])
+    learner = tmp_path / "quickstart" / "metrics" / "learner.jsonl"
+    learner.parent.mkdir(parents=True)
+    step = {"loss": 0.1, "time": 1.0, "staleness_max": 1, "tokens_global": 10, "train_s": 1.0}
+    push = {"push_s": 0.1, "push_targets": 0.0, "push_rejected": 1.0, "push_version": 2,
+            "push_refusal": "http://s:1 refused version 2: version 2 failed its probe: x"}
+    lines = [{**step, "step": 2, "push_s": 0.1, "push_targets": 1.0, "push_rejected": 0.0, "push_version": 1},
+             {**step, "step": 3, **push}]
+    learner.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    dashboard = Dashboard(cfg)
+    dashboard.refresh()
+    dashboard.refresh()
+    said = capsys.readouterr().out
+    assert said.count("weight push http://s:1 refused version 2: version 2 failed its probe: x") == 1
+    stats = dashboard.stats()
+    assert (stats["pushes_served"], stats["pushes_refused"]) == (1.0, 1.0)
