@@ -218,6 +218,7 @@ class Coordinator:
                                      self._check(version))
         if stats:
             log.info("caught up %d server(s) to version %d in %.2fs", stats["push_targets"], version, stats["push_s"])
+            self._publish(version, stats)  # a version every server had refused is served now
 
     def _check(self, version: int) -> Probe | None:
         """The probe of the weights the learner holds (``version``): the last push's, or after a restart scored
