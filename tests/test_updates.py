@@ -398,3 +398,23 @@ def test_a_step_is_the_textbook_clipped_and_decayed_policy_gradient_step(config,
     tolerance = {"sgd": 1e-6, "adamw": 1e-4}[optimizer]
     for name, p in policy.module.named_parameters():
         torch.testing.assert_close(p.detach(), expected[name].detach(), rtol=0, atol=tolerance)
+
+
+@pytest.mark.slow
+def test_scoring_the_probe_between_updates_leaves_training_as_it_was(config, tiny_model_dir):
+    """The learner scores the push's probe between two steps: the weights after the next update are the same
+    bit for bit as without it (no optimizer, mode or RNG state touched)."""
+    from streamrl.learner import probe
+    from streamrl.learner.policy import Policy
+
+    weights = []
+    for scored in (False, True):
+        torch.manual_seed(0)
+        policy = Policy(config, tiny_model_dir)
+        _update(policy, *_shard())
+        if scored:
+            assert len(probe.logprobs(policy.model, list(range(3, 60)), policy.device)) == 56
+            assert policy.model.training  # back in the mode it was in
+        _update(policy, *_shard(advantage=-0.5))
+        weights.append([p.detach().clone() for p in policy.module.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*weights))
