@@ -368,3 +368,12 @@ def test_a_server_starting_from_an_export_verifies_it_with_the_probe_written_bes
     else:
         assert reply.status_code == 503 and "version 3 failed its probe" in reply.text
         assert "version 3 failed its probe" in info["withdrawn"] and announced == -1
+
+
+def test_a_server_that_answers_without_scoring_the_probe_counts_as_unverified_not_verified():
+    from streamrl.learner.push import Verdicts
+
+    verdicts = Verdicts()
+    verdicts.scored("http://a", httpx.Response(200, json={"success": True, "probe_gap": 3e-6}), 4)
+    verdicts.scored("http://b", httpx.Response(200, json={"success": True}), 4)  # a stock SGLang server's reply
+    assert verdicts.gaps == [3e-6] and verdicts.unverified == ["http://b"] and not verdicts.rejected

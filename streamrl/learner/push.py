@@ -54,6 +54,18 @@ class Verdicts:
 
     rejected: dict[str, str] = field(default_factory=dict)
     gaps: list[float] = field(default_factory=list)
+    unverified: list[str] = field(default_factory=list)  # took the version without scoring the probe
+
+    def scored(self, url: str, reply: httpx.Response, version: int) -> None:
+        """A server's answer to the last bucket: the probe's gap, or none from a server that cannot verify (a
+        stock SGLang server ignores the probe): it serves the version unproven, which is said, not hidden."""
+        gap = reply.json().get("probe_gap")
+        if gap is None:
+            self.unverified.append(url)
+            log.warning("%s took version %d without scoring its probe (not a streamrl server?): its tokens are "
+                        "unverified", url, version)
+        else:
+            self.gaps.append(float(gap))
 
     def failed(self, url: str, error: BaseException, version: int) -> None:
         if isinstance(error, httpx.HTTPStatusError) and error.response.status_code == 409:
@@ -181,6 +193,8 @@ class WeightPusher:
                  "push_rejected": float(len(verdicts.rejected))}
         if verdicts.gaps:
             stats["push_probe_gap"] = max(verdicts.gaps)
+        if verdicts.unverified:
+            stats["push_unverified"] = float(len(verdicts.unverified))
         if verdicts.rejected:  # a line of news on the live display
             stats["push_refusal"] = "; ".join(f"{url} refused version {version}: {reason}"
                                               for url, reason in verdicts.rejected.items())
@@ -230,7 +244,7 @@ class WeightPusher:
                         self.groups.pop(url, None)
                     continue
                 if last and check is not None:
-                    verdicts.gaps.append(float(reply.json().get("probe_gap") or 0.0))
+                    verdicts.scored(url, reply, version)
 
     def _each(self, urls: list[str], path: str) -> None:
         for url in urls:
