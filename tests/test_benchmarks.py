@@ -397,3 +397,30 @@ def test_cpu_share_files_a_process_under_its_ancestors_earlier_role_before_its_o
         subprocess.run([sys.executable, "-c", parent, spin, "server-role"], check=True)
     spent, _ = share.seconds()
     assert spent["generating"] >= 0.25 and spent["other"] == 0.0
+
+
+def test_the_fleet_study_reads_pauses_as_hand_computed_and_reports_both_studies(tmp_path, capsys):
+    from benchmarks.weight_push import _pause_figures, report_fleet, report_verification
+
+    # two servers: A paused over [0, 2], B over [1, 3]: 4 server-s, both paused during [1, 2]
+    figures = _pause_figures([[(0.0, 2.0)], [(1.0, 3.0)]], push_s=4.0)
+    assert figures == {"push_s": 4.0, "paused_server_s": 4.0, "all_paused_s": 1.0, "peak_paused_share": 1.0,
+                       "paused_share": 0.5}
+    waves = _pause_figures([[(0.0, 1.0)], [(2.0, 3.0)]], push_s=4.0)  # one after the other
+    assert waves["all_paused_s"] == 0.0 and waves["peak_paused_share"] == 0.5 and waves["paused_share"] == 0.25
+    fleet = {"study": "weight-push fleet", "model": "tiny", "row": {
+        "engine": "hf", "servers": 2, "params": 1, "samples": {"all at once": [figures], "waves of half": [waves]},
+        "median": {"all at once": figures, "waves of half": waves}}}
+    report_fleet(fleet, tmp_path)
+    medians = {"off": 0.2, "digest": 0.21, "digest+probe 64": 0.3, "digest+probe 256": 0.5}
+    verification = {"study": "weight-push verification", "model": "tiny", "rows": [{
+        "engine": "hf", "params": 1, "samples": {k: [v] for k, v in medians.items()}, "median_s": medians,
+        "learner_probe_s": {"digest+probe 64": 0.1, "digest+probe 256": 0.2}, "probe_gap_max": 1e-6,
+        "cost": {k: v / 0.2 - 1 for k, v in medians.items() if k != "off"}}]}
+    report_verification(verification, tmp_path)
+    for name in ("weight_push_fleet", "weight_push_verification"):
+        assert (tmp_path / f"{name}.json").is_file() and (tmp_path / f"{name}.png").is_file()
+    tables = {name: json.loads((tmp_path / f"{name}.json").read_text())["tables"][0]["rows"]
+              for name in ("weight_push_fleet", "weight_push_verification")}
+    assert tables["weight_push_fleet"][1][3:5] == ["0", "50%"]  # waves: never both at once, half at most
+    assert tables["weight_push_verification"][0][5:9] == ["+5%", "+50%", "+150%", "0.10"]

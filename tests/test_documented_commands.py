@@ -99,6 +99,10 @@ COMMANDS = {
     "streamrl bench trl --precision bf16": BENCH,
     "streamrl bench trl --trl-trainer async --lora": BENCH,
     "streamrl bench engines": BENCH,
+    "streamrl bench weight-push --study verification": "a benchmark study: tests/test_benchmarks.py checks how it "
+                                                         "reports, tests/test_weightsync.py what it measures",
+    "streamrl bench weight-push --study fleet": "a benchmark study: tests/test_benchmarks.py checks its pause figures "
+                                                "against hand-computed ones, tests/test_weightsync.py the waves",
     "streamrl bench stress": "a benchmark study of minutes a run: tests/test_stress_bench.py::"
                              "test_stress_stops_the_learners_whole_process_tree_at_the_steps_due_and_lets_it_go_on checks its "
                              "pauses, and its other tests how it pairs, joins and keeps its runs",
