@@ -400,7 +400,7 @@ def test_cpu_share_files_a_process_under_its_ancestors_earlier_role_before_its_o
 
 
 def test_the_fleet_study_reads_pauses_as_hand_computed_and_reports_both_studies(tmp_path, capsys):
-    from benchmarks.weight_push import _pause_figures, report_fleet, report_verification
+    from benchmarks.push_checks import _pause_figures, report_fleet, report_verification
 
     # two servers: A paused over [0, 2], B over [1, 3]: 4 server-s, both paused during [1, 2]
     figures = _pause_figures([[(0.0, 2.0)], [(1.0, 3.0)]], push_s=4.0)
