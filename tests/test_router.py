@@ -159,3 +159,33 @@ def test_versions_read_streamrl_spans_and_stock_sglang_labels():
     assert _versions({"weight_version": "7"}, 2) == [7, 7]  # an update labelled by a streamrl push
     with pytest.raises(ValueError):  # a label that names no version is a malformed response (GenerateError)
         _versions({"weight_version": "v2-final"}, 1)
+
+
+def test_a_server_whose_push_failed_its_probe_leaves_the_router_until_a_version_passes(cluster, tiny_model_dir):
+    """The router sends a withdrawn server nothing: it leaves the router's workers (it announces version -1) and
+    comes back once a later push passes; the other server serves meanwhile."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.learner import probe
+    from streamrl.learner.push import WeightPusher
+    from streamrl.weightsync import Probe
+
+    (a, _), (b, _) = cluster.servers(2)
+    router_url, _ = cluster.router()
+    _until(lambda: _router_workers(router_url) == {a, b})
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    named = [(n, p.detach().clone()) for n, p in model.named_parameters()]
+    ids = list(range(3, 67))
+    cfg = load_config(None, [*cluster.common, "weight_sync.timeout_s=30"])
+    pusher = WeightPusher(cfg, ServerRegistry(cluster.ns, ttl_s=cfg.server.registry_ttl_s))
+    wrong = Probe(ids, [lp + 0.5 for lp in probe.logprobs(model, ids, torch.device("cpu"))], 1e-4)
+    pusher.refresh()  # joins both servers' groups (a push to ``only`` some looks for no servers)
+    stats = pusher.push(named, 1, only=[a], check=wrong)
+    assert (stats["push_rejected"], stats["push_targets"]) == (1.0, 0.0)
+    _until(lambda: _router_workers(router_url) == {b})
+    outs = asyncio.run(_burst(router_url, 8))  # all served by b, at its version
+    assert len(outs) == 8 and all(o.versions == [0] * 4 for o in outs)
+    right = Probe(ids, probe.logprobs(model, ids, torch.device("cpu")), 1e-4)
+    assert pusher.push(named, 1, only=[a], check=right)["push_targets"] == 1.0
+    _until(lambda: _router_workers(router_url) == {a, b})

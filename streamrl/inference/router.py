@@ -137,7 +137,8 @@ class Router:
 def follow_registry(router: Router, registry: ServerRegistry, *, every_s: float, stop: threading.Event,
                     static: frozenset[str] = frozenset(), address: RouterAddress | None = None) -> None:
     """Keep the router's workers equal to the live servers in the registry (plus ``static`` ones), and its
-    announcement in ``address`` alive.
+    announcement in ``address`` alive. A server withdrawn from generation (its weights failed their probe: it
+    announces version -1) is left out until a version passes.
 
     Returns when ``stop`` is set; raises if the router process dies (its supervisor restarts us).
     """
@@ -147,7 +148,7 @@ def follow_registry(router: Router, registry: ServerRegistry, *, every_s: float,
         try:
             if address is not None:
                 address.announce(router.url)
-            added, removed = router.sync({s.url for s in registry.alive()} | static)
+            added, removed = router.sync({s.url for s in registry.alive() if s.weight_version >= 0} | static)
             for url in added:
                 log.info("router: added %s", url)
             for url in removed:
