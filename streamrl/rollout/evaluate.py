@@ -93,8 +93,8 @@ class Evaluator:
         """
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            servers = await asyncio.to_thread(self.registry.alive)
-            if servers and min(s.weight_version for s in servers) >= version:
+            serving = [s for s in await asyncio.to_thread(self.registry.alive) if s.weight_version >= 0]
+            if serving and min(s.weight_version for s in serving) >= version:  # a withdrawn server serves nothing
                 return
             await asyncio.sleep(0.2)
         log.warning("servers did not report weight version %d within %.0fs; evaluating anyway", version, timeout_s)
