@@ -433,19 +433,25 @@ def test_the_summary_counts_stale_drops_and_says_what_to_do_when_many(tmp_path, 
     assert "outlasted 1 learner step. Raise off_policy.auto.low (the auto bound's floor)" in capsys.readouterr().out
 
 
-def test_the_display_says_each_move_of_an_auto_bound_once_with_its_cause(tmp_path, capsys):
+STEP = {"loss": 0.1, "time": 1.0, "staleness_max": 1, "tokens_global": 10, "train_s": 1.0}  # a learner line's least
+
+
+def _dashboard(tmp_path, lines: list[dict], *overrides: str):
+    """The quickstart's plain display over a run whose learner wrote ``lines`` (and no part is running)."""
     from streamrl.config import load_config
     from streamrl.launch.display import Dashboard
 
-    cfg = load_config("configs/quickstart.yaml", [f"run.dir={tmp_path}", "supervise.display=plain",
-                                                   "off_policy.max_staleness=auto"])
+    cfg = load_config("configs/quickstart.yaml", [f"run.dir={tmp_path}", "supervise.display=plain", *overrides])
     learner = tmp_path / "quickstart" / "metrics" / "learner.jsonl"
     learner.parent.mkdir(parents=True)
-    step = {"loss": 0.1, "time": 1.0, "staleness_max": 1, "tokens_global": 10, "train_s": 1.0}
-    lines = [{**step, "step": 1, "staleness_bound": 1},
-             {**step, "step": 2, "staleness_bound": 2, "staleness_change": "max staleness raised 1 -> 2 at step 2: x"}]
     learner.write_text("".join(json.dumps(r) + "\n" for r in lines))
-    dashboard = Dashboard(cfg)
+    return Dashboard(cfg)
+
+
+def test_the_display_says_each_move_of_an_auto_bound_once_with_its_cause(tmp_path, capsys):
+    lines = [{**STEP, "step": 1, "staleness_bound": 1},
+             {**STEP, "step": 2, "staleness_bound": 2, "staleness_change": "max staleness raised 1 -> 2 at step 2: x"}]
+    dashboard = _dashboard(tmp_path, lines, "off_policy.max_staleness=auto")
     dashboard.refresh()
     dashboard.refresh()
     said = capsys.readouterr().out
@@ -457,19 +463,11 @@ def test_the_display_says_each_move_of_an_auto_bound_once_with_its_cause(tmp_pat
 
 
 def test_the_display_says_each_refused_push_once_and_counts_them(tmp_path, capsys):
-    from streamrl.config import load_config
-    from streamrl.launch.display import Dashboard
-
-    cfg = load_config("configs/quickstart.yaml", [f"run.dir={tmp_path}", "supervise.display=plain"])
-    learner = tmp_path / "quickstart" / "metrics" / "learner.jsonl"
-    learner.parent.mkdir(parents=True)
-    step = {"loss": 0.1, "time": 1.0, "staleness_max": 1, "tokens_global": 10, "train_s": 1.0}
     push = {"push_s": 0.1, "push_targets": 0.0, "push_rejected": 1.0, "push_version": 2,
             "push_refusal": "http://s:1 refused version 2: version 2 failed its probe: x"}
-    lines = [{**step, "step": 2, "push_s": 0.1, "push_targets": 1.0, "push_rejected": 0.0, "push_version": 1},
-             {**step, "step": 3, **push}]
-    learner.write_text("".join(json.dumps(r) + "\n" for r in lines))
-    dashboard = Dashboard(cfg)
+    lines = [{**STEP, "step": 2, "push_s": 0.1, "push_targets": 1.0, "push_rejected": 0.0, "push_version": 1},
+             {**STEP, "step": 3, **push}]
+    dashboard = _dashboard(tmp_path, lines)
     dashboard.refresh()
     dashboard.refresh()
     said = capsys.readouterr().out

@@ -227,9 +227,8 @@ class Coordinator:
             return self.last_probe[1]
         if not (self.cfg.weight_sync.verify and self.probe_ids):
             return None
-        ids = self.probe_ids
-        check = Probe(ids, probe.logprobs(self.policy.module, ids, self.policy.device),
-                      self.cfg.weight_sync.tolerance(self.cfg.model.dtype))
+        check = probe.reference(self.policy.module, self.probe_ids, self.policy.device,
+                                self.cfg.weight_sync.tolerance(self.cfg.model.dtype))
         self.last_probe = (version, check)
         return check
 

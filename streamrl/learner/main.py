@@ -128,8 +128,8 @@ class Learner:
             return None
         if self.checked[0] != self.version:
             ids = probe.share(self.coordinator.probe_ids, self.policy.device)
-            check = Probe(ids, probe.logprobs(self.policy.model, ids, self.policy.device),
-                          sync.tolerance(self.cfg.model.dtype)) if ids else None
+            check = (probe.reference(self.policy.model, ids, self.policy.device, sync.tolerance(self.cfg.model.dtype))
+                     if ids else None)
             self.checked = (self.version, check)
         return self.checked[1]
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from streamrl.learner.batching import TrainSequence
+from streamrl.weightsync import Probe
 
 
 def choose(sequences: list[TrainSequence], n_tokens: int) -> list[int]:
@@ -65,3 +66,8 @@ def logprobs(model: torch.nn.Module, ids: list[int], device: torch.device) -> li
         model.train(training)
     chosen = torch.tensor(ids[1:], device=device).unsqueeze(1)
     return torch.log_softmax(logits, -1).gather(1, chosen).squeeze(1).tolist()
+
+
+def reference(model: torch.nn.Module, ids: list[int], device: torch.device, tolerance: float) -> Probe:
+    """The check a server must pass: ``model``'s logprobs of ``ids``, the weights it holds now."""
+    return Probe(ids, logprobs(model, ids, device), tolerance)
