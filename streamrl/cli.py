@@ -218,6 +218,54 @@ def doctor(run: Annotated[Path, typer.Argument(help="The run directory (RUN/conf
 
 
 @app.command()
+def replay(
+    run: Annotated[Path, typer.Argument(help="The recorded run's directory (RUN/record/).")],
+    overrides: OverridesArg = None,
+    first: Annotated[int | None, typer.Option("--from", help="Replay from the run's checkpoint at or before this "
+                                                              "step (default: the record's first).")] = None,
+    last: Annotated[int | None, typer.Option("--to", help="Replay up to this step (default: the record's last).")] = None,
+    out: Annotated[Path | None, typer.Option(help="The replay's run directory (default: RUN/replays/TIME).")] = None,
+    verify: Annotated[bool, typer.Option("--verify", help="Stop at the first step whose weights differ from the "
+                                                          "run's; exit 1 if one does.")] = False,
+    rank: Annotated[bool, typer.Option("--rank", hidden=True, help="RUN is a prepared replay: be one of its "
+                                                                    "ranks (set by the replay itself).")] = False,
+) -> None:
+    """Retrain a recorded run from exactly what it consumed: bit for bit, or with overrides on the same data."""
+    import json
+    import os
+    import subprocess
+
+    from streamrl.buffer.redis_server import free_port
+    from streamrl.learner import replay as replaying
+    from streamrl.learner.record import RecordError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if rank:  # under torchrun, started by the replay below
+        replaying.run(*replaying.prepared(run), verify, solo=False)
+        return
+    try:
+        cfg, source = replaying.prepare(run, first, last, out, list(overrides or []), verify)
+    except (ValueError, FileNotFoundError, RecordError) as e:
+        err.print(f"[red]streamrl replay:[/] {escape(str(e))}", soft_wrap=True)
+        raise typer.Exit(2) from None
+    err.print(f"replaying {source.steps} steps of {run} from version {source.start} into {cfg.run.path} "
+              f"({cfg.learner.nproc} rank(s), {source.meta['threads']} thread(s) each)", soft_wrap=True)
+    if cfg.learner.nproc == 1:
+        replaying.run(cfg, source, verify, solo=True)
+    else:
+        code = subprocess.call(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(cfg.learner.nproc), "--master_addr",
+             "127.0.0.1", "--master_port", str(free_port()), "-m", "streamrl", "replay", str(cfg.run.path), "--rank",
+             *(["--verify"] if verify else [])], env={**os.environ, "OMP_NUM_THREADS": str(source.meta["threads"])})
+        if code:
+            err.print(f"[red]streamrl replay:[/] a rank failed (exit {code}); see the log above", soft_wrap=True)
+            raise typer.Exit(2)
+    same, line = replaying.verdict(json.loads((cfg.run.path / "replay.json").read_text()))
+    Console().print(f"{'[green]' if same else '[yellow]'}{escape(line)}[/]  ({cfg.run.path})", soft_wrap=True)
+    raise typer.Exit(0 if same or not verify else 1)
+
+
+@app.command()
 def scale(
     run: Annotated[Path, typer.Argument(help="The run directory (RUN/config.yaml) of a run `streamrl up` is running.")],
     counts: Annotated[list[str], typer.Argument(help="servers=N and/or workers=N: how many the run should have.")],

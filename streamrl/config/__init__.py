@@ -6,7 +6,7 @@ refused, ``load`` reading and overriding, ``reference`` the generated reference 
 """
 
 from streamrl.config import rules  # noqa: F401  (each rule adds itself to the tree's checks as it is defined)
-from streamrl.config.load import ConfigError, dump_config, load_config
+from streamrl.config.load import ConfigError, config_from, dump_config, load_config
 from streamrl.config.sections import (
     Config,
     EvalConfig,
@@ -27,6 +27,6 @@ from streamrl.config.sections import (
     WeightSyncConfig,
 )
 
-__all__ = ["Config", "ConfigError", "EvalConfig", "LearnerConfig", "ModelConfig", "OffPolicyConfig", "PrepareConfig",
+__all__ = ["Config", "ConfigError", "config_from", "EvalConfig", "LearnerConfig", "ModelConfig", "OffPolicyConfig", "PrepareConfig",
            "RayConfig", "RedisConfig", "RewardConfig", "RolloutConfig", "RouterConfig", "RunConfig", "SamplingConfig",
            "Section", "ServerConfig", "SuperviseConfig", "WeightSyncConfig", "dump_config", "load_config"]

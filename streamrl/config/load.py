@@ -19,8 +19,14 @@ class ConfigError(ValueError):
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load a YAML file (or the defaults when ``path`` is None) and apply ``a.b=c`` overrides."""
-    where = str(path) if path else "<defaults>"
-    tree = _read_yaml(Path(path)) if path else {}
+    return config_from(_read_yaml(Path(path)) if path else {}, overrides, str(path) if path else "<defaults>")
+
+
+def config_from(tree: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), where: str = "<data>") -> Config:
+    """A config from plain data (a recorded run's, say) and ``a.b=c`` overrides; ``where`` names it in errors."""
+    import copy
+
+    tree = copy.deepcopy(tree)
     for item in overrides:
         _apply_override(tree, item)
     try:

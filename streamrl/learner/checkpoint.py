@@ -33,14 +33,29 @@ def save(model: Any, root: Path, *, version: int, cursor: str, critic: Any = Non
     model.save_checkpoint(str(root), tag=tag, client_state=state, exclude_frozen_parameters=adapter_only)
 
 
-def load(model: Any, root: Path, critic: Any = None, adapter_only: bool = False) -> dict[str, Any] | None:
-    """Restore the newest checkpoint under ``root`` (and the critic saved with it); None when there is
-    none. Collective. ``adapter_only``: the checkpoint holds a LoRA policy's trained weights alone."""
-    if not (root / "latest").is_file():
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """The checkpoint a learner begins from: ``version`` under ``root``, or the newest (None)."""
+
+    root: Path
+    version: int | None = None
+
+
+def versions(root: Path) -> list[int]:
+    """The versions checkpointed under ``root``, oldest first."""
+    return sorted(int(p.name.split("-")[1]) for p in root.glob("version-*") if p.name.split("-")[1].isdigit())
+
+
+def load(model: Any, root: Path, critic: Any = None, adapter_only: bool = False,
+         version: int | None = None) -> dict[str, Any] | None:
+    """Restore the checkpoint of ``version`` under ``root``, or the newest (and the critic saved with it); None
+    when there is none. Collective. ``adapter_only``: the checkpoint holds a LoRA policy's trained weights alone."""
+    if version is None and not (root / "latest").is_file():
         return None
-    path, state = model.load_checkpoint(str(root), load_module_strict=not adapter_only)
+    tag = None if version is None else f"version-{version}"
+    path, state = model.load_checkpoint(str(root), tag=tag, load_module_strict=not adapter_only)
     if path is None:
-        raise RuntimeError(f"checkpoint under {root} could not be loaded")
+        raise RuntimeError(f"checkpoint {tag or 'latest'} under {root} could not be loaded")
     torch.set_rng_state(state["torch_rng"])
     version = int(state["version"])
     if critic is not None:

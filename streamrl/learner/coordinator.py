@@ -12,17 +12,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from streamrl.buffer import Admission, Ledger, Namespace, PolicyVersion, ReplayStream, ServerRegistry, StreamReader
 from streamrl.config import Config
-from streamrl.learner import batching, probe
-from streamrl.learner.metrics import MetricsSink
-from streamrl.learner.partition import attention_cost, plan_micro_batches
+from streamrl.learner import batching, probe, record
+from streamrl.learner.metrics import MetricsSink, line
+from streamrl.learner.planning import Plan, Planner
 from streamrl.learner.policy import Policy
 from streamrl.learner.push import WeightPusher
 from streamrl.learner.staleness import AutoBound
@@ -31,40 +29,18 @@ from streamrl.weightsync import Probe
 log = logging.getLogger("streamrl.learner")
 
 
-@dataclass
-class Plan:
-    """What rank 0 plans for a policy version: per minibatch, a payload per rank (None on the other ranks, which
-    receive theirs), each minibatch's group ids, the ledger outcome of the groups read and not trained, and the
-    version's figures for its metrics line."""
-
-    payloads: list[list[bytes] | None]
-    members: list[list[str]] = field(default_factory=list)
-    outcomes: dict[str, str] = field(default_factory=dict)
-    info: dict = field(default_factory=dict)
-
-
 class Coordinator:
     """Rank 0's side of the loop: the stream reader, the ledger, the weight pusher, admission and its bound, the
     metrics sink, and with ``learner.kl_in_reward`` the reference whose KL goes into the rewards."""
 
+    pushes = True  # there are servers to push to (a replay has none)
+
     def __init__(self, cfg: Config, redis_url: str, policy: Policy, resumed: dict | None):
         self.cfg, self.policy, self.world = cfg, policy, torch.distributed.get_world_size()
         self.vocab_size = policy.module.config.vocab_size
-        self.hidden = policy.module.config.hidden_size
+        self.planner = Planner(cfg, policy, self.world)
         version = resumed["version"] if resumed else 0
         learner = cfg.learner
-        # A sequence with zero advantages adds nothing to a step unless the loss has terms of its own: PPO's
-        # critic advantages (made later, per token), an entropy bonus, KL to the reference in the loss
-        self.zero_advantage_is_inert = (learner.algorithm != "ppo" and learner.entropy_coef == 0
-                                        and (learner.kl_coef == 0 or learner.kl_in_reward))
-        self.reference = None
-        if learner.kl_in_reward and learner.kl_coef > 0:
-            from streamrl.learner.reference import Reference
-
-            temperature = cfg.rollout.sampling.temperature
-            self.reference = (Reference.base_of(policy.model, temperature) if learner.lora else
-                              Reference.load(cfg.model.path, policy.device, policy.module.dtype,
-                                             temperature))  # rank 0 alone: whole, never sharded
         ns = Namespace.open(redis_url, cfg.run.name, **cfg.redis.retry())
         self.stream = ReplayStream(ns)
         self.pusher = WeightPusher(cfg, ServerRegistry(ns, ttl_s=cfg.server.registry_ttl_s))
@@ -85,6 +61,12 @@ class Coordinator:
             log.info("ledger: %d outcomes of steps after version %d forgotten; they are replayed", forgotten, version)
         self.metrics = MetricsSink(Path(cfg.run.path), tensorboard=learner.tensorboard,
                                    wandb_project=learner.wandb_project, run_name=cfg.run.name, config=cfg.redacted())
+        self.recorder = None
+        if cfg.record.enabled:  # every step's input, for ``streamrl replay``
+            root = Path(cfg.run.path) / "record"
+            record.write_meta(root, {"world": self.world, "threads": torch.get_num_threads(),
+                                     "config": cfg.redacted()}, version)
+            self.recorder = record.Recorder(root, version, cfg.record.chunk_steps, cfg.record.keep_steps)
 
     @property
     def cursor(self) -> str:
@@ -97,14 +79,14 @@ class Coordinator:
         """The work of the step to ``version + 1``: 1. groups from the stream; 2. the staleness policy, dynamic
         sampling; 3. advantages, per minibatch of whole groups; 4. packed micro-batches, balanced over the ranks."""
         plan = Plan(payloads=[])
-        groups = self.pull(version, plan)
-        parts = self.advantages(groups, version, plan)
+        plan.groups = self.pull(version, plan)
+        parts = self.planner.advantages(plan.groups, version, plan)
         if self.probe_ids is None and self.cfg.weight_sync.verify:
             context = getattr(self.policy.module.config, "max_position_embeddings", None) or 2**31
             self.probe_ids = probe.choose([s for _, seqs in parts for s in seqs],
                                           min(self.cfg.weight_sync.probe_tokens, context - 1))
             probe.save(Path(self.cfg.run.path), self.probe_ids)
-        self.partition(parts, plan)
+        self.planner.partition(parts, plan)
         return plan
 
     def pull(self, version: int, plan: Plan) -> list:
@@ -161,54 +143,6 @@ class Coordinator:
             return "dropped:no_signal"
         return None
 
-    def advantages(self, groups: list, version: int, plan: Plan) -> list[tuple[list, list[batching.TrainSequence]]]:
-        """The groups as ``learner.minibatches`` minibatches of whole groups, each with its sequences carrying
-        their advantages (the reference's KL subtracted from the rewards first, with kl_in_reward)."""
-        learner, info = self.cfg.learner, plan.info
-        penalties = None
-        if self.reference is not None:
-            penalties = self.reference.kl_penalties(groups, learner.kl_coef, learner.kl_estimator,
-                                                    learner.micro_batch_tokens)
-            info["kl_penalty_mean"] = float(np.mean(np.concatenate(penalties)))
-        turns = batching.TurnCredit(learner.turn_gamma, learner.turn_lam) if learner.credit == "turn" else None
-        out = []
-        for part in np.array_split(np.arange(len(groups)), learner.minibatches):
-            mine = [groups[i] for i in part]
-            out.append((mine, batching.sequences(mine, version, learner.algorithm,
-                                                 None if penalties is None else [penalties[i] for i in part], turns)))
-        if turns is not None:  # samples whose turns could not be told apart were scored as one turn
-            info["turn_credit_fallbacks"] = sum(batching.turn_spans(s) is None for g in groups for s in g.samples)
-        rewards = [s.reward for g in groups for s in g.samples]
-        staleness = np.array([s.staleness for _, seqs in out for s in seqs])
-        info.update(reward_mean=float(np.mean(rewards)), reward_std=float(np.std(rewards)), groups=len(groups),
-                    staleness_hist={str(k): int(v) for k, v in zip(*np.unique(staleness, return_counts=True))},
-                    group_ids=[g.group_id for g in groups], staleness_max=int(staleness.max()))
-        return out
-
-    def partition(self, parts: list[tuple[list, list[batching.TrainSequence]]], plan: Plan) -> None:
-        """Each minibatch's sequences packed into micro-batches, the same number on every rank and balanced over
-        them (``partition``), as one msgpack payload per rank. Sequences without a gradient are left out
-        (``learner.skip_zero_advantage``); a rank left with nothing steps on a zero loss."""
-        learner = self.cfg.learner
-        imbalance, per_rank, tokens_global, skipped = 0.0, 0, 0, 0
-        for groups, seqs in parts:
-            tokens, count = int(sum(s.mask.sum() for s in seqs)), len(seqs)  # the loss's mean counts all of them
-            if learner.skip_zero_advantage and self.zero_advantage_is_inert:
-                seqs = [s for s in seqs if batching.has_gradient(s)]
-                skipped += count - len(seqs)
-            lengths = [len(s) for s in seqs]
-            costs = [attention_cost(n, self.hidden) for n in lengths] if learner.balance == "flops" else None
-            split = plan_micro_batches(lengths, self.world, learner.micro_batch_tokens, costs)
-            plan.payloads.append([batching.encode_shard([[seqs[i] for i in mb] for mb in rank], tokens, count)
-                                  for rank in split.ranks])
-            plan.members.append([g.group_id for g in groups])
-            loads = [sum(lengths[i] for i in mb) for rank in split.ranks for mb in rank]
-            imbalance = max(imbalance, max(loads) / max(sum(loads) / len(loads), 1e-9))
-            per_rank += split.per_rank
-            tokens_global += tokens
-        plan.info.update(micro_batch_imbalance=imbalance, micro_batches_per_rank=per_rank,
-                         tokens_global=tokens_global, zero_advantage_skipped=skipped)
-
     def _catch_up(self, version: int) -> None:
         """While data is late, bring servers that lack the current weights up to date (plain DP only:
         under ZeRO-3 gathering the weights is a collective the other ranks are not in)."""
@@ -244,10 +178,11 @@ class Coordinator:
         info.update(self.pusher.wait())
         info["push_wait_s"] = time.perf_counter() - t0
 
-    def record(self, version: int, plan: Plan, stats: dict, landed: int) -> None:
+    def record(self, version: int, plan: Plan, stats: dict, landed: int, weights: str) -> None:
         """The ledger's account of the step to ``version``: what became of every group it read (those of a
-        minibatch whose update was skipped reached no weights); a warning where the learner disagrees with the
-        engine on tokens its very weights generated."""
+        minibatch whose update was skipped reached no weights), and the run's record of it (with ``weights``, the
+        hash of the weights it ended with); a warning where the learner disagrees with the engine on tokens its
+        very weights generated."""
         learner = self.cfg.learner
         if stats.get("fresh_tokens") and stats["fresh_mismatch_kl"] > learner.mismatch_warn_kl:
             log.warning("train/inference mismatch: KL(behaviour || learner) %.2e on %d tokens generated by these very "
@@ -256,12 +191,20 @@ class Coordinator:
         plan.outcomes |= {g: "trained" if i < landed else "dropped:skipped"
                           for i, ids in enumerate(plan.members) for g in ids}
         self.ledger.record(version, self.reader.cursor, plan.outcomes)
+        if self.recorder:
+            self.recorder.append(record.Step(
+                version=version - 1, trained=plan.groups, outcomes={g: o for g, o in plan.outcomes.items()
+                                                                     if o != "trained"},
+                bound=plan.info["staleness_bound"], partition=plan.partition, cursor=self.reader.cursor,
+                landed=landed, weights=weights, info={k: plan.info[k] for k in record.PLAN_INFO}))
+            if landed and version % self.cfg.learner.checkpoint_every == 0:
+                self.recorder.sync()  # a checkpoint of this version follows: the frames it covers are on disk
 
     def report(self, version: int, plan: Plan, stats: dict) -> dict:
         """The metrics line of a step whose updates were all skipped: the version stays, the batch is reported."""
-        record = {"step": version, "time": time.time(), **plan.info, **stats, "cursor": self.reader.cursor}
-        self.metrics.write(record)
-        return record  # the step's line as any other's (the log line reads its figures: stats alone lack them)
+        out = line(version, plan, stats, self.reader.cursor)
+        self.metrics.write(out)
+        return out  # the step's line as any other's (the log line reads its figures: stats alone lack them)
 
     def push(self, params: list[tuple[str, torch.Tensor]], version: int, whole: bool,
              check: Probe | None = None) -> dict:
@@ -303,13 +246,11 @@ class Coordinator:
         staleness controller, and its metrics line written; returns the line."""
         if not (pushing and self.pusher.pending):
             self._publish(version, stats)
-        record = {"step": version, "time": time.time(), "train_s": train_s, **plan.info, **stats,
-                  "cursor": self.reader.cursor}
-        record["tokens_per_s"] = record["tokens_global"] / max(train_s, 1e-9)
+        out = line(version, plan, stats, self.reader.cursor, train_s)
         if self.auto:  # max_staleness: auto judges the step, and may move the bound for the next
-            record.update(self.auto.after_step(version, record))
-        self.metrics.write(record)
-        return record
+            out.update(self.auto.after_step(version, out))
+        self.metrics.write(out)
+        return out
 
     def announce(self, record: dict) -> None:
         log.info("step %(step)s  reward %(reward_mean).3f  loss %(loss).4f  tokens %(tokens_global)d", record)
@@ -320,6 +261,8 @@ class Coordinator:
         if last_push.get("push_targets"):
             self.metrics.write({"step": version, "time": time.time(), **last_push})
         self.metrics.close()
+        if self.recorder:
+            self.recorder.close()
 
 
 class Bystander:
@@ -329,8 +272,8 @@ class Bystander:
     cursor = ""
     probe_ids = None  # rank 0's, shared when a push is verified
 
-    def __init__(self, minibatches: int):
-        self.minibatches = minibatches
+    def __init__(self, minibatches: int, pushes: bool = True):
+        self.minibatches, self.pushes = minibatches, pushes
 
     def plan(self, version: int) -> Plan:
         return Plan(payloads=[None] * self.minibatches)
@@ -338,7 +281,7 @@ class Bystander:
     def end_push(self, info: dict) -> None:
         pass
 
-    def record(self, version: int, plan: Plan, stats: dict, landed: int) -> None:
+    def record(self, version: int, plan: Plan, stats: dict, landed: int, weights: str) -> None:
         pass
 
     def report(self, version: int, plan: Plan, stats: dict) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,9 +50,13 @@ class Learner:
     """One data-parallel rank: its policy (and PPO's critic, and SFT rows), trained every policy version; rank 0
     holds the ``Coordinator``, every other rank a ``Bystander`` in its place."""
 
-    def __init__(self, cfg: Config, redis_url: str):
+    def __init__(self, cfg: Config, coordinate: Callable[[Policy, dict | None], Coordinator],
+                 start: checkpoint.Start | None = None, pushes: bool = True):
+        """``coordinate(policy, resumed)``: rank 0's coordinator. ``start``: the checkpoint to begin from (default:
+        with ``learner.resume: auto``, the run's newest). ``pushes``: whether there are servers to push to."""
         self.cfg = cfg
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(cfg.run.seed)  # what draws at start (a LoRA adapter's init) draws the same in a replay
         self.policy = Policy(cfg, cfg.model.path)
         self.critic = None
         if cfg.learner.algorithm == "ppo":
@@ -65,14 +70,16 @@ class Learner:
             tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
             self.ptx = PtxData(cfg.learner.ptx_dataset, tokenizer, max_len=cfg.learner.micro_batch_tokens)
         self.checkpoints = Path(cfg.run.path) / "checkpoints"
+        if start is None and cfg.learner.resume == "auto":
+            start = checkpoint.Start(self.checkpoints)
         critic = self.critic.model if self.critic else None
-        adapter_only = cfg.learner.lora is not None
-        resumed = (checkpoint.load(self.policy.model, self.checkpoints, critic, adapter_only)
-                   if cfg.learner.resume == "auto" else None)
+        resumed = (checkpoint.load(self.policy.model, start.root, critic, cfg.learner.lora is not None, start.version)
+                   if start else None)
         self.version = resumed["version"] if resumed else 0
         self.checked: tuple[int, Probe | None] = (-1, None)  # the last version scored, and its probe
-        self.coordinator = (Coordinator(cfg, redis_url, self.policy, resumed) if self.rank == 0
-                            else Bystander(cfg.learner.minibatches))
+        self.coordinator = coordinate(self.policy, resumed) if self.rank == 0 else Bystander(cfg.learner.minibatches, pushes)
+        # every step's weights are hashed into the run's record: rank 0's, or under ZeRO-3 each rank its shard
+        self.recording = cfg.record.enabled and (self.rank == 0 or cfg.learner.zero_stage == 3)
 
     def step(self) -> dict:
         """One policy version, as the algorithm reads: plan, scatter, train, commit."""
@@ -88,14 +95,15 @@ class Learner:
     def commit(self, plan: Plan, stats: dict, landed: int, train_s: float) -> dict:
         """After the updates: the ledger, the new version (if any update landed), the push, checkpoint and export
         on their cadences (collectives every rank enters), the metrics line."""
-        self.coordinator.record(self.version + 1, plan, stats, landed)
+        weights = self.policy.fingerprint() if self.recording else ""  # collective under ZeRO-3
+        self.coordinator.record(self.version + 1, plan, stats, landed, weights)
         if stats["skipped"]:
             log.warning("update skipped: non-finite loss or gradient (%d of %d minibatches trained)", landed,
                         len(plan.payloads))
         if not landed:  # nothing reached the weights: the version stays, the batch is reported
             return self.coordinator.report(self.version, plan, stats)
         self.version += 1  # one policy version per step of the loop, however many updates it ran
-        pushing = self.version % self.cfg.weight_sync.sync_every == 0
+        pushing = self.coordinator.pushes and self.version % self.cfg.weight_sync.sync_every == 0
         if pushing:
             stats.update(self.push())
             if self.cfg.mode == "sync":  # no group may start before the servers have the weights
@@ -150,29 +158,42 @@ class Learner:
         self.coordinator.checkpointed(self.version, cursor)
 
 
+    def finish(self) -> None:
+        """After the last step: the final weights pushed (if the cadence left them out) and exported."""
+        if self.coordinator.pushes and self.version % self.cfg.weight_sync.sync_every:
+            self.push()
+        if self.version % self.cfg.learner.export_every:  # the final weights, for serving and evaluation
+            self.export()
+        self.coordinator.close(self.version)
+        dist.barrier()
+
+
+def init_rank(solo: bool) -> None:
+    """Join the data-parallel group: torchrun's variables, or ``solo`` a world of one that rendezvouses through a
+    file (no port to race for)."""
+    if not solo:
+        init_distributed()
+        return
+    import os
+    import tempfile
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")  # what DeepSpeed reads of a launcher's
+    rendezvous = Path(tempfile.mkdtemp(prefix="streamrl-rdzv-")) / "init"
+    init_distributed(init_method=f"file://{rendezvous}", rank=0, world_size=1, auto_mpi_discovery=False)
+
+
 def launch(cfg: Config, steps: int | None = None, solo: bool = False) -> None:
     """Process entry of ``streamrl launch-learner`` (under torchrun)."""
     if not cfg.redis.url:
         raise ValueError("redis.url is not set: the learner reads the replay stream from a shared Redis")
     if not cfg.model.path:
         raise ValueError("model.path is not set: give a local Hugging Face model directory")
-    if solo:  # a world of one rendezvouses through a file: no port to race for
-        import tempfile
-
-        rendezvous = Path(tempfile.mkdtemp(prefix="streamrl-rdzv-")) / "init"
-        init_distributed(init_method=f"file://{rendezvous}", rank=0, world_size=1, auto_mpi_discovery=False)
-    else:
-        init_distributed()
-    learner = Learner(cfg, cfg.redis.url)
+    init_rank(solo)
+    learner = Learner(cfg, lambda policy, resumed: Coordinator(cfg, cfg.redis.url, policy, resumed))
     target = steps if steps is not None else cfg.learner.max_steps
     while learner.version < target:
         learner.coordinator.announce(learner.step())
-    if learner.version % cfg.weight_sync.sync_every:  # the servers get the final weights too
-        learner.push()
-    if learner.version % cfg.learner.export_every:  # the final weights, for serving and evaluation
-        learner.export()
-    learner.coordinator.close(learner.version)
-    dist.barrier()
+    learner.finish()
     # An exit with the group still up can abort in a backend thread's teardown ("terminate called without
     # an active exception", exit status 250, seen once under the DeepSpeed launcher in CI); PyTorch asks
     # for an explicit destroy.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import numbers
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,3 +46,12 @@ class MetricsSink:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def line(version: int, plan: Any, stats: dict, cursor: str, train_s: float | None = None) -> dict[str, Any]:
+    """A step's metrics line: the plan's figures, the updates' statistics, the cursor; with ``train_s`` (a step
+    whose update landed) its time and tokens per second."""
+    out = {"step": version, "time": time.time(), **plan.info, **stats, "cursor": cursor}
+    if train_s is not None:
+        out |= {"train_s": train_s, "tokens_per_s": out["tokens_global"] / max(train_s, 1e-9)}
+    return out

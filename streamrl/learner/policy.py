@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import xxhash
 
 from streamrl.config import Config
 from streamrl.learner import adapter, packing, prefix, tally
@@ -139,6 +140,24 @@ class Policy:
         if self.cfg.learner.lora is not None:
             return adapter.tensors(self.module)
         return list(self.module.named_parameters())
+
+    def fingerprint(self) -> str:
+        """xxh3-128 of the trained weights, name by name: what a replay must reproduce bit for bit. Under ZeRO-3
+        each rank hashes its shard and the hash is of the ranks' hashes (a collective); else rank 0's is the
+        answer (every rank holds the whole weights)."""
+        zero3 = self.cfg.learner.zero_stage == 3
+        h = xxhash.xxh3_128()
+        for name, p in self.module.named_parameters():
+            if p.requires_grad:
+                data = (p.ds_tensor if zero3 else p).detach().reshape(-1).view(torch.uint8).cpu()
+                h.update(name.encode())
+                h.update(memoryview(data.numpy()))
+        if not (zero3 and dist.is_initialized() and dist.get_world_size() > 1):
+            return h.hexdigest()
+        mine = torch.tensor(list(h.digest()), dtype=torch.uint8, device=self.device)
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, mine)
+        return xxhash.xxh3_128(b"".join(bytes(t.cpu().tolist()) for t in everyone)).hexdigest()
 
     @property
     def device(self) -> torch.device:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from streamrl.config.sections.base import Section
-from streamrl.config.sections.learner import LearnerConfig, LoraConfig
+from streamrl.config.sections.learner import LearnerConfig, LoraConfig, RecordConfig
 from streamrl.config.sections.off_policy import (
     DEFAULT_MAX_STALENESS,
     AutoStalenessConfig,
@@ -35,7 +35,7 @@ from streamrl.config.sections.serving import RewardConfig, RouterConfig, ServerC
 
 __all__ = ["DEFAULT_MAX_STALENESS", "RULES", "AutoStalenessConfig", "Config", "EvalConfig", "LearnerConfig",
            "LightPlacement", "LoraConfig", "ModelConfig", "OffPolicyConfig", "Placement", "PrepareConfig", "RayConfig",
-           "RedisConfig", "RewardConfig", "RolloutConfig", "RouterConfig", "Rule", "RunConfig", "SamplingConfig",
+           "RecordConfig", "RedisConfig", "RewardConfig", "RolloutConfig", "RouterConfig", "Rule", "RunConfig", "SamplingConfig",
            "Section", "ServerConfig", "SuperviseConfig", "WeightSyncConfig", "problems"]
 
 Rule = Callable[["Config"], Iterator[str]]
@@ -61,6 +61,7 @@ class Config(Section):
     off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    record: RecordConfig = Field(default_factory=RecordConfig)
     prepare: PrepareConfig = Field(default_factory=PrepareConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     supervise: SuperviseConfig = Field(default_factory=SuperviseConfig)

@@ -98,3 +98,16 @@ class LearnerConfig(Section):
     ptx_per_rank: int = Field(2, ge=1, description="SFT rows per rank per step")
     lora: LoraConfig | None = Field(None, description="train a LoRA adapter instead of every weight (empty: "
                                     "full fine-tuning)")
+
+
+class RecordConfig(Section):
+    """The run's record (``RUN/record/``): every learner step's input (the groups it trained, in order, what it
+    dropped and why, its staleness bound and partition) and a hash of the weights it ended with, written beside
+    training; ``streamrl replay RUN`` retrains the run from it, bit for bit or with other settings."""
+
+    enabled: bool = Field(True, description="record every learner step (rank 0 writes, in a thread of its own)")
+    chunk_steps: int = Field(50, ge=1, description="steps per chunk file (record/NNNNNNNN.rec): the unit "
+                             "keep_steps deletes")
+    keep_steps: int | None = Field(None, ge=1, description="keep at least the newest this many steps and delete "
+                                   "older chunks (empty: keep every step; a replay needs a checkpoint inside what "
+                                   "is kept)")
