@@ -16,7 +16,7 @@ STUDIES = {"queue": "benchmarks.replay_stream", "generate": "benchmarks.generate
            "simulate": "benchmarks.simulate", "trl": "benchmarks.against_trl", "soak": "benchmarks.soak",
            "ablation": "benchmarks.ablation", "agent": "benchmarks.agent", "nodes": "benchmarks.nodes",
            "lora": "benchmarks.lora", "trl-tune": "benchmarks.trl_tune",
-           "engines": "benchmarks.engines", "stress": "benchmarks.stress",
+           "engines": "benchmarks.engines", "stress": "benchmarks.stress", "counterfactual": "benchmarks.counterfactual",
            "report": "benchmarks.report"}  # gathers the studies' results into docs/benchmarks.md
 
 

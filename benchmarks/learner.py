@@ -58,12 +58,17 @@ WORKLOADS = {
     "smollm2-recipe": {"groups": 8, "n": 8, "prompt": 45, "lengths": (47, 77), "tail": False, "budget": 2048},
 }
 SIDES = {"plain-padded": "plain loop, padded bands", "plain-packed": "plain loop, packed",
-         "streamrl": "streamrl (packed)", "streamrl-shared": "streamrl, shared prompts"}
+         "streamrl": "streamrl (packed)", "streamrl-shared": "streamrl, shared prompts",
+         "streamrl-recorded": "streamrl, shared prompts, recorded"}
 ZERO_STAGES = (0, 2, 3)
 ZERO_SHAPE = {"quick": {"groups": 4, "max_len": 256, "budget": 1024}, "full": {"groups": 8, "max_len": 512, "budget": 2048}}
 
 
 def make_sequences(shape: dict, vocab: int, seed: int) -> list[batching.TrainSequence]:
+    return batching.sequences(make_groups(shape, vocab, seed), version=0, algorithm="rloo")
+
+
+def make_groups(shape: dict, vocab: int, seed: int) -> list:
     """Groups of ``n`` samples; each sample's length drawn on its own (long-tailed: log-normal, clipped)."""
     rng = np.random.default_rng(seed)
     lo, hi = shape["lengths"]
@@ -79,7 +84,31 @@ def make_sequences(shape: dict, vocab: int, seed: int) -> list[batching.TrainSeq
             sample.logprobs = np.r_[sample.logprobs, -rng.exponential(1.0, extra)].astype(np.float32)
             sample.versions = np.r_[sample.versions, np.zeros(extra, sample.versions.dtype)]
         groups.append(made)
-    return batching.sequences(groups, version=0, algorithm="rloo")
+    return groups
+
+
+class Recorded:
+    """What recording adds to a learner step (``record``): the weights' hash, and the step handed to the record's
+    writer thread. Timed with the writer's work waited for (``sync``), so the figure is an upper bound: in a run the
+    thread encodes while the next step's data comes in."""
+
+    def __init__(self, root: Path):
+        from streamrl.learner.record import Recorder
+
+        self.recorder, self.version, self.parts = Recorder(root, 0), 0, {"hash_s": [], "writer_s": []}
+
+    def step(self, policy, groups: list, partition: list) -> None:
+        from streamrl.learner.record import Step
+
+        t0 = time.perf_counter()
+        weights = policy.fingerprint()
+        t1 = time.perf_counter()
+        self.recorder.append(Step(version=self.version, trained=groups, outcomes={}, bound=0, partition=partition,
+                                  cursor="0-0", landed=1, weights=weights))
+        self.recorder.sync()
+        self.parts["hash_s"].append(t1 - t0)
+        self.parts["writer_s"].append(time.perf_counter() - t1)
+        self.version += 1
 
 
 def zero_sequences(shape: dict, vocab: int, seed: int) -> list[batching.TrainSequence]:
@@ -196,7 +225,9 @@ def workload(name: str, model_dir: str, repeats: int) -> dict:
     budget = shape["budget"]
     base = [f"model.path={model_dir}", "off_policy.correction=none", "learner.lr=1e-5"]
     ours = {"streamrl": Policy(load_config(None, [*base, "learner.share_prompts=false"]), model_dir),
-            "streamrl-shared": Policy(load_config(None, base), model_dir)}
+            "streamrl-shared": Policy(load_config(None, base), model_dir),
+            "streamrl-recorded": Policy(load_config(None, base), model_dir)}
+    recorded = Recorded(Path(tempfile.mkdtemp(prefix="streamrl-record-")))
     plain = {"plain-padded": AutoModelForCausalLM.from_pretrained(model_dir).train().to(DEVICE),
              "plain-packed": AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=packing.attention())
              .to(DEVICE)}
@@ -204,34 +235,40 @@ def workload(name: str, model_dir: str, repeats: int) -> dict:
     loss_fn = PolicyLoss(correction="none")
     vocab = plain["plain-padded"].config.vocab_size
 
-    def run_side(side: str, seqs: list[batching.TrainSequence]) -> None:
+    def run_side(side: str, seqs: list[batching.TrainSequence], groups: list) -> None:
         lengths, n = [len(s) for s in seqs], int(sum(s.mask.sum() for s in seqs))
-        packed = [[seqs[i] for i in mb] for mb in plan_micro_batches(lengths, 1, budget).ranks[0]]
+        split = plan_micro_batches(lengths, 1, budget).ranks
+        packed = [[seqs[i] for i in mb] for mb in split[0]]
         if side in ours:
             train(ours[side], [Shard(packed, n, 0)], epochs=1)
+            if side == "streamrl-recorded":
+                recorded.step(ours[side], groups, [split])
         elif side == "plain-packed":
             plain_step(plain[side], optimizers[side], packed, n, loss_fn, packed=True)
         else:
             bands = [[seqs[i] for i in band] for band in padded_bands(lengths, budget)]
             plain_step(plain[side], optimizers[side], bands, n, loss_fn, packed=False)
 
-    warm = make_sequences(shape, vocab, 0)
+    warm = make_groups(shape, vocab, 0)
     for side in SIDES:
-        run_side(side, warm)
+        run_side(side, batching.sequences(warm, version=0, algorithm="rloo"), warm)
     samples: dict[str, list[float]] = {side: [] for side in SIDES}
     peaks: dict[str, list[float]] = {side: [] for side in SIDES}
+    seconds: dict[str, list[float]] = {side: [] for side in SIDES}
     computed = []
     order = list(SIDES)
     for r in range(repeats):
-        seqs = make_sequences(shape, vocab, r + 1)
+        groups = make_groups(shape, vocab, r + 1)
+        seqs = batching.sequences(groups, version=0, algorithm="rloo")
         computed.append(computed_per_real(seqs, budget))
         for side in order[r % len(order):] + order[: r % len(order)]:
             with PeakMemory() as memory:
                 t0 = time.perf_counter()
-                run_side(side, seqs)
+                run_side(side, seqs, groups)
                 if DEVICE.type == "cuda":
                     torch.cuda.synchronize()  # the work done, not the work queued
-                samples[side].append(sum(len(s) for s in seqs) / (time.perf_counter() - t0))
+                seconds[side].append(time.perf_counter() - t0)
+                samples[side].append(sum(len(s) for s in seqs) / seconds[side][-1])
             peaks[side].append(memory.peak)
         console.log(f"{name} {r + 1}/{repeats}: " + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in samples.items()))
     def paired(side: str, base: str) -> float:  # the machine's speed drifts between repeats: ratio within each
@@ -244,7 +281,11 @@ def workload(name: str, model_dir: str, repeats: int) -> dict:
             "vs_plain_packed": {side: paired(side, "plain-packed") for side in SIDES},
             "packed_vs_padded": paired("streamrl", "plain-padded"),
             "packed_vs_plain": paired("streamrl", "plain-packed"),
-            "shared_vs_packed": paired("streamrl-shared", "streamrl")}
+            "shared_vs_packed": paired("streamrl-shared", "streamrl"),
+            # what recording costs a step: 1 - this; and its parts, in seconds
+            "recorded_vs_shared": paired("streamrl-recorded", "streamrl-shared"),
+            "record_parts_s": {k: median(v[1:]) for k, v in recorded.parts.items()},
+            "step_s": {side: median(v) for side, v in seconds.items()}}
 
 
 def run(quick: bool) -> dict:
@@ -323,6 +364,12 @@ def report(data: dict, out: Path) -> None:
                 "of the ratios within each repeat",
                 ["workload", "side", "tokens/s", "vs padded bands", "vs plain packed", "computed / real",
                  "peak memory (MB)"], rows)
+    print_table("What recording costs a learner step (record.enabled, the default): the step with the weights' hash "
+                "and the record's frame written and synced, against the same step without; medians",
+                ["workload", "step without (s)", "cost", "weights' hash (s)", "frame encoded and written (s)"],
+                [[name, w["step_s"]["streamrl-shared"], f"{100 * (1 - w['recorded_vs_shared']):+.1f}%",
+                  f"{w['record_parts_s']['hash_s']:.4f}", f"{w['record_parts_s']['writer_s']:.4f}"]
+                 for name, w in data["workloads"].items()])
     zero = data["zero"]
     if zero:  # none on a machine of one GPU
         print_table("ZeRO stages, 2 ranks × 1 thread (gloo)",

@@ -1,7 +1,8 @@
-"""``streamrl doctor RUN``: the ledger of a run, and whether it balances.
+"""``streamrl doctor RUN``: the ledger of a run, and whether it balances; of a replay, whether it matched.
 
 Reads ``RUN/config.yaml`` for the Redis URL and run name. When that Redis is gone (an embedded
-one stops with its run), the run's own append-only file is opened in a temporary redis-server.
+one stops with its run), the run's own append-only file is opened in a temporary redis-server. A replay's
+directory (``streamrl replay``) has no Redis: its ``replay.json`` and metrics say what it trained.
 """
 
 from __future__ import annotations
@@ -71,3 +72,44 @@ def show(report: LedgerReport, console: Console) -> None:
     for push, reason in sorted(report.refused.items(), key=lambda kv: int(kv[0].split("@")[0])):
         version, server = push.split("@", 1)
         console.print(f"[yellow]push refused:[/] {server} rolled back version {version}: {reason}")
+
+
+def show_record(run_dir: Path, console: Console) -> None:
+    """One line on the run's record: the steps it holds, and how to check them."""
+    from streamrl.learner import record
+
+    root = run_dir / "record"
+    if not record.chunks(root):
+        console.print("record: none (record.enabled: false): this run cannot be replayed")
+        return
+    try:
+        first, last = record.span(root)
+    except record.RecordError as e:
+        console.print(f"[red]record:[/] {e}")
+        return
+    size = sum(p.stat().st_size for p in record.chunks(root)) / 2**20
+    console.print(f"record: steps {first + 1}-{last} ({size:.1f} MB); `streamrl replay {run_dir} --verify` "
+                  "retrains them and compares every step's weights")
+
+
+def show_replay(run_dir: Path, console: Console) -> bool:
+    """A replay's account: what it replayed, and whether its weights matched the run's; False if they differ."""
+    import json
+
+    from streamrl.learner.replay import verdict
+
+    summary = json.loads((run_dir / "replay.json").read_text())
+    lines = [json.loads(x) for x in (run_dir / "metrics" / "learner.jsonl").read_text().splitlines() if x.strip()]
+    table = Table(title=f"replay of {summary['source']}", show_header=True)
+    table.add_column("")
+    table.add_column("", justify="right")
+    rows = [("started from the checkpoint of version", summary["start"]), ("steps replayed", len(lines)),
+            ("version reached", summary["version"]), ("groups trained", sum(r.get("groups", 0) for r in lines)),
+            ("groups the run dropped (stale)", sum(r.get("dropped_stale", 0) for r in lines)),
+            ("groups the run dropped (no signal)", sum(r.get("dropped_no_signal", 0) for r in lines))]
+    for name, value in rows:
+        table.add_row(name, str(value))
+    console.print(table)
+    same, line = verdict(summary)
+    console.print(f"{'[green]' if same else '[yellow]'}weights: {line}[/]")
+    return same

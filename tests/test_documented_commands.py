@@ -45,6 +45,11 @@ COMMANDS = {
     "make test-fast": "`make test`'s fast set",
     "streamrl doctor runs/quickstart": RUN,
     "streamrl plot runs/quickstart": RUN,
+    "streamrl replay runs/quickstart --verify": RUN,
+    "streamrl replay runs/agentic off_policy.correction=tis off_policy.tis_cap=2 --out runs/agentic-tis": (
+        "a replay of the agentic config's run with overrides: benchmarks/counterfactual.py replays such runs, and "
+        "tests/test_replay.py::test_a_counterfactual_trains_other_weights_on_the_same_data_and_bad_overrides_are_refused "
+        "the same overrides"),
     "streamrl up configs/quickstart.yaml": RUN,
     "streamrl up configs/quickstart.yaml --fresh": "what `make quickstart` runs (scripts/quickstart.sh)",
     "bash scripts/setup.sh": "the first step of `make quickstart`",
@@ -179,6 +184,9 @@ def test_the_quickstart_then_its_doctor_and_its_resume_work_as_documented(scratc
     for _ in range(3):  # the run's Redis replays its append-only file when doctor opens it: every try must wait
         doctor = _sh("streamrl doctor runs/quickstart", scratch, timeout=120)
         assert doctor.returncode == 0 and "balanced" in doctor.stdout, doctor.stdout + doctor.stderr
+    assert "record: steps 1-40" in doctor.stdout
+    replayed = _sh("streamrl replay runs/quickstart --verify", scratch)  # the learner alone, from the record
+    assert replayed.returncode == 0 and "identical through step 40" in replayed.stdout, replayed.stderr[-3000:]
     resumed = _sh("streamrl up configs/quickstart.yaml", scratch)  # a finished run resumes at its end
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
     steps = [json.loads(line).get("step") for line in (scratch / "runs/quickstart/metrics/learner.jsonl").open()]

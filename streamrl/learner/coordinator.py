@@ -65,7 +65,7 @@ class Coordinator:
         if cfg.record.enabled:  # every step's input, for ``streamrl replay``
             root = Path(cfg.run.path) / "record"
             record.write_meta(root, {"world": self.world, "threads": torch.get_num_threads(),
-                                     "config": cfg.redacted()}, version)
+                                     "device": policy.device.type, "config": cfg.redacted()}, version)
             self.recorder = record.Recorder(root, version, cfg.record.chunk_steps, cfg.record.keep_steps)
 
     @property

@@ -9,6 +9,7 @@ export on every rank, and rank 0's ledger, published version and metrics line.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -57,6 +58,9 @@ class Learner:
         self.cfg = cfg
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(cfg.run.seed)  # what draws at start (a LoRA adapter's init) draws the same in a replay
+        if cfg.record.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what cuBLAS needs to be deterministic
+            torch.use_deterministic_algorithms(True)
         self.policy = Policy(cfg, cfg.model.path)
         self.critic = None
         if cfg.learner.algorithm == "ppo":
@@ -174,7 +178,6 @@ def init_rank(solo: bool) -> None:
     if not solo:
         init_distributed()
         return
-    import os
     import tempfile
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")  # what DeepSpeed reads of a launcher's

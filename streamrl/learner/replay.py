@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -82,6 +82,7 @@ class Source:
     steps: int         # frames to replay
     reaches: int       # the version the run reached after them
     meta: dict         # the record's meta of the learner start that covers ``start``
+    overrides: list[str] = field(default_factory=list)  # how the replay departs from the run (a counterfactual)
 
     @classmethod
     def find(cls, run: Path, first: int | None, last: int | None) -> Source:
@@ -110,6 +111,11 @@ def prepare(run: Path, first: int | None, last: int | None, out: Path | None, ov
     recorded, replayed = config_from(source.meta["config"], (), where), config_from(source.meta["config"], overrides, where)
     if verify and overrides:
         raise ValueError("--verify compares the replay with the run, bit for bit: it takes no overrides")
+    if verify and source.meta.get("device") == "cuda" and not recorded.record.deterministic:
+        raise ValueError("the run trained on CUDA without record.deterministic: its kernels' sums may fall in another "
+                         "order each time, so its steps cannot be reproduced bit for bit (replay it without --verify, "
+                         "or record runs with record.deterministic=true)")
+    source.overrides = list(overrides)
     problems = refused(recorded, replayed)
     if problems:
         raise ValueError("a replay trains on the run's own data and cannot change:\n  " + "\n  ".join(problems))
@@ -133,8 +139,13 @@ def prepared(out: Path) -> tuple[Config, Source]:
 
 
 def verdict(summary: dict) -> tuple[bool, str]:
-    """Whether the replay matched the run at every step, and the line that says so."""
-    through, difference = summary["identical_through"], summary["difference"]
+    """Whether the replay did what it was asked, and the line that says so: a replay of the run matched it at
+    every step; a counterfactual (overrides) trained on the run's data, whatever its weights became."""
+    through, difference, overrides = summary["identical_through"], summary["difference"], summary["overrides"]
+    if overrides:
+        departs = (f"its weights part from the run's at step {difference['step']}" if difference else
+                   f"its weights stayed identical to the run's through step {through}")
+        return True, f"a counterfactual ({' '.join(overrides)}) on the run's data: {departs}"
     if difference is None:
         return True, f"identical through step {through}"
     return False, f"step {difference['step']} differs: {difference['problem']} (identical through step {through})"
@@ -211,7 +222,7 @@ class Replayer:
     def close(self, version: int) -> None:
         self.metrics.close()
         summary = {"source": str(self.source.run.resolve()), "start": self.source.start, "steps": self.source.steps,
-                   "reaches": self.source.reaches, "version": version, "identical_through": self.identical_through,
+                   "reaches": self.source.reaches, "overrides": self.source.overrides, "version": version, "identical_through": self.identical_through,
                    "difference": self.difference, "time": time.time()}
         (Path(self.cfg.run.path) / "replay.json").write_text(json.dumps(summary, indent=1))
 

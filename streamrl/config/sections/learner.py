@@ -111,3 +111,6 @@ class RecordConfig(Section):
     keep_steps: int | None = Field(None, ge=1, description="keep at least the newest this many steps and delete "
                                    "older chunks (empty: keep every step; a replay needs a checkpoint inside what "
                                    "is kept)")
+    deterministic: bool = Field(False, description="run the learner with torch's deterministic algorithms, which a "
+                                "bit-for-bit replay (`streamrl replay --verify`) of a CUDA run needs (atomic adds in "
+                                "CUDA backward kernels reorder sums); on CPU every step is deterministic without it")
