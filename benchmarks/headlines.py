@@ -14,7 +14,7 @@ import re
 from itertools import takewhile
 from pathlib import Path
 
-from benchmarks.common import points
+from benchmarks.common import median, points
 
 # Published runs that joined seeds from more than one invocation before runs were stamped with theirs: the study
 # and its results' time (the last invocation's), and what ran where. A later run of the study (another time) is
@@ -220,6 +220,18 @@ def rows(studies: dict[str, dict]) -> Rows:
             out.pair("learner", data, "learner step, SmolLM2-135M, real tokens/s (baseline: a plain PyTorch loop on "
                      "the same packed rows)", number(ours["tokens/s"]), number(plain["tokens/s"]),
                      f"{number(ours['vs plain packed']):.2f}× (median of each repeat's)", "learner")
+    if (data := studies.get("learner")) and (row := cells(data, "What recording costs", workload="smollm2-recipe")):
+        out.pair("learner", data, "learner step, configs/smollm2.yaml's batch, recorded (weights' hash and the "
+                 "record's frame written) / not, seconds", number(row["step with (s)"]),
+                 number(row["step without (s)"]), f"{row['cost']} (median of each repeat's)", "learner", " s")
+    if (data := studies.get("counterfactual")) and "arms" in data:  # not a section read back from the page
+        arm = data["arms"]["decoupled"]
+        recorded = median([r["recorded_train_s"] for r in data["runs"]])
+        replayed = median([r["arms"]["decoupled"]["train_s"] for r in data["runs"]])
+        out.pair("counterfactual", data, "streamrl replay / the recorded run's learner, agentic toy, seconds of "
+                 f"training per step ({'bit for bit identical' if arm['identical'] else 'NOT identical'})", replayed,
+                 recorded, f"{arm['replay_vs_recorded_speed']:.2f}× speed (median of each run's)", "counterfactual",
+                 " s")
     if (data := studies.get("soak")) and (t := table(data, "Memory per part")):
         columns, body = t
         parts = [dict(zip(columns, r)) for r in body]

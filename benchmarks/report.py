@@ -29,7 +29,8 @@ TITLES = {"queue": "Replay stream", "partition": "Micro-batch partitioning", "ge
           "trl_tune": "TRL's AsyncGRPOTrainer: its settings here", "engines": "The real-model recipe on each engine",
           "stress": "Stale data on purpose: the auto staleness bound under stress",
           "weight_push_verification": "Weight push: what verifying it costs",
-          "weight_push_fleet": "Weight push: how much of the fleet pauses"}
+          "weight_push_fleet": "Weight push: how much of the fleet pauses",
+          "counterfactual": "Off-policy corrections on one recorded run's data"}
 MODULES = {"queue": "replay_stream", "trl": "against_trl", "e2e_smollm2": "e2e"}  # a study's module, where not its own name
 COMMANDS = {"e2e_smollm2": "e2e --real-model", "trl_async": "trl --trl-trainer async", "trl_async_lora": "trl --trl-trainer async --lora",
             "weight_push_verification": "weight-push --study verification", "weight_push_fleet": "weight-push --study fleet"}

@@ -424,3 +424,28 @@ def test_the_fleet_study_reads_pauses_as_hand_computed_and_reports_both_studies(
               for name in ("weight_push_fleet", "weight_push_verification")}
     assert tables["weight_push_fleet"][1][3:5] == ["0", "50%"]  # waves: never both at once, half at most
     assert tables["weight_push_verification"][0][5:9] == ["+5%", "+50%", "+150%", "0.10"]
+
+
+def test_the_counterfactual_study_pairs_each_arm_with_the_runs_own_correction_by_recorded_run(tmp_path, capsys):
+    from benchmarks import counterfactual
+
+    def arm(held_out, train_s, identical=False):
+        return {"held_out_final": held_out, "held_out_reward": held_out, "train_s": train_s, "identical": identical}
+
+    def run(seed, none, decoupled):
+        arms = {name: arm(0.5, 1.0) for name in counterfactual.ARMS}
+        arms |= {"none": arm(none, 1.0), "decoupled": arm(decoupled, 0.8, identical=True)}
+        return {"seed": seed, "recorded_train_s": 1.0, "arms": arms}
+
+    rows = [run(0, 0.80, 0.90), run(1, 0.90, 0.90), run(2, 0.75, 0.95)]
+    summary = counterfactual.summarise(rows)
+    assert summary["none"]["against"]["held_out_final"]["mean"] == pytest.approx((-0.10 + 0.0 - 0.20) / 3)
+    assert summary["none"]["against"]["held_out_final"]["pairs"] == 3 and summary["decoupled"]["against"] is None
+    assert summary["decoupled"]["replay_vs_recorded_speed"] == pytest.approx(1.25)  # 1.0 s recorded / 0.8 s replayed
+    assert summary["decoupled"]["identical"] and not summary["none"]["identical"]
+    counterfactual.report({"study": "counterfactual", "max_steps": 40, "arms": summary, "runs": rows}, tmp_path)
+    saved = json.loads((tmp_path / "counterfactual.json").read_text())
+    table = saved["tables"][0]
+    assert [r[0] for r in table["rows"]] == list(counterfactual.ARMS)
+    assert table["rows"][2][-1] == "yes, every step" and table["rows"][0][3].startswith("-10.0 ±")
+    assert (tmp_path / "counterfactual.png").stat().st_size > 10_000

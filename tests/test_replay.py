@@ -173,3 +173,11 @@ def test_the_quickstart_on_two_ranks_replays_bit_for_bit(tmp_path, quickstart_pr
     assert "identical through step 10" in out.stdout
     doctor = subprocess.run([*STREAMRL, "doctor", str(run)], capture_output=True, text=True)
     assert "record: steps 1-10" in doctor.stdout, doctor.stdout
+
+
+def test_a_lora_run_replays_bit_for_bit(redis_server, tiny_model_dir, tmp_path):
+    """Only the adapter trains, and its weights are what each step hashes; its random init is drawn again."""
+    run = _recorded_run(redis_server.url, tiny_model_dir, tmp_path, 1, "learner.lora.rank=4", "learner.lr=1e-3")
+    out = _replay(run, "--verify")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "identical through step 5" in out.stdout
