@@ -16,6 +16,12 @@ Each repeat records a run at its own seed; every arm's final weights are scored 
 and each arm is compared with `decoupled` paired by seed. The replays' learner time per step is set beside the
 recorded run's (the same steps on the same threads, without the servers beside it).
 
+Read the comparison with its one bias in mind: the data are the recorded arm's own. Its policy generated every
+group, so `decoupled` trains at the staleness the run measured, while every other arm's weights drift away from
+the policies that generated its data, and it trains further off-policy than its own run would have. Replays
+remove the timing noise between arms, not this home advantage; a record per arm, each replayed by every arm,
+would.
+
     python -m benchmarks.counterfactual [--quick] [--repeats N]     (or: streamrl bench counterfactual)
 """
 

@@ -10,7 +10,9 @@ AdamW step per batch, rotated per repeat in one process (a world of one, gloo):
   budget of padded tokens, a plain PyTorch loop;
 - plain loop, packed: the same packed rows as streamrl, a plain PyTorch loop (no framework);
 - streamrl: ``Policy.update`` on packed micro-batches (``share_prompts=false``);
-- streamrl, shared prompts: the default (each group's prompt forwarded once per micro-batch).
+- streamrl, shared prompts: the default (each group's prompt forwarded once per micro-batch);
+- streamrl, shared prompts, recorded: the same, with what the run's record adds to a step (``record.enabled``, the
+  default): the weights' hash, and the step's frame encoded and written, waited for.
 
 Reported: real tokens per second, tokens computed per real token, and how far the process's resident
 memory rose during the step (sampled every 2 ms, heap trimmed before each side). ZeRO stages 0, 2 and 3 under
@@ -40,7 +42,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import cli, console, median, new_figure, print_table, save_figure, write_json
-from streamrl.learner import batching, packing, prefix
+from streamrl.learner import batching, packing, prefix, record
 from streamrl.learner.batching import Shard
 from streamrl.learner.losses import PolicyLoss
 from streamrl.learner.partition import plan_micro_batches
@@ -67,7 +69,6 @@ ZERO_SHAPE = {"quick": {"groups": 4, "max_len": 256, "budget": 1024}, "full": {"
 def make_sequences(shape: dict, vocab: int, seed: int) -> list[batching.TrainSequence]:
     return batching.sequences(make_groups(shape, vocab, seed), version=0, algorithm="rloo")
 
-
 def make_groups(shape: dict, vocab: int, seed: int) -> list:
     """Groups of ``n`` samples; each sample's length drawn on its own (long-tailed: log-normal, clipped)."""
     rng = np.random.default_rng(seed)
@@ -88,23 +89,18 @@ def make_groups(shape: dict, vocab: int, seed: int) -> list:
 
 
 class Recorded:
-    """What recording adds to a learner step (``record``): the weights' hash, and the step handed to the record's
-    writer thread. Timed with the writer's work waited for (``sync``), so the figure is an upper bound: in a run the
-    thread encodes while the next step's data comes in."""
+    """What recording adds to a learner step: the weights' hash, and the step's frame written. The writer's work is
+    waited for (``sync``): an upper bound, as in a run its thread encodes while the next step's data come in."""
 
     def __init__(self, root: Path):
-        from streamrl.learner.record import Recorder
-
-        self.recorder, self.version, self.parts = Recorder(root, 0), 0, {"hash_s": [], "writer_s": []}
+        self.recorder, self.version, self.parts = record.Recorder(root, 0), 0, {"hash_s": [], "writer_s": []}
 
     def step(self, policy, groups: list, partition: list) -> None:
-        from streamrl.learner.record import Step
-
         t0 = time.perf_counter()
         weights = policy.fingerprint()
         t1 = time.perf_counter()
-        self.recorder.append(Step(version=self.version, trained=groups, outcomes={}, bound=0, partition=partition,
-                                  cursor="0-0", landed=1, weights=weights))
+        self.recorder.append(record.Step(version=self.version, trained=groups, outcomes={}, bound=0, partition=partition,
+                                         cursor="0-0", landed=1, weights=weights))
         self.recorder.sync()
         self.parts["hash_s"].append(t1 - t0)
         self.parts["writer_s"].append(time.perf_counter() - t1)
@@ -146,7 +142,8 @@ def computed_per_real(seqs: list[batching.TrainSequence], budget: int) -> dict[s
         layout = prefix.layout([seqs[i] for i in mb])
         shared += (layout["prompt_ids"].numel() + layout["rest_ids"].numel()) if layout else sum(lengths[i] for i in mb)
     padded = sum(len(band) * max(lengths[i] for i in band) for band in padded_bands(lengths, budget))
-    return {"plain-padded": padded / real, "plain-packed": 1.0, "streamrl": 1.0, "streamrl-shared": shared / real}
+    return {"plain-padded": padded / real, "plain-packed": 1.0, "streamrl": 1.0, "streamrl-shared": shared / real,
+            "streamrl-recorded": shared / real}
 
 
 def _padded(mb: list[batching.TrainSequence]) -> dict[str, torch.Tensor]:

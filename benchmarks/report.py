@@ -22,15 +22,15 @@ from benchmarks.common import console
 TITLES = {"queue": "Replay stream", "partition": "Micro-batch partitioning", "generate": "Generation",
           "learner": "Learner", "weight_push": "Weight push", "e2e": "End to end: async vs sync",
           "e2e_smollm2": "End to end on SmolLM2-135M: async vs sync",
-          "ablation": "Ablations on the agentic workload", "trl": "Against TRL", "simulate": "Simulated fleets",
+          "ablation": "Ablations on the agentic workload",
+          "counterfactual": "Off-policy corrections on one recorded run's data", "trl": "Against TRL", "simulate": "Simulated fleets",
           "soak": "Soak: memory over a long run", "agent": "Agents through the gateway",
           "nodes": "One node or two on Ray", "lora": "LoRA against full fine-tuning",
           "trl_async": "Against TRL's AsyncGRPOTrainer", "trl_async_lora": "Against TRL's AsyncGRPOTrainer, LoRA",
           "trl_tune": "TRL's AsyncGRPOTrainer: its settings here", "engines": "The real-model recipe on each engine",
           "stress": "Stale data on purpose: the auto staleness bound under stress",
           "weight_push_verification": "Weight push: what verifying it costs",
-          "weight_push_fleet": "Weight push: how much of the fleet pauses",
-          "counterfactual": "Off-policy corrections on one recorded run's data"}
+          "weight_push_fleet": "Weight push: how much of the fleet pauses"}
 MODULES = {"queue": "replay_stream", "trl": "against_trl", "e2e_smollm2": "e2e"}  # a study's module, where not its own name
 COMMANDS = {"e2e_smollm2": "e2e --real-model", "trl_async": "trl --trl-trainer async", "trl_async_lora": "trl --trl-trainer async --lora",
             "weight_push_verification": "weight-push --study verification", "weight_push_fleet": "weight-push --study fleet"}
