@@ -207,7 +207,7 @@ def redis(config: ConfigArg = None, overrides: OverridesArg = None) -> None:
 def doctor(run: Annotated[Path, typer.Argument(help="The run directory (RUN/config.yaml).")]) -> None:
     """Print a run's ledger (groups started, pushed, trained, dropped) and any imbalance, and its record; exit 1 if
     unbalanced. Of a replay: what it trained, and the first step whose weights differ from the run's."""
-    from streamrl.doctor import diagnose, show, show_record, show_replay
+    from streamrl.doctor import diagnose, show, show_coverage, show_record, show_replay
 
     if (run / "replay.json").is_file():
         raise typer.Exit(0 if show_replay(run, Console()) else 1)
@@ -217,6 +217,7 @@ def doctor(run: Annotated[Path, typer.Argument(help="The run directory (RUN/conf
         err.print(f"[red]streamrl doctor:[/] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2) from None
     show(report, Console())
+    show_coverage(run, Console())
     show_record(run, Console())
     raise typer.Exit(0 if report.balanced else 1)
 

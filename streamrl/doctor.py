@@ -113,3 +113,29 @@ def show_replay(run_dir: Path, console: Console) -> bool:
     same, line = verdict(summary)
     console.print(f"{'[green]' if same else '[yellow]'}weights: {line}[/]")
     return same
+
+
+def show_coverage(run_dir: Path, console: Console) -> None:
+    """Who was trained: each quartile's trained share of the groups read, by generation time and by mean reward
+    (``learner.coverage``); 1.00 is the run's own share, lower is a part of the data the run trained less."""
+    import json
+
+    from streamrl.learner import coverage
+
+    path = run_dir / "metrics" / "learner.jsonl"
+    lines = [json.loads(x) for x in path.read_text().splitlines() if '"groups_read"' in x] if path.is_file() else []
+    rows = coverage.from_lines(lines)
+    found = {axis: coverage.quartiles(rows, axis) for axis in coverage.AXES}
+    if not any(found.values()):
+        return
+    table = Table(title="who was trained: each quartile's trained share over the run's", show_header=True)
+    for column in ("quartile of", "", "range", "groups read", "trained", "ratio"):
+        table.add_column(column, justify="left" if column in ("quartile of", "") else "right")
+    for axis, quarters in found.items():
+        for name, q in zip(coverage.QUARTILES, quarters or []):
+            table.add_row(coverage.AXES[axis] if name == "q1" else "", name, f"{q['low']:.3g}-{q['high']:.3g}",
+                          str(q["groups"]), f"{q['trained_share']:.0%}", f"{q['ratio']:.2f}")
+    console.print(table)
+    for axis in coverage.AXES:
+        if line := coverage.summary(rows, axis):
+            console.print(f"trained share by {line}")

@@ -1,7 +1,8 @@
 """A run's curves as one PNG (``streamrl plot RUN``; ``streamrl up`` draws it when a run ends).
 
 Read from the run's metrics files: reward and held-out accuracy, staleness against its bound, generation and
-training tokens/s, and the weight push, each against the learner's step.
+training tokens/s, and the weight push, each against the learner's step; and who was trained, by quartile of
+generation time and of reward (``learner.coverage``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from streamrl.learner import coverage
 from streamrl.rollout.evaluate import read_records
 
 
@@ -28,7 +30,8 @@ def plot_run(run: Path, bound: int | None = None) -> Path:
     if not steps and not evals:
         raise FileNotFoundError(f"{metrics} has no learner steps or evaluations to plot")
 
-    fig, ((reward, stale), (speed, push)) = plt.subplots(2, 2, figsize=(11, 7))
+    fig, ((reward, stale, who), (speed, push, blank)) = plt.subplots(2, 3, figsize=(16, 7))
+    blank.axis("off")
     fig.suptitle(f"run {run.name}")
     reward.plot(_x(steps), _y(steps, "reward_mean"), label="train reward (mean)")
     reward.plot(_x(evals), _y(evals, "eval/accuracy"), "o-", label="held-out accuracy (greedy)")
@@ -59,11 +62,25 @@ def plot_run(run: Path, bound: int | None = None) -> Path:
               label="push seconds")
     _label(push, "weight push (s)", "version pushed")
 
+    _coverage(who, coverage.from_lines(steps))
+
     fig.tight_layout()
     path = run / "plots.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _coverage(ax, rows: list) -> None:
+    """Each quartile's trained share over the run's, by generation time and by mean reward: 1 is no bias."""
+    width = 0.38
+    for i, (axis, label) in enumerate(coverage.AXES.items()):
+        quarters = coverage.quartiles(rows, axis) or []
+        ax.bar([q + (i - 0.5) * width for q in range(len(quarters))], [q["ratio"] for q in quarters], width,
+               label=f"by {label}")
+    ax.axhline(1.0, color="grey", ls="--", lw=0.8)
+    ax.set_xticks(range(4), list(coverage.QUARTILES))
+    _label(ax, "who was trained: trained share / the run's", "quartile (q1: fastest; by reward, lowest)")
 
 
 def _x(records: list[dict]) -> list:

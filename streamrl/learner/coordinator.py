@@ -18,7 +18,7 @@ import torch
 
 from streamrl.buffer import Admission, Ledger, Namespace, PolicyVersion, ReplayStream, ServerRegistry, StreamReader
 from streamrl.config import Config
-from streamrl.learner import batching, probe, record
+from streamrl.learner import batching, coverage, probe, record
 from streamrl.learner.metrics import MetricsSink, line
 from streamrl.learner.planning import Plan, Planner
 from streamrl.learner.policy import Policy
@@ -61,6 +61,8 @@ class Coordinator:
             log.info("ledger: %d outcomes of steps after version %d forgotten; they are replayed", forgotten, version)
         self.metrics = MetricsSink(Path(cfg.run.path), tensorboard=learner.tensorboard,
                                    wandb_project=learner.wandb_project, run_name=cfg.run.name, config=cfg.redacted())
+        # who was trained, by quartile of generation time and of reward, since the run began (``coverage``)
+        self.coverage = coverage.from_file(Path(cfg.run.path) / "metrics" / "learner.jsonl", version)
         self.recorder = None
         if cfg.record.enabled:  # every step's input, for ``streamrl replay``
             root = Path(cfg.run.path) / "record"
@@ -100,6 +102,7 @@ class Coordinator:
             entries = self.reader.read(want - len(groups), block_ms=1000)
             fresh_drops = silent = 0
             for entry in entries:
+                plan.read[entry.group.group_id] = coverage.facts(entry.group)
                 verdict = self._verdict(entry, version)
                 if verdict is None:
                     groups.append(entry.group)
@@ -191,6 +194,9 @@ class Coordinator:
         plan.outcomes |= {g: "trained" if i < landed else "dropped:skipped"
                           for i, ids in enumerate(plan.members) for g in ids}
         self.ledger.record(version, self.reader.cursor, plan.outcomes)
+        rows = [(s, r, int(plan.outcomes[g] == "trained")) for g, (s, r) in plan.read.items()]
+        self.coverage += rows
+        plan.info.update(groups_read=rows, **coverage.metrics(self.coverage))
         if self.recorder:
             self.recorder.append(record.Step(
                 version=version - 1, trained=plan.groups, outcomes={g: o for g, o in plan.outcomes.items()

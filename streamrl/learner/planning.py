@@ -27,6 +27,7 @@ class Plan:
     members: list[list[str]] = field(default_factory=list)
     partition: list[list[list[list[int]]]] = field(default_factory=list)
     outcomes: dict[str, str] = field(default_factory=dict)
+    read: dict[str, tuple[float, float]] = field(default_factory=dict)  # every group read: (seconds, mean reward)
     info: dict = field(default_factory=dict)
 
 

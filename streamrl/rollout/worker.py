@@ -196,7 +196,8 @@ class RolloutWorker:
             self.metrics.count("groups_abandoned")
             return
         group = Group(prompt_id=str(index), env=self.cfg.rollout.env, samples=good, group_id=group_id,
-                      meta={"prompt_index": index, "worker": self.name, "failed": len(results) - len(good)})
+                      meta={"prompt_index": index, "worker": self.name, "failed": len(results) - len(good),
+                            "group_s": time.perf_counter() - started})  # the learner measures who it drops
         version = await self._redis(self.policy_version.get)
         try:
             await self._redis(self.stream.put, group, index)  # validates the group as it encodes it
