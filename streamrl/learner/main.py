@@ -57,7 +57,6 @@ class Learner:
         with ``learner.resume: auto``, the run's newest). ``pushes``: whether there are servers to push to."""
         self.cfg = cfg
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        torch.manual_seed(cfg.run.seed)  # what draws at start (a LoRA adapter's init) draws the same in a replay
         if cfg.record.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what cuBLAS needs to be deterministic
             torch.use_deterministic_algorithms(True)
