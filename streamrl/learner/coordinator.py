@@ -67,7 +67,8 @@ class Coordinator:
         if cfg.record.enabled:  # every step's input, for ``streamrl replay``
             root = Path(cfg.run.path) / "record"
             record.write_meta(root, {"world": self.world, "threads": torch.get_num_threads(),
-                                     "device": policy.device.type, "config": cfg.redacted()}, version)
+                                     "device": policy.device.type, "init_rng": record.pack(policy.init_rng),
+                                     "config": cfg.redacted()}, version)
             self.recorder = record.Recorder(root, version, cfg.record.chunk_steps, cfg.record.keep_steps)
 
     @property

@@ -102,6 +102,7 @@ class Policy:
         from transformers import AutoModelForCausalLM
 
         self.cfg = cfg
+        self.init_rng = torch.get_rng_state()  # what its random init (a LoRA adapter's) draws from: a replay's too
         compute = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         self.mixed = cfg.learner.mixed_precision
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=weights_dtype(cfg),

@@ -15,6 +15,7 @@ each checkpoint waits until the frames it covers are on disk.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -256,6 +257,17 @@ def write_meta(root: Path, meta: dict[str, Any], version: int) -> None:
     tmp = root / ".meta.json.tmp"
     tmp.write_text(json.dumps({"format": FORMAT, "starts": [*starts, start]}, indent=1))
     os.replace(tmp, path)
+
+
+def pack(state) -> str:
+    """A torch RNG state (a uint8 tensor) as text for ``meta.json``; ``unpack`` gives it back."""
+    return base64.b64encode(state.numpy().tobytes()).decode()
+
+
+def unpack(text: str):
+    import torch
+
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
 
 
 def read_meta(root: Path) -> dict[str, Any]:

@@ -243,6 +243,8 @@ def run(cfg: Config, source: Source, verify: bool, solo: bool) -> dict:
     {} elsewhere). With ``verify`` it stops at the first step that differs from the run."""
     torch.set_num_threads(int(source.meta["threads"]))
     init_rank(solo)
+    if "init_rng" in source.meta:  # the state the run's model drew its random init from (a LoRA adapter's)
+        torch.set_rng_state(record.unpack(source.meta["init_rng"]))
     start = Start(source.run / "checkpoints", source.start) if source.start else None
     learner = Learner(cfg, lambda policy, resumed: Replayer(cfg, policy, source), start=start, pushes=False)
     for _ in range(source.steps):
