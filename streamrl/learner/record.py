@@ -127,22 +127,24 @@ def _sequence(root: Path) -> Iterator[tuple[Path, int, int, bytes]]:
             yield path, planned, reached, payload
 
 
-def span(root: Path) -> tuple[int, int]:
-    """The version the record's first step was planned at, and the version its last step reached; every frame
-    is checked (checksum, order) on the way."""
-    first = last = None
-    for _, planned, reached, _ in _sequence(root):
-        first, last = planned if first is None else first, reached
-    return first, last
+def headers(root: Path) -> list[tuple[int, int]]:
+    """(version planned, version reached) of every step, in order; every frame is checked (checksum, order)."""
+    return [(planned, reached) for _, planned, reached, _ in _sequence(root)]
 
 
-def count(root: Path, start: int, last: int) -> tuple[int, int]:
+def span(root: Path, steps: list[tuple[int, int]] | None = None) -> tuple[int, int]:
+    """The version the record's first step was planned at, and the version its last step reached (of ``steps``,
+    the record's ``headers``, read here when not given)."""
+    steps = headers(root) if steps is None else steps
+    if not steps:
+        raise RecordError(f"{root} holds no recorded step")
+    return steps[0][0], steps[-1][1]
+
+
+def count(root: Path, start: int, last: int, steps: list[tuple[int, int]] | None = None) -> tuple[int, int]:
     """How many steps a replay from version ``start`` up to version ``last`` trains, and the version they reach."""
-    steps, reaches = 0, start
-    for _, planned, reached, _ in _sequence(root):
-        if start <= planned < last:
-            steps, reaches = steps + 1, reached
-    return steps, reaches
+    chosen = [reached for planned, reached in (headers(root) if steps is None else steps) if start <= planned < last]
+    return len(chosen), chosen[-1] if chosen else start
 
 
 def read(root: Path, since: int = 0) -> Iterator[Step]:

@@ -88,13 +88,14 @@ class Source:
     def find(cls, run: Path, first: int | None, last: int | None) -> Source:
         root = run / "record"
         meta = record.read_meta(root)
-        recorded = record.span(root)  # (first version planned, last version reached); checks every frame
+        steps = record.headers(root)  # read once; every frame is checked
+        recorded = record.span(root, steps)  # (first version planned, last version reached)
         first = recorded[0] if first is None else first
         start = max((v for v in versions(run / "checkpoints") if v <= first), default=0)
         if start < recorded[0]:
             raise ValueError(f"no checkpoint of {run} at or before step {first} lies inside the record, which starts "
                              f"at step {recorded[0] + 1} (record.keep_steps deleted what came before)")
-        steps, reaches = record.count(root, start, recorded[1] if last is None else last)
+        steps, reaches = record.count(root, start, recorded[1] if last is None else last, steps)
         if steps == 0:
             raise ValueError(f"the record of {run} has no step after version {start} up to {last}")
         starts = [s for s in meta["starts"] if s["version"] <= start] or meta["starts"][:1]
