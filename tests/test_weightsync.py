@@ -202,7 +202,8 @@ def test_a_bucket_corrupted_on_the_wire_is_refused_and_the_old_weights_keep_serv
     from streamrl.learner import push
     from streamrl.learner.push import WeightPusher
 
-    url, _ = cluster.server()
+    # a heartbeat late on a loaded machine must not read as the server gone: this test is about the bucket
+    url, _ = cluster.server("server.registry_ttl_s=30")
     cfg = load_config(None, [*cluster.common, "weight_sync.bucket_mb=0.05", "weight_sync.timeout_s=30"])
     pusher = WeightPusher(cfg, ServerRegistry(cluster.ns, ttl_s=cfg.server.registry_ttl_s))
     learner = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
@@ -230,7 +231,8 @@ def test_a_bucket_corrupted_on_the_wire_is_refused_and_the_old_weights_keep_serv
     assert pusher.push(named, 1)["push_targets"] == 0.0  # the server refused the bucket and left the push
     assert served() == before and before[0] == 0  # the old weights, under their own version, keep serving
     monkeypatch.setattr(push, "broadcast", wire)
-    assert pusher.push(named, 1)["push_targets"] == 1.0  # it joins again; the clean push lands whole
+    stats = pusher.push(named, 1)
+    assert stats["push_targets"] == 1.0, stats  # it joins again; the clean push lands whole
     version, tokens = served()
     with torch.no_grad():
         logits = learner(torch.tensor([[5, 6, 7, *tokens]])).logits[0]
