@@ -120,6 +120,24 @@ def test_the_gradient_norm_of_a_policy_starting_to_learn_is_not_a_spike():
     assert [(step, ch.new) for step, ch in jump] == [(5, 1)]  # a jump after the warm-up still is one
 
 
+def test_a_norm_that_shrinks_with_the_share_of_groups_with_a_signal_is_no_spike():
+    """Near convergence most groups have equal rewards: they add no gradient but count in the loss's mean, so the
+    norm shrinks with the share of groups with a signal (here 0.1 a group with one). A step that draws nine such
+    groups of sixteen after a run of one or two is 9x the mean of the raw norms; per share of groups with a
+    signal it is the same as every other step's. A real jump per group still is a spike."""
+    shares = [12, 8, 4, 2, 1, 1, 2, 1, 1, 2, 1, 9]
+    steps = [calm(grad_norm=0.1 * n / 16, signal_share=n / 16, ess=0.85, wait_share=0.05) for n in shares]
+    c = controller(bound=4)
+    assert run(c, steps) == [] and c._grad_mean == pytest.approx(0.1)
+    jump = calm(grad_norm=0.5 * 2 / 16, signal_share=2 / 16, ess=0.85, wait_share=0.05)  # 5x per group
+    changes = run(c, [jump], first_step=len(shares))
+    assert [(ch.old, ch.new) for _, ch in changes] == [(4, 2)]
+    assert "gradient norm 0.0625 / 12% of groups with a signal = 0.5 > 3.0 x its running mean 0.1" in changes[0][1].cause
+    silent = controller(bound=4)  # a step with no signal at all says nothing of the norm's level
+    run(silent, steps[:6] + [calm(grad_norm=0.0, signal_share=0.0)] * 5)
+    assert silent._grad_mean == pytest.approx(0.1) and silent._grad_norms == 6
+
+
 def test_a_raise_waits_for_patience_and_the_cooldown_after_a_cut():
     c = controller(low=1, high=8, bound=4, patience=2, cooldown=5)
     assert run(c, [calm(ess=0.5)])[0][1].new == 2
@@ -133,16 +151,59 @@ def drive(c: StalenessController, steps: int, step_s: dict[int, float], first_st
             if (ch := c.observe(step, calm(step_s=step_s[c.bound])))]
 
 
-def test_a_raise_that_does_not_shorten_the_learners_step_is_reverted_and_tried_again_revert_hold_steps_later():
+def test_a_raise_that_does_not_shorten_the_learners_step_is_reverted_and_retried_after_holds_that_double():
     """The learner waits because generation is at capacity (on a shared machine more groups in flight slow both
     sides): 1 -> 2 paid (1.0 s a step, then 0.7 s), 2 -> 4 did not, so the bound goes back to 2, and raises stop
-    there for `revert_hold` steps; then one more is tried (by one: the climb is over), and judged the same way."""
+    there for `revert_hold` steps; then one more is tried (by one: the climb is over), judged the same way, and
+    each further raise that does not pay holds twice as long: an unchanged run is not asked again and again."""
     c = controller(low=1, high=8, bound=1, patience=3, cooldown=4, raise_gain=0.05, revert_hold=12)
-    changes = drive(c, 30, {1: 1.0, 2: 0.7, 3: 0.7, 4: 0.7})
+    changes = drive(c, 60, {1: 1.0, 2: 0.7, 3: 0.7, 4: 0.7})
     assert [(step, ch.way, ch.old, ch.new) for step, ch in changes] == [
-        (2, "raised", 1, 2), (6, "raised", 2, 4), (10, "reverted", 4, 2), (22, "raised", 2, 3), (26, "reverted", 3, 2)]
+        (2, "raised", 1, 2), (6, "raised", 2, 4), (10, "reverted", 4, 2), (22, "raised", 2, 3), (26, "reverted", 3, 2),
+        (50, "raised", 2, 3), (54, "reverted", 3, 2)]
     assert str(changes[2][1]) == ("max staleness reverted 4 -> 2 at step 10: raising it at step 6 did not speed the "
-                                  "learner up: 0.7 s a step before, 0.7 s after") and c.bound == 2
+                                  "learner up: 0.7 s a step before, 0.7 s after (median); raises stop at 2 for 12 "
+                                  "steps") and c.bound == 2
+    assert changes[4][1].cause.endswith("raises stop at 2 for 24 steps")
+    assert changes[6][1].cause.endswith("raises stop at 2 for 48 steps")
+
+
+def test_a_raise_that_pays_ends_the_back_off():
+    c = controller(low=1, high=8, bound=2, patience=2, cooldown=3, revert_hold=4, doubling=False)
+    slower = {2: 1.0, **dict.fromkeys(range(3, 9), 1.1)}
+    changes = drive(c, 14, slower)
+    assert [(step, ch.way) for step, ch in changes] == [(1, "raised"), (4, "reverted"), (8, "raised"),
+                                                        (11, "reverted")]
+    assert changes[3][1].cause.endswith("for 8 steps")  # raises stop at 2 until step 19
+    faster = {2: 1.0, **{b: 1.0 - 0.1 * (b - 2) for b in range(3, 9)}}  # the run changed: raises pay now
+    changes = drive(c, 12, faster, first_step=14)
+    assert [(step, ch.way, ch.new) for step, ch in changes][:2] == [(19, "raised", 3), (22, "raised", 4)]
+    assert c._reverts == 0
+
+
+@pytest.mark.parametrize("stall_at", [2, 3, 4, None])
+def test_a_stall_in_a_raises_trial_does_not_revert_a_raise_that_paid(stall_at):
+    """1.0 s a step under 1, 0.7 s under 2, and one step of the trial (steps 2-4) stalled for 20 s (servers
+    stopped, a slow disk): the median of the trial's three steps reads 0.7 s, and the raise stays. A mean read
+    7.1 s, and reverted it."""
+    c = controller(low=1, high=8, bound=1, patience=2, cooldown=3, doubling=False)
+    trial = [calm(step_s=20.0 if step == stall_at else 0.7, wait_share=0.05) for step in range(2, 8)]
+    assert [(step, ch.way, ch.new) for step, ch in run(c, [calm(step_s=1.0)] * 2 + trial)] == [(1, "raised", 2)]
+
+
+def test_a_stall_among_the_steps_before_a_raise_does_not_make_one_that_did_not_pay_look_paying():
+    c = controller(low=1, high=8, bound=1, patience=5, cooldown=3, doubling=False)
+    before = [calm(step_s=20.0 if i == 2 else 1.0) for i in range(5)]  # median 1.0; mean 4.8
+    changes = run(c, before + [calm(step_s=1.1, wait_share=0.05)] * 5)
+    assert [(step, ch.way, ch.new) for step, ch in changes] == [(4, "raised", 2), (9, "reverted", 1)]
+    assert "1 s a step before, 1.1 s after (median)" in changes[1][1].cause
+
+
+def test_a_stall_in_most_of_the_trial_still_reverts():
+    """The median hides a stall in a minority of the trial's steps, not a raise that slowed most of them."""
+    c = controller(low=1, high=8, bound=1, patience=2, cooldown=3, doubling=False)
+    trial = [calm(step_s=s, wait_share=0.05) for s in (20.0, 20.0, 0.7)]
+    assert [ch.way for _, ch in run(c, [calm(step_s=1.0)] * 2 + trial)] == ["raised", "reverted"]
 
 
 def test_each_raise_of_the_climb_is_judged_before_the_next():
@@ -168,16 +229,17 @@ def test_a_raise_is_kept_when_it_cut_the_step_time_by_raise_gain(after, kept):
     assert c.bound == (4 if kept else 2)
 
 
-def test_after_a_revert_the_bound_rises_again_after_revert_hold_steps_or_once_it_has_come_down_for_another_cause():
+def test_after_a_revert_the_bound_rises_past_it_only_once_the_hold_is_over():
+    """A lowering for degraded data says nothing of whether a raise past the reverted bound would pay: the bound
+    climbs back to it, and past it once the hold is over."""
     rules = dict(low=1, high=8, bound=2, patience=2, cooldown=2, raise_gain=0.05, revert_hold=6, doubling=False)
     c = controller(**rules)
-    changes = run(c, [calm(step_s=1.0)] * 12)
-    assert [(step, ch.way, ch.new) for step, ch in changes] == [(1, "raised", 3), (3, "reverted", 2),
-                                                               (9, "raised", 3), (11, "reverted", 2)]
-    c = controller(**rules)
-    assert [ch.way for _, ch in run(c, [calm(step_s=1.0)] * 5)] == ["raised", "reverted"]
-    changes = run(c, [calm(ess=0.5, step_s=1.0)] + [calm(step_s=1.0 - 0.1 * i) for i in range(5)], first_step=5)
-    assert [(ch.way, ch.new) for _, ch in changes] == [("lowered", 1), ("raised", 2), ("raised", 3)]
+    changes = run(c, [calm(step_s=1.0)] * 8)
+    assert [(step, ch.way, ch.new) for step, ch in changes] == [(1, "raised", 3), (3, "reverted", 2)]
+    c = controller(**{**rules, "revert_hold": 10})
+    assert [ch.way for _, ch in run(c, [calm(step_s=1.0)] * 5)] == ["raised", "reverted"]  # no raise past 2 till 13
+    changes = run(c, [calm(ess=0.5, step_s=1.0)] + [calm(step_s=1.0 - 0.05 * i) for i in range(9)], first_step=5)
+    assert [(step, ch.way, ch.new) for step, ch in changes] == [(5, "lowered", 1), (7, "raised", 2), (13, "raised", 3)]
     # a cut while a raise is on trial ends the trial: nothing is reverted after it
     c = controller(**{**rules, "cooldown": 3})
     changes = run(c, [calm(step_s=1.0)] * 4 + [calm(ess=0.5, step_s=1.0)] + [calm(step_s=1.0, wait_share=0.05)] * 6)
@@ -209,6 +271,10 @@ def test_signals_read_from_a_learner_record():
     waited = {**record, "wait_s": 2.0}
     assert [signals({**waited, "admission_refused": n}).held_share for n in (1, 2, 4, 9)] == [0.25, 0.5, 1.0, 1.0]
     assert signals({**record, "dropped_stale": 1}).held_share == 1.0  # the bound cost the learner a group
+    # 16 groups trained, 12 with equal rewards (2 more were read with equal rewards and left out)
+    silent = {**record, "groups": 16, "groups_no_signal": 14, "dropped_no_signal": 2}
+    assert signals(silent).signal_share == 0.25 and signals(silent).norm_per_signal == pytest.approx(1.2)
+    assert signals({**silent, "groups_no_signal": 18, "dropped_no_signal": 2}).norm_per_signal is None
 
 
 def test_signals_wavering_at_a_threshold_do_not_make_the_bound_oscillate():

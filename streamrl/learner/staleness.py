@@ -8,8 +8,11 @@ down, additive up from then on (and after a restart), multiplicative down:
 - **down**, to ``max(low, floor(k / 2))``, as soon as the off-policy data degrades: the normalised effective sample
   size of the importance weights ``ESS = (sum w)^2 / (n sum w^2)`` falls under ``ess_floor``, their second moment
   ``E[w^2]`` (M2PO's quantity) passes ``m2_ceiling``, the clip fraction passes ``clip_ceiling``, or the gradient
-  norm passes ``spike`` times its running mean (an exponential mean of every step's norm, judged from the
-  ``StalenessController.warmup``-th step on) on data off-policy enough to explain it (ESS under ``ess_raise``);
+  norm per share of groups with a signal passes ``spike`` times its running mean (an exponential mean of every
+  step's, judged from the ``StalenessController.warmup``-th step on) on data off-policy enough to explain it (ESS
+  under ``ess_raise``). Per share of groups with a signal: a group whose rewards are all equal adds no gradient but
+  counts in the loss's mean, so near convergence the norm shrinks with the share, and a step that draws more groups
+  with a signal than the last few would read as a spike;
 - **up**, to ``max(2k, 1)`` until the bound has first come down and to ``k + 1`` after (never past
   ``high``), when the learner waited for data for more than ``wait_share`` of each of the last ``patience`` steps
   (of the last step while the bound doubles, once ``patience`` steps have run under it: each raise is judged
@@ -22,12 +25,15 @@ down, additive up from then on (and after a restart), multiplicative down:
   ``patience`` steps: it is the bottleneck, so a smaller bound trains fresher data at the same speed. Easing
   stops one above the bound the learner last starved at (where the last raise started), so the bound settles
   where the learner is fed;
-- **reverted**, back to the bound a raise started from, when the raise did not pay: the learner's mean step
-  time (waiting and training) over the last ``patience`` steps of the raise's cooldown is not at least
-  ``raise_gain`` under its mean over the ``patience`` steps before it. The learner waited because generation
-  is at capacity, not because the bound held it back (on a shared machine more groups in flight slow both
-  sides down), so raises stop at that bound for ``revert_hold`` steps (a verdict on a few noisy steps, and the
-  run changes), or until the bound next comes down for another cause.
+- **reverted**, back to the bound a raise started from, when the raise did not pay: the learner's median step
+  time (waiting and training) over the steps of the raise's trial (``max(cooldown, patience)`` steps) is not at
+  least ``raise_gain`` under its median over the steps before it under the old bound (at most
+  ``StalenessController.window`` each side). Medians, so that a stall (a preemption, a slow disk, servers
+  stopped for a while) in one step of three cannot decide the verdict. The learner waited because generation is
+  at capacity, not because the bound held it back (on a shared machine more groups in flight slow both sides
+  down), so raises stop at that bound: for ``revert_hold`` steps after the first raise that did not pay, twice as
+  long after each further one in a row (back off: the run changes, but a verdict retried on an unchanged run
+  comes out the same and costs two changes). A raise that pays ends the back-off.
 
 Only a lowering drops data made under the old bound, as a fixed bound would; easing and reverting are moves for
 speed on healthy data, so the groups that may have been admitted before them keep the old bound
@@ -42,6 +48,7 @@ judged on data made under it) keep it from flipping on noise.
 from __future__ import annotations
 
 import logging
+import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +70,14 @@ class Signals:
     grad_norm: float
     step_s: float = 0.0  # the step's seconds, waiting for data and training: what a raise must shorten
     held_share: float = 1.0  # the share of the wait the bound turned workers away (1: it dropped a group as stale)
+    signal_share: float = 1.0  # the share of the trained groups with a learning signal (rewards not all equal)
+
+    @property
+    def norm_per_signal(self) -> float | None:
+        """The gradient norm per share of groups with a signal: a group whose rewards are all equal adds nothing to
+        the gradient but counts in the loss's mean, so near convergence the norm shrinks with the share, and a step
+        that happens to draw more groups with a signal is no spike. None: no group had one."""
+        return self.grad_norm / self.signal_share if self.signal_share > 0 else None
 
 
 @dataclass(frozen=True)
@@ -86,6 +101,7 @@ class StalenessController:
     # norms, not the growth a learning policy's norm shows over a run (SmolLM2's grew 30x in 20 steps, from
     # near 0 while few groups had any signal), judged once it holds `warmup` norms.
     smoothing, warmup = 0.7, 5
+    window = 5  # the most steps each side of a raise whose median step time judges it
 
     def __init__(self, rules: AutoStalenessConfig | None = None, bound: int | None = None, doubling: bool = True):
         self.rules = r = rules or AutoStalenessConfig()
@@ -98,8 +114,9 @@ class StalenessController:
         self._idle_steps = 0  # consecutive steps that (almost) did not wait
         self._fed_floor = r.low  # easing's floor: one above the bound the learner last waited at
         self._ceiling = (r.high, 0)  # raises stop at this bound until this step: where a raise that did not pay
-        # went back to, for `revert_hold` steps
-        self._step_s: deque[float] = deque(maxlen=r.patience)  # the last steps' seconds
+        # went back to, for `revert_hold` steps doubled for each raise in a row that did not pay (`_reverts`)
+        self._reverts = 0
+        self._step_s: deque[float] = deque(maxlen=self.window)  # the last steps' seconds
         self._steps_at_bound = 0  # steps judged under the bound in force: a raise's trial needs `patience` of them
         self._trial: tuple[int, int, float] | None = None  # the last raise: its step, the old bound, step s before
         self._doubling = doubling  # raises double the bound until it first comes down: the climb from low is short
@@ -108,7 +125,7 @@ class StalenessController:
     def observe(self, step: int, s: Signals) -> Change | None:
         """Take a step's signals; the change of the bound they call for, if any (already applied)."""
         r, cause = self.rules, self._degraded(s)
-        self._track_grad_norm(s.grad_norm)
+        self._track_grad_norm(s)
         self._step_s.append(s.step_s)
         self._steps_at_bound += 1
         healthy = cause is None and s.ess >= r.ess_raise and s.clip_frac <= r.clip_ceiling / 2
@@ -122,14 +139,18 @@ class StalenessController:
             return self._move(step, max(r.low, self.bound // 2), "lowered", cause)
         if self._trial and step - self._trial[0] >= max(r.cooldown, r.patience):
             raised_at, old, before = self._trial
-            after, self._trial = self._mean_step_s(), None
+            after, self._trial = self._median_step_s(step - raised_at), None
             if after > before * (1 - r.raise_gain):
-                self._ceiling = (old, step + r.revert_hold)
+                self._reverts += 1
+                hold = r.revert_hold * 2 ** (self._reverts - 1)
+                self._ceiling = (old, step + hold)
                 return self._move(step, old, "reverted", f"raising it at step {raised_at} did not speed the learner "
-                                  f"up: {before:.3g} s a step before, {after:.3g} s after")
+                                  f"up: {before:.3g} s a step before, {after:.3g} s after (median); raises stop at "
+                                  f"{old} for {hold} steps")
+            self._reverts = 0
         if self._may_raise(step):
             self._fed_floor = self.bound + 1  # the bound below starved the learner
-            self._trial = (step, self.bound, self._mean_step_s())
+            self._trial = (step, self.bound, self._median_step_s(self._steps_at_bound))
             new = min(self._raise_ceiling(step), max(2 * self.bound, 1) if self._doubling else self.bound + 1)
             return self._move(step, new, "raised", f"the learner waited {s.wait_share:.0%} of its step for data the "
                                                     f"bound held back {_steps(self._healthy_waits)} running, "
@@ -162,25 +183,33 @@ class StalenessController:
             return f"clip fraction {apart(s.clip_frac, r.clip_ceiling)} > {r.clip_ceiling}"
         # a spike on data the weights show near on-policy is the policy's own (a rare group with signal, on the
         # toy near convergence): a smaller bound would not change it
-        if self._grad_norms >= self.warmup and s.grad_norm > r.spike * self._grad_mean and s.ess < r.ess_raise:
-            return (f"gradient norm {s.grad_norm:.3g} > {r.spike} x its running mean {self._grad_mean:.3g}, "
+        norm = s.norm_per_signal
+        if (norm is not None and self._grad_norms >= self.warmup and norm > r.spike * self._grad_mean
+                and s.ess < r.ess_raise):
+            per = "" if s.signal_share == 1 else f" / {s.signal_share:.0%} of groups with a signal = {norm:.3g}"
+            return (f"gradient norm {s.grad_norm:.3g}{per} > {r.spike} x its running mean {self._grad_mean:.3g}, "
                     f"ESS {s.ess:.2f}")
         return None
 
-    def _track_grad_norm(self, norm: float) -> None:
+    def _track_grad_norm(self, s: Signals) -> None:
         # a spike enters the mean too: a norm that stays up is the new level, not a spike on every later step
+        norm = s.norm_per_signal
+        if norm is None:  # no group had a signal: the norm says nothing of the data's age
+            return
         self._grad_mean = norm if self._grad_mean is None else (
             self.smoothing * self._grad_mean + (1 - self.smoothing) * norm)
         self._grad_norms += 1
 
-    def _mean_step_s(self) -> float:
-        return sum(self._step_s) / len(self._step_s)
+    def _median_step_s(self, steps: int) -> float:
+        """The median seconds of the last ``steps`` steps (at most ``window``): one stalled step in three moves it
+        no further than the others' spread."""
+        return statistics.median(list(self._step_s)[-max(1, min(steps, self.window)):])
 
     def _move(self, step: int, new: int, way: str, cause: str) -> Change:
         change = Change(step, self.bound, new, cause, way)
         self._doubling = self._doubling and new > self.bound
-        if way in ("lowered", "eased"):  # the run has changed: the bound may be worth raising again
-            self._ceiling, self._trial = (self.rules.high, 0), None
+        if way in ("lowered", "eased"):  # a raise on trial is not judged on steps under another bound; a ceiling
+            self._trial = None  # stays: neither says that a raise past it would now pay
         self.bound, self._last_change, self._healthy_waits, self._idle_steps = new, step, 0, 0
         self._steps_at_bound = 0
         return change
@@ -196,9 +225,12 @@ def signals(record: dict) -> Signals:
     wait, train = record.get("wait_s", 0.0), record.get("train_s", 0.0)
     held_s = record.get("admission_refused", 0) * RETRY_S
     held = 1.0 if record.get("dropped_stale", 0) else min(1.0, held_s / max(wait, 1e-9))
+    groups = record.get("groups", 0)
+    silent = record.get("groups_no_signal", 0) - record.get("dropped_no_signal", 0)  # trained without a signal
     return Signals(wait_share=wait / max(wait + train, 1e-9), ess=record.get("is_ess", 1.0),
                    second_moment=record.get("is_second_moment", 1.0), clip_frac=record.get("clip_frac", 0.0),
-                   grad_norm=record.get("grad_norm", 0.0), step_s=wait + train, held_share=held)
+                   grad_norm=record.get("grad_norm", 0.0), step_s=wait + train, held_share=held,
+                   signal_share=1 - silent / groups if groups else 1.0)
 
 
 class AutoBound:

@@ -35,13 +35,15 @@ class AutoStalenessConfig(Section):
     ess_raise: float = Field(0.9, gt=0, le=1, description="raise only while the effective sample size is at least this")
     m2_ceiling: float = Field(1.5, gt=1, description="lower when the importance weights' second moment passes this")
     clip_ceiling: float = Field(0.1, gt=0, lt=1, description="lower when the clip fraction passes this")
-    spike: float = Field(3.0, gt=1, description="lower when the gradient norm passes this many times its running "
-                         "mean (of about the last 3 steps, judged from the 6th) while ESS is under ess_raise")
-    raise_gain: float = Field(0.0, ge=0, lt=1, description="a raise is kept only if it cut the learner's mean "
-                              "step time by this share (its cooldown's last `patience` steps against the "
-                              "`patience` before it; 0: unless it made it longer); else the bound goes back and "
-                              "raises stop there for `revert_hold` steps")
-    revert_hold: int = Field(12, ge=1, description="steps after a revert before raises may pass its bound again")
+    spike: float = Field(3.0, gt=1, description="lower when the gradient norm per share of groups with a signal "
+                         "passes this many times its running mean (of about the last 3 steps, judged from the 6th) "
+                         "while ESS is under ess_raise")
+    raise_gain: float = Field(0.0, ge=0, lt=1, description="a raise is kept only if it cut the learner's median "
+                              "step time by this share (its trial's max(cooldown, patience) steps against the steps "
+                              "before it; 0: unless it made it longer); else the bound goes back and raises stop "
+                              "there for `revert_hold` steps")
+    revert_hold: int = Field(12, ge=1, description="steps after a revert before raises may pass its bound again; "
+                             "doubled for each further raise in a row that did not pay")
     patience: int = Field(2, ge=1, description="steps in a row that must call for a raise (the last one while "
                           "the bound doubles), or for easing; a raise also needs this many steps under the bound")
     cooldown: int = Field(3, ge=1, description="steps after a change before the next")
