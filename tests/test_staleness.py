@@ -418,3 +418,23 @@ def test_groups_made_before_a_revert_keep_the_raised_bound(ns):
     # a 2 s step before the raise, 3 s after it: it did not pay
     assert "reverted 2 -> 1 at step 3" in auto.after_step(3, {**waiting, "wait_s": 2.0})["staleness_change"]
     assert [auto.bound_for(v) for v in (2, 3, 4)] == [2, 2, 1]
+
+
+def test_with_late_keep_a_slow_group_past_the_bound_is_kept_within_high_until_a_cut(ns):
+    """`late: keep`: the bound paces admission, and a group that comes back past it (a slow one) is trained
+    under the correction while the data is healthy, up to `high`; a cut (degraded data) drops late groups as
+    a fixed bound does, until the next raise."""
+    from streamrl.buffer import Admission
+    from streamrl.learner.staleness import AutoBound
+
+    rules = AutoStalenessConfig(low=1, high=4, patience=1, cooldown=1, late="keep")
+    auto = AutoBound(rules, Admission(ns, max_staleness=1, groups_per_step=1))
+    assert auto.bound_for(3) == 1 and auto.keeps_late(3, version=7) and not auto.keeps_late(3, version=8)
+    waiting = {"wait_s": 1.0, "train_s": 1.0, "is_ess": 0.99, "clip_frac": 0.0, "grad_norm": 1.0, "dropped_stale": 1}
+    assert auto.after_step(1, waiting) == {}  # the fill
+    assert "raised 1 -> 2" in auto.after_step(2, waiting)["staleness_change"] and auto.keeps_late(3, version=7)
+    assert "lowered 2 -> 1" in auto.after_step(4, {**waiting, "is_ess": 0.5})["staleness_change"]
+    assert auto.bound_for(3) == 1 and not auto.keeps_late(3, version=5)
+    assert "raised 1 -> 2" in auto.after_step(6, waiting)["staleness_change"] and auto.keeps_late(3, version=7)
+    dropping = AutoBound(AutoStalenessConfig(low=1, high=4), Admission(ns, max_staleness=1, groups_per_step=1))
+    assert not dropping.keeps_late(3, version=5)  # the default: late groups are dropped

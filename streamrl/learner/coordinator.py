@@ -96,7 +96,7 @@ class Coordinator:
         """``groups_per_step`` fresh groups from the stream; stale ones dropped (and counted) or kept, and with
         ``learner.drop_no_signal`` groups whose rewards are all equal left out (and counted). The ledger outcome
         of every group read and not trained goes into ``plan.outcomes``."""
-        want, groups, dropped, silent_dropped, outcomes = self.cfg.learner.groups_per_step, [], 0, 0, {}
+        want, groups, dropped, silent_dropped, late, outcomes = self.cfg.learner.groups_per_step, [], 0, 0, 0, {}
         refused = self.admission.refusals()  # the bound starves the learner if it turns workers away meanwhile
         t0 = last_catch_up = time.perf_counter()
         while len(groups) < want:
@@ -107,6 +107,7 @@ class Coordinator:
                 verdict = self._verdict(entry, version)
                 if verdict is None:
                     groups.append(entry.group)
+                    late += self._late(entry.group, version)  # kept past its bound (stale: keep, or late: keep)
                     continue
                 outcomes[entry.group.group_id] = verdict
                 fresh_drops += verdict == "dropped:stale"
@@ -127,7 +128,7 @@ class Coordinator:
         plan.outcomes = outcomes
         plan.info.update(wait_s=time.perf_counter() - t0, admission_refused=self.admission.refusals() - refused,
                          dropped_stale=dropped, dropped_no_signal=silent_dropped,
-                         groups_no_signal=silent_kept + silent_dropped, staleness_bound=bound)
+                         groups_no_signal=silent_kept + silent_dropped, late_kept=late, staleness_bound=bound)
         return groups
 
     def _bound_for(self, group) -> int:
@@ -135,13 +136,18 @@ class Coordinator:
         keeps the bound before an easing or a revert for the groups that may have been admitted under it."""
         return self.auto.bound_for(group.version_range()[0]) if self.auto else self.cfg.staleness_bound
 
+    def _late(self, group, version: int) -> bool:
+        """Whether ``group`` is past the staleness bound it is judged under."""
+        return batching.stale(group, version, self._bound_for(group))
+
     def _verdict(self, entry, version: int) -> str | None:
         """None to train on the entry's group, else the ledger outcome it gets instead."""
         top = max(int(s.tokens.max()) for s in entry.group.samples)
         if top >= self.vocab_size:  # valid on the wire, but not for this model
             self.reader.dead_letter(entry.id, f"token id {top} >= vocab size {self.vocab_size}")
             return "dropped:dead"
-        if batching.stale(entry.group, version, self._bound_for(entry.group)) and self.cfg.off_policy.stale == "drop":
+        if self._late(entry.group, version) and self.cfg.off_policy.stale == "drop" and not (
+                self.auto and self.auto.keeps_late(entry.group.version_range()[0], version)):
             return "dropped:stale"
         if self.cfg.learner.drop_no_signal and batching.no_signal(entry.group):
             return "dropped:no_signal"

@@ -255,6 +255,7 @@ class AutoBound:
             admission.set_bound(self.bound)
         # the version an easing or a revert came at -> the bound it left, stored beside the bound in force
         self._kept: dict[int, int] = {} if fresh else admission.kept_bounds()
+        self.healthy = True  # no cut since the last raise: late groups may be kept (``keeps_late``)
 
     @property
     def bound(self) -> int:
@@ -268,6 +269,13 @@ class AutoBound:
         for them. A lowering (degraded data) judges every group at once, as a fixed bound would."""
         return max([self.bound, *(old for at, old in self._kept.items() if oldest <= at)])
 
+    def keeps_late(self, oldest: int, version: int) -> bool:
+        """Whether a group past its bound (``bound_for``) whose oldest token ``oldest`` made is trained anyway at
+        ``version``: with ``late: keep``, while the data is healthy (a cut says it is not, until the next raise)
+        and within ``high``. The bound then paces admission, and a slow group is not starved for being slow."""
+        rules = self.controller.rules
+        return rules.late == "keep" and self.healthy and version - oldest <= rules.high
+
     def after_step(self, step: int, record: dict) -> dict:
         """Judge a step's record; for its metrics line, the change it made to the next steps' bound (and why)."""
         if self._filling:
@@ -279,6 +287,8 @@ class AutoBound:
             return self._publish(Change(step, low, self.bound, "the first step, its data admitted under low, is "
                                         "trained", "opened"))
         change = self.controller.observe(step, signals(record))
+        if change is not None and change.way in ("lowered", "raised"):
+            self.healthy = change.way == "raised"
         # a group made at a move's version or before is past the bound the move left once `step - at` passes it
         kept = {at: old for at, old in self._kept.items() if step - at <= old}
         if change is not None and change.way == "lowered":

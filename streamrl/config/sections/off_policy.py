@@ -47,6 +47,11 @@ class AutoStalenessConfig(Section):
     patience: int = Field(2, ge=1, description="steps in a row that must call for a raise (the last one while "
                           "the bound doubles), or for easing; a raise also needs this many steps under the bound")
     cooldown: int = Field(3, ge=1, description="steps after a change before the next")
+    late: Literal["keep", "drop"] = Field("drop", description="a group that comes back past the bound in force (a "
+                                          "slow one: long answers, a slow tool) but within `high`: keep trains it "
+                                          "under the correction while the data is healthy (no cut since the last "
+                                          "raise), so slow groups are not starved; drop drops it, as a fixed bound "
+                                          "does (off_policy.stale: drop only)")
 
     @model_validator(mode="after")
     def _ordered(self) -> AutoStalenessConfig:
