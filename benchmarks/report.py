@@ -29,6 +29,7 @@ TITLES = {"queue": "Replay stream", "partition": "Micro-batch partitioning", "ge
           "trl_async": "Against TRL's AsyncGRPOTrainer", "trl_async_lora": "Against TRL's AsyncGRPOTrainer, LoRA",
           "trl_tune": "TRL's AsyncGRPOTrainer: its settings here", "engines": "The real-model recipe on each engine",
           "stress": "Stale data on purpose: the auto staleness bound under stress",
+          "coverage": "Who the bound trains: a long-tail workload",
           "weight_push_verification": "Weight push: what verifying it costs",
           "weight_push_fleet": "Weight push: how much of the fleet pauses"}
 MODULES = {"queue": "replay_stream", "trl": "against_trl", "e2e_smollm2": "e2e"}  # a study's module, where not its own name

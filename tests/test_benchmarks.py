@@ -449,3 +449,26 @@ def test_the_counterfactual_study_pairs_each_arm_with_the_runs_own_correction_by
     assert [r[0] for r in table["rows"]] == list(counterfactual.ARMS)
     assert table["rows"][2][-1] == "yes, every step" and table["rows"][0][3].startswith("-10.0 ±")
     assert (tmp_path / "counterfactual.png").stat().st_size > 10_000
+
+
+def test_the_coverage_study_takes_each_quartiles_median_over_seeds_and_marks_the_goal(tmp_path, capsys):
+    from benchmarks import coverage
+
+    def row(seed, slowest, hardest):
+        quartile = [{"ratio": r} for r in (1.0, 1.0, 1.0, slowest)]
+        by_reward = [{"ratio": r} for r in (hardest, 1.0, 1.0, 1.0)]
+        return {"seed": seed, "quartiles": {"time": quartile, "reward": by_reward}, "samples_per_s": 50.0 + seed,
+                "dropped_stale": 10 * seed, "late_kept": 0, "held_out_final": 0.9}
+
+    runs = {"fixed 4": [row(0, 0.7, 0.9), row(1, 0.8, 0.92), row(2, 0.75, 1.0)],
+            "auto, late drop": [row(0, 0.85, 0.95), row(1, 0.6, 0.9), row(2, 0.95, 0.97)],
+            "auto": [row(0, 0.94, 0.99), row(1, 0.93, 1.01), row(2, 1.02, 1.0)]}
+    data = coverage.summarise_arms({"study": "coverage", "max_steps": 40, "overrides": ["x=1"], "runs": runs})
+    assert data["summary"]["fixed 4"]["time"] == [1.0, 1.0, 1.0, 0.75] and data["repeats"] == 3
+    assert data["summary"]["auto, late drop"]["reward"][0] == 0.95 and data["summary"]["fixed 4"]["dropped_stale"] == 10
+    assert [m["within_goal"] for m in data["summary"].values()] == [False, False, True]
+    coverage.report(data, tmp_path)
+    saved = json.loads((tmp_path / "coverage.json").read_text())
+    assert [r[0] for r in saved["tables"][0]["rows"]] == list(coverage.ARMS)
+    assert saved["tables"][0]["rows"][0][4] == "0.75" and len(saved["tables"][1]["rows"]) == 9
+    assert (tmp_path / "coverage.png").stat().st_size > 10_000

@@ -64,7 +64,7 @@ REFUSED = [
      "auto_settings_need_auto"),
     (["off_policy.max_staleness=auto", "mode=sync"], "mode=sync trains on fresh data alone", "auto_settings_need_auto"),
     (["off_policy.max_staleness=auto", "weight_sync.sync_every=3"], "weight_sync.sync_every: 3 > off_policy.max_"
-     "staleness + 1 = 2", "pushes_keep_up_with_staleness"),  # auto at its lowest, 1
+     "staleness + 1 = 1", "pushes_keep_up_with_staleness"),  # auto at its lowest, 0
 ]
 
 
@@ -132,7 +132,7 @@ def test_an_auto_bound_spans_its_range_and_a_fixed_one_is_its_own():
     auto = load_config(None, ["off_policy.max_staleness=auto", "off_policy.auto.low=2", "off_policy.auto.high=6"])
     assert (auto.off_policy.floor, auto.off_policy.ceiling, auto.staleness_bound) == (2, 6, 6)
     assert auto.admission_bound == 2  # workers admit under low (the fill's bound) until the learner publishes one
-    assert load_config(None, ["off_policy.max_staleness=auto", "off_policy.auto.start=4"]).admission_bound == 1
+    assert load_config(None, ["off_policy.max_staleness=auto", "off_policy.auto.start=4"]).admission_bound == 0
     assert auto.adapter_slots == 8  # a LoRA server holds every version the largest bound may need
     fixed = load_config(None, ["off_policy.max_staleness=3"])
     assert (fixed.off_policy.floor, fixed.off_policy.ceiling, fixed.staleness_bound, fixed.admission_bound) == (3,) * 4

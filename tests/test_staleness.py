@@ -61,6 +61,14 @@ def test_a_learner_that_never_waits_eases_the_bound_one_at_a_time_to_its_floor()
     assert run(never, [calm(wait_share=0.0)] * 20) == []  # idle_share 0 turns easing off
 
 
+def test_easing_never_goes_to_0_only_a_cut_does():
+    """Under 0 generation cannot overlap training: the learner waits for every step's data, so a learner that
+    never waits under 1 would only be slowed by 0."""
+    c = controller(low=0, high=8, bound=3, patience=1, cooldown=1)
+    assert [ch.new for _, ch in run(c, [calm(wait_share=0.0)] * 10)] == [2, 1] and c.bound == 1
+    assert [ch.new for _, ch in run(c, [calm(ess=0.5)], first_step=10)] == [0]
+
+
 def test_easing_stops_one_above_the_bound_the_learner_last_waited_at():
     """Bound 2 starves the learner, 4 (its double) feeds it: easing leaves it at 3, not 3, 2, 3, 2 ...; a cut
     clears that floor."""
@@ -352,7 +360,8 @@ def test_a_fresh_run_fills_its_pipeline_under_low_and_the_controller_starts_afte
     from streamrl.config import load_config
     from streamrl.learner.staleness import AutoBound
 
-    cfg = load_config(None, ["off_policy.max_staleness=auto", "off_policy.auto.start=2", "off_policy.auto.patience=2"])
+    cfg = load_config(None, ["off_policy.max_staleness=auto", "off_policy.auto.low=1", "off_policy.auto.start=2",
+                             "off_policy.auto.patience=2"])
     worker = Admission(ns, max_staleness=cfg.admission_bound, groups_per_step=2)
     auto = AutoBound(cfg.off_policy.auto, Admission(ns, max_staleness=cfg.admission_bound, groups_per_step=2))
     assert (auto.bound, auto.bound_for(0), worker.bound(), worker.published()) == (1, 1, 1, None)
@@ -372,9 +381,12 @@ def test_a_fresh_run_fills_its_pipeline_under_low_and_the_controller_starts_afte
     assert "raised 2 -> 4 at step 3" in at_low.after_step(3, held)["staleness_change"]  # doubling from low
 
 
-def test_the_bound_starts_at_low_unless_start_is_set():
+def test_the_bound_opens_at_1_or_at_low_if_larger_unless_start_is_set():
+    """By default a fresh run opens at 1 after its fill under low (0: the floor cuts may go to, not a bound to
+    climb from, a doubling later than 1), or at low if that is larger."""
     assert controller().bound == 1 == AutoStalenessConfig().first and AutoStalenessConfig().start is None
-    assert controller(low=3, high=8).bound == 3 and controller(low=0, high=1).bound == 0
+    assert AutoStalenessConfig().low == 0 and controller(low=0, high=1).bound == 1
+    assert controller(low=3, high=8).bound == 3 and controller(low=0, high=1, start=0).bound == 0
     assert controller(low=3, high=8, start=5).bound == 5
 
 
@@ -436,5 +448,7 @@ def test_with_late_keep_a_slow_group_past_the_bound_is_kept_within_high_until_a_
     assert "lowered 2 -> 1" in auto.after_step(4, {**waiting, "is_ess": 0.5})["staleness_change"]
     assert auto.bound_for(3) == 1 and not auto.keeps_late(3, version=5)
     assert "raised 1 -> 2" in auto.after_step(6, waiting)["staleness_change"] and auto.keeps_late(3, version=7)
-    dropping = AutoBound(AutoStalenessConfig(low=1, high=4), Admission(ns, max_staleness=1, groups_per_step=1))
-    assert not dropping.keeps_late(3, version=5)  # the default: late groups are dropped
+    dropping = AutoBound(AutoStalenessConfig(low=1, high=4, late="drop"),
+                         Admission(ns, max_staleness=1, groups_per_step=1))
+    assert not dropping.keeps_late(3, version=5)  # as a fixed bound does
+    assert AutoStalenessConfig().late == "keep"

@@ -430,7 +430,14 @@ def test_the_summary_counts_stale_drops_and_says_what_to_do_when_many(tmp_path, 
                                                                "off_policy.max_staleness=auto"]))
     auto.final = {"step": 40, "dropped_stale": 14, "accepted": 100, "bound": 1}  # the bound auto left
     auto.summary(60.0, 0)
-    assert "outlasted 1 learner step. Raise off_policy.auto.low (the auto bound's floor)" in capsys.readouterr().out
+    assert "outlasted 1 learner step. Under auto they were older than off_policy.auto.high (8)" in \
+        capsys.readouterr().out
+    dropping = Dashboard(load_config("configs/quickstart.yaml", [f"run.dir={tmp_path}", "supervise.display=plain",
+                                                                   "off_policy.max_staleness=auto",
+                                                                   "off_policy.auto.late=drop"]))
+    dropping.final = auto.final
+    dropping.summary(60.0, 0)
+    assert "Keep late groups under the correction (off_policy.auto.late=keep)" in capsys.readouterr().out
 
 
 STEP = {"loss": 0.1, "time": 1.0, "staleness_max": 1, "tokens_global": 10, "train_s": 1.0}  # a learner line's least

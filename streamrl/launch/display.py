@@ -214,8 +214,16 @@ class Dashboard:
         table.add_row("run directory", str(self.cfg.run.path))
         self.console.print(table)
         if finished and dropped / finished > STALE_WARNING:  # generated in vain, and not at random: the slow ones
-            bound, adaptive = s.get("bound", self.cfg.admission_bound), self.cfg.off_policy.adaptive
-            knob = "off_policy.auto.low (the auto bound's floor)" if adaptive else "off_policy.max_staleness"
+            bound, off_policy = s.get("bound", self.cfg.admission_bound), self.cfg.off_policy
             self.say(f"{100 * dropped / finished:.0f}% of the finished groups were dropped as stale: episodes "
-                     f"outlasted {bound} learner step{'s' if bound != 1 else ''}. Raise {knob}, "
-                     "or train late groups with the correction (off_policy.stale=keep)")
+                     f"outlasted {bound} learner step{'s' if bound != 1 else ''}. {_stale_advice(off_policy)}")
+
+
+def _stale_advice(off_policy) -> str:
+    """What to change where many groups were dropped as stale."""
+    if not off_policy.adaptive:
+        return "Raise off_policy.max_staleness, or train late groups with the correction (off_policy.stale=keep)"
+    if off_policy.auto.late == "drop":
+        return "Keep late groups under the correction (off_policy.auto.late=keep), or raise off_policy.auto.low"
+    return (f"Under auto they were older than off_policy.auto.high ({off_policy.auto.high}) or came after a cut "
+            "for degraded data: raise off_policy.auto.high, or train every late group (off_policy.stale=keep)")

@@ -1,8 +1,8 @@
 """The staleness bound chosen from what the learner measures (``off_policy.max_staleness: auto``).
 
 After each step the controller reads the step's signals and may move the admission bound ``k`` within
-``[low, high]``, as TCP moves its window: in a fresh run doubling up from ``start`` (by default ``low``; a larger
-one is in force from the second step: ``AutoBound`` fills the pipeline under ``low``) until the bound first comes
+``[low, high]``, as TCP moves its window: in a fresh run doubling up from ``start`` (by default 1, or ``low`` if
+larger; in force from the second step: ``AutoBound`` fills the pipeline under ``low``) until the bound first comes
 down, additive up from then on (and after a restart), multiplicative down:
 
 - **down**, to ``max(low, floor(k / 2))``, as soon as the off-policy data degrades: the normalised effective sample
@@ -24,7 +24,8 @@ down, additive up from then on (and after a restart), multiplicative down:
 - **eased** down, to ``k - 1``, when the learner waited for under ``idle_share`` of each of the last
   ``patience`` steps: it is the bottleneck, so a smaller bound trains fresher data at the same speed. Easing
   stops one above the bound the learner last starved at (where the last raise started), so the bound settles
-  where the learner is fed;
+  where the learner is fed, and never eases to 0 (only a cut goes there: under 0 generation cannot overlap
+  training, and the learner waits for every step's data);
 - **reverted**, back to the bound a raise started from, when the raise did not pay: the learner's median step
   time (waiting and training) over the steps of the raise's trial (``max(cooldown, patience)`` steps) is not at
   least ``raise_gain`` under its median over the steps before it under the old bound (at most
@@ -155,7 +156,7 @@ class StalenessController:
             return self._move(step, new, "raised", f"the learner waited {s.wait_share:.0%} of its step for data the "
                                                     f"bound held back {_steps(self._healthy_waits)} running, "
                                                     f"ESS {s.ess:.2f}")
-        if cause is None and self._idle_steps >= r.patience and self.bound > self._fed_floor:
+        if cause is None and self._idle_steps >= r.patience and self.bound > max(self._fed_floor, 1):
             return self._move(step, self.bound - 1, "eased", f"the learner waited under {r.idle_share:.1%} of its step for "
                                                     f"data {_steps(r.patience)} running: fresher data, same speed")
         return None

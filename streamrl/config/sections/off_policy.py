@@ -19,10 +19,11 @@ class AutoStalenessConfig(Section):
     one after), halved when that data degrades, eased down by one while it never waits, put back where a raise
     did not speed it up (for `revert_hold` steps)."""
 
-    low: int = Field(1, ge=0, description="smallest bound")
+    low: int = Field(0, ge=0, description="smallest bound: where cuts for degraded data stop (0: on-policy, the "
+                     "only bound that holds a fast-moving policy, e.g. at a high learning rate)")
     high: int = Field(8, ge=1, description="largest bound")
     start: int | None = Field(None, ge=0, description="the bound once a fresh run's first step is trained (its "
-                              "data comes in under low; empty: low, and raises double it from there)")
+                              "data comes in under low; empty: 1, or low if larger; raises double it from there)")
     wait_share: float = Field(0.1, ge=0, lt=1, description="a step that waited for data longer than this share "
                               "of it counts towards a raise (see held_share)")
     held_share: float = Field(0.5, ge=0, le=1, description="a wait counts towards a raise only if the bound turned "
@@ -47,7 +48,7 @@ class AutoStalenessConfig(Section):
     patience: int = Field(2, ge=1, description="steps in a row that must call for a raise (the last one while "
                           "the bound doubles), or for easing; a raise also needs this many steps under the bound")
     cooldown: int = Field(3, ge=1, description="steps after a change before the next")
-    late: Literal["keep", "drop"] = Field("drop", description="a group that comes back past the bound in force (a "
+    late: Literal["keep", "drop"] = Field("keep", description="a group that comes back past the bound in force (a "
                                           "slow one: long answers, a slow tool) but within `high`: keep trains it "
                                           "under the correction while the data is healthy (no cut since the last "
                                           "raise), so slow groups are not starved; drop drops it, as a fixed bound "
@@ -71,7 +72,7 @@ class AutoStalenessConfig(Section):
     def first(self) -> int:
         """The controller's first bound, opened once a fresh run's first step is trained (its data comes in under
         ``low``)."""
-        return self.low if self.start is None else self.start
+        return max(self.low, 1) if self.start is None else self.start
 
 
 class OffPolicyConfig(Section):
