@@ -108,6 +108,9 @@ COMMANDS = {
                                                          "reports, tests/test_weightsync.py what it measures",
     "streamrl bench weight-push --study fleet": "a benchmark study: tests/test_benchmarks.py checks its pause figures "
                                                 "against hand-computed ones, tests/test_weightsync.py the waves",
+    "streamrl bench coverage": ("a benchmark study of minutes a run: tests/test_benchmarks.py::test_the_coverage_"
+                                "study_takes_each_quartiles_median_over_seeds_and_marks_the_goal checks how it "
+                                "summarises, tests/test_staleness.py the late rule it measures"),
     "streamrl bench stress": "a benchmark study of minutes a run: tests/test_stress_bench.py::"
                              "test_stress_stops_the_learners_whole_process_tree_at_the_steps_due_and_lets_it_go_on checks its "
                              "pauses, and its other tests how it pairs, joins and keeps its runs",

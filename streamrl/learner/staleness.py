@@ -256,7 +256,9 @@ class AutoBound:
             admission.set_bound(self.bound)
         # the version an easing or a revert came at -> the bound it left, stored beside the bound in force
         self._kept: dict[int, int] = {} if fresh else admission.kept_bounds()
-        self.healthy = True  # no cut since the last raise: late groups may be kept (``keeps_late``)
+        # the step from which late groups may be kept (``keeps_late``): the bound in force has stood `cooldown` steps
+        # since it was opened or raised without a cut; None after a cut, until the next raise
+        self._trusted_from: int | None = auto.cooldown
 
     @property
     def bound(self) -> int:
@@ -272,10 +274,13 @@ class AutoBound:
 
     def keeps_late(self, oldest: int, version: int) -> bool:
         """Whether a group past its bound (``bound_for``) whose oldest token ``oldest`` made is trained anyway at
-        ``version``: with ``late: keep``, while the data is healthy (a cut says it is not, until the next raise)
-        and within ``high``. The bound then paces admission, and a slow group is not starved for being slow."""
-        rules = self.controller.rules
-        return rules.late == "keep" and self.healthy and version - oldest <= rules.high
+        ``version``: with ``late: keep``, at most twice the bound in force old (and ``high``), once that bound
+        has stood ``cooldown`` steps without a cut (a raise is trusted only once the data made under it held;
+        a cut withdraws the trust until the next raise). The bound then paces admission, and a slow group is not
+        starved for being slow; a bound of 0 keeps nothing late."""
+        rules, trusted = self.controller.rules, self._trusted_from
+        return (rules.late == "keep" and trusted is not None and version >= trusted
+                and version - oldest <= min(rules.high, 2 * self.bound))
 
     def after_step(self, step: int, record: dict) -> dict:
         """Judge a step's record; for its metrics line, the change it made to the next steps' bound (and why)."""
@@ -285,11 +290,12 @@ class AutoBound:
             if self.bound == low:  # nothing to open; published, so a restarted learner goes on from it
                 self.admission.set_bound(low)
                 return {}
+            self._trusted_from = step + self.controller.rules.cooldown
             return self._publish(Change(step, low, self.bound, "the first step, its data admitted under low, is "
                                         "trained", "opened"))
         change = self.controller.observe(step, signals(record))
         if change is not None and change.way in ("lowered", "raised"):
-            self.healthy = change.way == "raised"
+            self._trusted_from = step + self.controller.rules.cooldown if change.way == "raised" else None
         # a group made at a move's version or before is past the bound the move left once `step - at` passes it
         kept = {at: old for at, old in self._kept.items() if step - at <= old}
         if change is not None and change.way == "lowered":

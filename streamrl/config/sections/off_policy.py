@@ -49,10 +49,10 @@ class AutoStalenessConfig(Section):
                           "the bound doubles), or for easing; a raise also needs this many steps under the bound")
     cooldown: int = Field(3, ge=1, description="steps after a change before the next")
     late: Literal["keep", "drop"] = Field("keep", description="a group that comes back past the bound in force (a "
-                                          "slow one: long answers, a slow tool) but within `high`: keep trains it "
-                                          "under the correction while the data is healthy (no cut since the last "
-                                          "raise), so slow groups are not starved; drop drops it, as a fixed bound "
-                                          "does (off_policy.stale: drop only)")
+                                          "slow one: long answers, a slow tool): keep trains it under the "
+                                          "correction if it is at most twice that bound (and high) old and the bound "
+                                          "has stood `cooldown` steps since it was opened or raised with no cut "
+                                          "since; drop drops it, as a fixed bound does (off_policy.stale: drop only)")
 
     @model_validator(mode="after")
     def _ordered(self) -> AutoStalenessConfig:
