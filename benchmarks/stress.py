@@ -7,7 +7,7 @@ or overloaded learner would stop: the rollout workers keep generating, the repla
 to the bound in force, and once the learner goes on it trains data up to that many versions old while its
 weights move on.
 
-Three arms on the same seeds (paired): a fixed bound of 8, ``auto`` (within its default 1..8, from 1), and ``mode:
+Three arms on the same seeds (paired): a fixed bound of 8, ``auto`` (within its default 0..8, opening at 1), and ``mode:
 sync`` (no stale data: the reference accuracy). Reported per arm: samples/s, the staleness of trained
 samples, the importance weights' lowest effective sample size, the bound's changes with their causes, and,
 off the clock, the final weights' greedy accuracy on 512 held-out prompts (paired with sync). The plot draws
