@@ -104,10 +104,11 @@ class Coordinator:
             fresh_drops = silent = 0
             for entry in entries:
                 plan.read[entry.group.group_id] = coverage.facts(entry.group)
-                verdict = self._verdict(entry, version)
+                past = self._late(entry.group, version)
+                verdict = self._verdict(entry, version, past)
                 if verdict is None:
                     groups.append(entry.group)
-                    late += self._late(entry.group, version)  # kept past its bound (stale: keep, or late: keep)
+                    late += past  # kept past its bound (stale: keep, or late: keep)
                     continue
                 outcomes[entry.group.group_id] = verdict
                 fresh_drops += verdict == "dropped:stale"
@@ -140,13 +141,14 @@ class Coordinator:
         """Whether ``group`` is past the staleness bound it is judged under."""
         return batching.stale(group, version, self._bound_for(group))
 
-    def _verdict(self, entry, version: int) -> str | None:
-        """None to train on the entry's group, else the ledger outcome it gets instead."""
+    def _verdict(self, entry, version: int, late: bool) -> str | None:
+        """None to train on the entry's group (``late``: past the bound it is judged under), else the ledger
+        outcome it gets instead."""
         top = max(int(s.tokens.max()) for s in entry.group.samples)
         if top >= self.vocab_size:  # valid on the wire, but not for this model
             self.reader.dead_letter(entry.id, f"token id {top} >= vocab size {self.vocab_size}")
             return "dropped:dead"
-        if self._late(entry.group, version) and self.cfg.off_policy.stale == "drop" and not (
+        if late and self.cfg.off_policy.stale == "drop" and not (
                 self.auto and self.auto.keeps_late(entry.group.version_range()[0], version)):
             return "dropped:stale"
         if self.cfg.learner.drop_no_signal and batching.no_signal(entry.group):
