@@ -17,7 +17,7 @@ STUDIES = {"queue": "benchmarks.replay_stream", "generate": "benchmarks.generate
            "ablation": "benchmarks.ablation", "agent": "benchmarks.agent", "nodes": "benchmarks.nodes",
            "lora": "benchmarks.lora", "trl-tune": "benchmarks.trl_tune",
            "engines": "benchmarks.engines", "stress": "benchmarks.stress", "counterfactual": "benchmarks.counterfactual",
-           "coverage": "benchmarks.coverage", "report": "benchmarks.report"}  # gathers the studies' results into docs/benchmarks.md
+           "coverage": "benchmarks.coverage", "cores": "benchmarks.cores", "report": "benchmarks.report"}  # gathers the studies' results into docs/benchmarks.md
 
 
 def run_suite(name: str, *, quick: bool, out: Path, **options) -> dict:

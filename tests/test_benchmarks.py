@@ -472,3 +472,27 @@ def test_the_coverage_study_takes_each_quartiles_median_over_seeds_and_marks_the
     assert [r[0] for r in saved["tables"][0]["rows"]] == list(coverage.ARMS)
     assert saved["tables"][0]["rows"][0][4] == "0.75" and len(saved["tables"][1]["rows"]) == 9
     assert (tmp_path / "coverage.png").stat().st_size > 10_000
+
+
+def test_the_cores_study_pairs_auto_with_niceness_0_by_seed_and_reports_where_the_cores_went(tmp_path):
+    from benchmarks import cores
+
+    def row(seed, rate, idle, changes=()):
+        shares = {"generating": 0.5, "training": 0.5 - idle, "other": 0.0, "idle": idle}
+        return {"seed": seed, "samples_per_s": rate, "held_out_final": 0.6, "cpu_share": shares,
+                "niceness": [{"step": s, "niceness": n} for s, n in changes]}
+
+    runs = {"smollm2": {"niceness 0": [row(0, 4.0, 0.14), row(1, 5.0, 0.12)],
+                        "auto": [row(1, 5.5, 0.04, [(6, 10)]), row(0, 4.8, 0.05, [(6, 10)])]},
+            "toy": {"niceness 0": [row(0, 100.0, 0.13), row(1, 90.0, 0.15)],
+                    "auto": [row(0, 99.0, 0.13), row(1, 91.8, 0.14)]}}
+    data = cores.summarise_arms({"study": "cores", "staleness": 2, "runs": runs})
+    # paired by seed: 4.8/4.0 = 1.2 and 5.5/5.0 = 1.1, median 1.15 (unpaired medians would give 5.15/4.5)
+    assert data["summary"]["smollm2"]["ratio"] == pytest.approx(1.15)
+    assert data["summary"]["toy"]["ratio"] == pytest.approx(1.005)
+    assert data["summary"]["smollm2"]["auto"]["idle"] == pytest.approx(0.045)
+    cores.report(data, tmp_path)
+    saved = json.loads((tmp_path / "cores.json").read_text())
+    assert saved["tables"][0]["rows"][0][:4] == ["smollm2", "niceness 0", "4.50", "50%"]
+    assert ["smollm2", "auto", "1", "5.50", "4%", "6: 10"] == saved["tables"][1]["rows"][2]
+    assert (tmp_path / "cores.png").stat().st_size > 10_000

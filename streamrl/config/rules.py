@@ -229,7 +229,8 @@ def deepspeed_json_is_used_as_is(cfg: Config) -> Iterator[str]:
 def launcher_settings_need_their_launcher(cfg: Config) -> Iterator[str]:
     """`ray.*` without `launcher: ray`; under Ray on a cluster (`ray.address`), an address pinned to loopback
     (parts on other nodes cannot reach it: leave it empty and each part announces its node's address); a
-    `ray.<kind>` that reserves nothing; `prepare.args` without `prepare.fn`."""
+    `ray.<kind>` that reserves nothing; a fixed `supervise.server_nice` under Ray; `prepare.args` without
+    `prepare.fn`."""
     if cfg.launcher != "ray":
         for name in _changed(cfg.ray, *type(cfg.ray).model_fields):
             yield f"ray.{name} applies to launcher=ray (or `streamrl up CONFIG --ray ADDRESS`)"
@@ -244,6 +245,9 @@ def launcher_settings_need_their_launcher(cfg: Config) -> Iterator[str]:
     for kind in ("server", "learner", "rollout", "router", "evaluator"):
         if cfg.launcher == "ray" and not getattr(cfg.ray, kind).bundle():
             yield f"ray.{kind} reserves nothing (cpus 0, no gpus or resources): Ray places no empty bundle"
+    if cfg.launcher == "ray" and cfg.supervise.server_nice not in ("auto", 0):
+        yield ("supervise.server_nice applies to servers `streamrl up` starts on its own machine; Ray gives each "
+               "part its own reserved CPUs (ray.server.cpus)")
     if cfg.prepare.args and not cfg.prepare.fn:
         yield "prepare.args are the arguments of prepare.fn, which is not set"
 

@@ -35,6 +35,7 @@ from streamrl.launch import scale
 from streamrl.launch.display import Dashboard
 from streamrl.launch.gpus import gpu_plan, share_gpus, visible_gpus
 from streamrl.launch.plots import plot_run
+from streamrl.launch.priority import ServerPriority
 from streamrl.launch.supervisor import Part, PartFailed, Supervisor
 from streamrl.rollout.evaluate import read_records
 
@@ -172,6 +173,7 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
         if launcher:
             say(f"placing {len(todo)} parts on Ray")
             launcher.place(todo)
+        priority = _server_priority(cfg, launcher, gpus, say)
         supervisor = Supervisor(cfg.supervise.restart, cfg.supervise.max_restarts, cfg.supervise.ready_timeout_s,
                                 say, state_path=cfg.run.path / "parts.json", launcher=launcher)
         dashboard.connect(cfg.redis.url, supervisor)
@@ -183,6 +185,8 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
         say("all parts ready")
         while not all(p.finished for p in supervisor.parts if p.kind in ("learner", "evaluator")):
             supervisor.check()
+            if priority:
+                priority.watch(supervisor.parts)
             _scale(cfg, requests, supervisor, launcher, config_file, plan, told)
             dashboard.refresh()
             time.sleep(cfg.supervise.refresh_s)
@@ -203,6 +207,19 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
     except FileNotFoundError:
         pass  # stopped before any step or evaluation: nothing to draw
     return code
+
+
+def _server_priority(cfg: Config, launcher: RayActors | None, gpus: list[str],
+                     say: Callable[[str], None]) -> ServerPriority | None:
+    """Who goes first on the cores, where servers on the CPU share them with a learner on the CPU (Ray reserves
+    each part's CPUs itself). A learner whose threads take every core needs no priority from ``auto``: under
+    one it would run alone whenever it had data, starving the generation it waits on next."""
+    if launcher or gpus:
+        return None
+    learner_cores = cfg.learner.nproc * int(_threads(cfg, learner=True)["OMP_NUM_THREADS"])
+    if cfg.supervise.server_nice == "auto" and learner_cores >= (os.cpu_count() or 1):
+        return None
+    return ServerPriority(cfg.supervise.server_nice, cfg.run.path / "metrics" / "learner.jsonl", say)
 
 
 def _embedded_redis(cfg: Config, launcher: RayActors | None) -> EmbeddedRedis:
