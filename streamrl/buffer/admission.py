@@ -99,6 +99,7 @@ class Admission:
         self.lease_ms = int(lease_s * 1000)
         self._keys = [ns.key("inflight"), ns.key("counters"), ns.key("version"), ns.key("staleness_bound")]
         self._kept_key = ns.key("staleness_kept")
+        self._trust_key = ns.key("staleness_late_trusted_from")
         self._admit = ns.conn.register_script(_ADMIT)
         self._release = ns.conn.register_script(_RELEASE)
         self._renew = ns.conn.register_script(_RENEW)
@@ -136,6 +137,20 @@ class Admission:
             if kept:
                 pipe.hset(self._kept_key, mapping=kept)
             pipe.execute()
+
+    def late_trusted_from(self) -> int | None:
+        """The version from which the learner trains groups past the bound (``off_policy.auto.late: keep``), None
+        while it trains none: kept here so that a resumed learner trusts what the one before it did, and no more."""
+        with self.ns.reachable("read when late groups are trusted"):
+            at = self.ns.conn.get(self._trust_key)
+        return None if at is None else int(at)
+
+    def set_late_trusted_from(self, at: int | None) -> None:
+        with self.ns.reachable("record when late groups are trusted"):
+            if at is None:
+                self.ns.conn.delete(self._trust_key)
+            else:
+                self.ns.conn.set(self._trust_key, at)
 
     def try_admit(self, group_id: str) -> bool:
         """Take a slot for ``group_id`` (or renew its lease). False when the bound in force is reached."""

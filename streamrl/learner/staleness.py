@@ -257,8 +257,11 @@ class AutoBound:
         # the version an easing or a revert came at -> the bound it left, stored beside the bound in force
         self._kept: dict[int, int] = {} if fresh else admission.kept_bounds()
         # the step from which late groups may be kept (``keeps_late``): the bound in force has stood `cooldown` steps
-        # since it was opened or raised without a cut; None after a cut, until the next raise
-        self._trusted_from: int | None = auto.cooldown
+        # since it was opened or raised without a cut; None after a cut, until the next raise. Stored beside the
+        # bound: a resumed learner trusts what the one before it did (a cut before a crash is not forgotten)
+        self._trusted_from = admission.late_trusted_from()
+        if fresh:
+            self._trust(auto.cooldown)
 
     @property
     def bound(self) -> int:
@@ -290,12 +293,12 @@ class AutoBound:
             if self.bound == low:  # nothing to open; published, so a restarted learner goes on from it
                 self.admission.set_bound(low)
                 return {}
-            self._trusted_from = step + self.controller.rules.cooldown
+            self._trust(step + self.controller.rules.cooldown)
             return self._publish(Change(step, low, self.bound, "the first step, its data admitted under low, is "
                                         "trained", "opened"))
         change = self.controller.observe(step, signals(record))
         if change is not None and change.way in ("lowered", "raised"):
-            self._trusted_from = step + self.controller.rules.cooldown if change.way == "raised" else None
+            self._trust(step + self.controller.rules.cooldown if change.way == "raised" else None)
         # a group made at a move's version or before is past the bound the move left once `step - at` passes it
         kept = {at: old for at, old in self._kept.items() if step - at <= old}
         if change is not None and change.way == "lowered":
@@ -306,6 +309,10 @@ class AutoBound:
             self.admission.set_kept_bounds(kept)
             self._kept = kept
         return {} if change is None else self._publish(change)
+
+    def _trust(self, at: int | None) -> None:
+        self._trusted_from = at
+        self.admission.set_late_trusted_from(at)
 
     def _publish(self, change: Change) -> dict:
         self.admission.set_bound(change.new)
