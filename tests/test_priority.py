@@ -80,6 +80,17 @@ def test_servers_yield_while_the_learner_sets_the_pace_and_share_again_when_gene
         sup.stop(timeout_s=5)
 
 
+def test_a_resumed_runs_earlier_steps_are_not_judged(tmp_path):
+    metrics, said = tmp_path / "learner.jsonl", []
+    _write(metrics, _lines([0.0] * (WINDOW + 1)))  # an earlier `streamrl up` of this run, learner-bound
+    priority = ServerPriority("auto", metrics, said.append)
+    priority.watch([])
+    assert priority.nice == 0 and not said
+    _write(metrics, _lines([30.0] + [0.0] * WINDOW, start=5000.0))  # this one's: judged from its own start
+    priority.watch([])
+    assert priority.nice == AUTO_NICE and "waited 0%" in said[0]
+
+
 def test_a_fixed_niceness_holds_every_server_process_and_no_other_part(tmp_path):
     sup, part, procs = _family(tmp_path)
     worker = sup.start(Part("rollout-0", "rollout", FAMILY, tmp_path / "rollout-0.log"))

@@ -9,10 +9,11 @@ while admission holds generation, its cores idle.
 ``supervise.server_nice: auto`` watches the learner. When it waited under ``YIELD_BELOW`` of its last
 ``WINDOW`` steps (the learner sets the pace), every process of every server (vLLM's engine processes too)
 is reniced to ``AUTO_NICE``: the kernel gives the learner its cores first and the servers what it leaves.
-When it waits over ``RESUME_ABOVE`` (generation sets the pace), they go back to 0, where the user may lower
-a niceness (root; else the first yield is for the rest of the run, and says so). A number renices the servers to it from their start. Parts Ray
-places, and servers with GPUs of their own, are left alone: they do not share the learner's cores. Each change is said, and
-kept in ``RUN/metrics/server_nice.jsonl`` with the step and the wait share that decided it.
+When it waits over ``RESUME_ABOVE`` (generation sets the pace), they go back to 0 where this process may lower
+a niceness (root; else the first yield holds for the rest of the run, and says so). A number holds the servers
+at it once the run is up. Parts Ray places, and servers with GPUs of their own, are left alone: they do not
+share the learner's cores. Each change is said, and kept in ``RUN/metrics/server_nice.jsonl`` with the step
+and the wait share that decided it.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class ServerPriority:
         self.auto = setting == "auto"
         self.nice = 0 if self.auto else int(setting)
         self.metrics, self.say = metrics, say
-        self._offset = 0
+        self._offset = metrics.stat().st_size if metrics.exists() else 0  # a resumed run's earlier steps: not judged
         self._lines: deque[dict] = deque(maxlen=WINDOW + 1)
         self.can_lower = may_lower_niceness()
 
