@@ -1,9 +1,9 @@
 """Cores: where a run's CPU goes when the servers and the learner share it, with and without the servers' priority.
 
 Each run is a real ``streamrl up``, asynchronous at max staleness 2, of one of two workloads on this machine's
-cores: the SmolLM2 recipe on the vllm engine (``configs/smollm2.yaml server.engine=vllm``, as `streamrl bench
-trl --trl-trainer async` runs streamrl's side: the learner sets the pace) and the toy quickstart
-(``configs/quickstart.yaml``: generation sets it). Two arms on the same seeds, who goes first rotating:
+cores: the SmolLM2 recipe on the vllm engine (``configs/smollm2.yaml server.engine=vllm``, 20 steps, as `streamrl
+bench trl --trl-trainer async` runs streamrl's side: the learner sets the pace) and the toy quickstart
+(``configs/quickstart.yaml``, 40 steps: generation sets it), each evaluated once, after its last step. Two arms on the same seeds, who goes first rotating:
 ``supervise.server_nice=0`` (the servers share the cores evenly with the learner) and ``auto`` (they yield to
 the learner while it sets the pace; docs/up.md).
 
@@ -47,8 +47,10 @@ STALENESS = 2
 
 def one_run(run_dir: Path, prepared: Path, workload: str, arm: str, steps: int, seed: int) -> dict:
     recipe, overrides = WORKLOADS[workload]
+    # evaluated at the end alone, as `bench trl` runs it: an evaluation midway takes the servers from generation
     argv, name = up_argv(run_dir, prepared, "single-turn", "async", steps, STALENESS, seed,
-                         (*overrides, ARMS[arm]), recipe, name=f"{workload}-{arm.replace(' ', '')}-{seed}")
+                         (*overrides, f"eval.every={steps}", ARMS[arm]), recipe,
+                         name=f"{workload}-{arm.replace(' ', '')}-{seed}")
     with CpuShare(cpu_share.STREAMRL) as cores:
         out = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
     if out.returncode != 0:
