@@ -14,9 +14,11 @@ from streamrl.config import ConfigError, load_config
 from streamrl.launch.priority import AUTO_NICE, WINDOW, ServerPriority, may_lower_niceness, wait_share
 from streamrl.launch.supervisor import Part, Supervisor
 
-# a server that starts a child of its own, as vLLM's engine does
+# a server that starts a child of its own, as vLLM's engine does, and the child a thread, both made long before
+# any renice (a thread takes its creator's niceness only when it is made)
 FAMILY = [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
-          "'import time; time.sleep(120)']); print('up', flush=True); time.sleep(120)"]
+          "'import threading, time; threading.Thread(target=time.sleep, args=(120,)).start(); time.sleep(120)']); "
+          "print('up', flush=True); time.sleep(120)"]
 
 
 def _lines(waits: list[float], step_s: float = 2.0, start: float = 1000.0) -> list[dict]:
@@ -37,13 +39,18 @@ def _family(tmp_path, name: str = "server-0", kind: str = "server") -> tuple[Sup
     part = sup.start(Part(name, kind, FAMILY, tmp_path / f"{name}.log"))
     root = psutil.Process(part.pid)
     deadline = time.time() + 20
-    while not root.children() and time.time() < deadline:
+    while not (root.children() and root.children()[0].num_threads() > 1) and time.time() < deadline:
         time.sleep(0.05)
     return sup, part, [root, *root.children()]
 
 
 def _niceness(procs: list[psutil.Process]) -> list[int]:
-    return [p.nice() for p in procs]
+    """Each process's niceness, where every thread of it has the same (else the thread's, in a list)."""
+    out = []
+    for p in procs:
+        each = {os.getpriority(os.PRIO_PROCESS, t.id) for t in p.threads()}
+        out.append(each.pop() if len(each) == 1 else sorted(each))
+    return out
 
 
 def _write(path, lines: list[dict]) -> None:

@@ -106,6 +106,8 @@ class ServerPriority:
                 self._lines.append(line)
 
     def _renice(self, part: Part) -> None:
+        """Every thread of every process of the part: Linux keeps a niceness per thread, and a thread takes its
+        creator's only when it is made (vLLM's engine threads are long made when ``auto`` yields)."""
         try:
             root = psutil.Process(part.pid)
             tree = [root, *root.children(recursive=True)]
@@ -113,10 +115,15 @@ class ServerPriority:
             return
         for proc in tree:
             try:
-                if proc.nice() != self.nice:
-                    proc.nice(self.nice)
+                threads = [t.id for t in proc.threads()]
             except (psutil.NoSuchProcess, psutil.AccessDenied):  # gone; or a process not ours
                 continue
+            for tid in threads:
+                try:
+                    if os.getpriority(os.PRIO_PROCESS, tid) != self.nice:
+                        os.setpriority(os.PRIO_PROCESS, tid, self.nice)
+                except (ProcessLookupError, PermissionError):
+                    continue
 
 
 def may_lower_niceness() -> bool:
