@@ -117,25 +117,30 @@ def test_a_fixed_niceness_holds_every_server_process_and_no_other_part(tmp_path)
 
 
 def test_the_setting_is_refused_where_it_would_not_act():
-    assert load_config(None, []).supervise.server_nice == "auto"
+    assert load_config(None, []).supervise.server_nice == 0
     for bad in ("supervise.server_nice=20", "supervise.server_nice=-1", "supervise.server_nice=high"):
         with pytest.raises(ConfigError, match="server_nice"):
             load_config(None, [bad])
-    with pytest.raises(ConfigError, match="Ray gives each part its own reserved CPUs"):
-        load_config(None, ["launcher=ray", "supervise.server_nice=10"])
-    assert load_config(None, ["launcher=ray"]).supervise.server_nice == "auto"
+    for setting in ("10", "auto"):
+        with pytest.raises(ConfigError, match="Ray gives each part its own reserved CPUs"):
+            load_config(None, ["launcher=ray", f"supervise.server_nice={setting}"])
+    assert load_config(None, ["launcher=ray"]).supervise.server_nice == 0
 
 
 def test_up_leaves_auto_out_where_the_learner_takes_every_core_or_the_parts_have_cores_of_their_own(tmp_path):
     from streamrl.launch.local import _server_priority
 
+    said = []
+
     def made(*overrides: str, gpus: tuple[str, ...] = ()) -> ServerPriority | None:
         cfg = load_config(None, [f"run.dir={tmp_path}", *overrides])
-        return _server_priority(cfg, None, list(gpus), lambda m: None)
+        return _server_priority(cfg, None, list(gpus), said.append)
 
     every = f"supervise.learner_threads={os.cpu_count()}"
-    assert made(every) is None  # first on every core, it would starve the generation it waits on next
+    assert made() is None and not said  # the default: an even share, nothing to do
+    assert made(every, "supervise.server_nice=auto") is None  # first on every core, it would starve generation
+    assert "the learner's threads take all" in said[-1]
     assert made(every, "supervise.server_nice=5").nice == 5  # a number is the user's to give
-    assert made(gpus=("0",)) is None  # the servers have GPUs: nothing to share
+    assert made("supervise.server_nice=auto", gpus=("0",)) is None and "has GPUs" in said[-1]
     if (os.cpu_count() or 1) > 1:
-        assert made().auto
+        assert made("supervise.server_nice=auto").auto

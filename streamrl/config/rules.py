@@ -245,7 +245,7 @@ def launcher_settings_need_their_launcher(cfg: Config) -> Iterator[str]:
     for kind in ("server", "learner", "rollout", "router", "evaluator"):
         if cfg.launcher == "ray" and not getattr(cfg.ray, kind).bundle():
             yield f"ray.{kind} reserves nothing (cpus 0, no gpus or resources): Ray places no empty bundle"
-    if cfg.launcher == "ray" and cfg.supervise.server_nice not in ("auto", 0):
+    if cfg.launcher == "ray" and cfg.supervise.server_nice != 0:
         yield ("supervise.server_nice applies to servers `streamrl up` starts on its own machine; Ray gives each "
                "part its own reserved CPUs (ray.server.cpus)")
     if cfg.prepare.args and not cfg.prepare.fn:

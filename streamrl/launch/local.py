@@ -214,10 +214,16 @@ def _server_priority(cfg: Config, launcher: RayActors | None, gpus: list[str],
     """Who goes first on the cores, where servers on the CPU share them with a learner on the CPU (Ray reserves
     each part's CPUs itself). A learner whose threads take every core needs no priority from ``auto``: under
     one it would run alone whenever it had data, starving the generation it waits on next."""
-    if launcher or gpus:
+    setting = cfg.supervise.server_nice
+    if setting == 0 or launcher:  # Ray: refused by the config
+        return None
+    if gpus:
+        say(f"supervise.server_nice {setting}: this machine has GPUs, and the servers' compute is theirs; left as is")
         return None
     learner_cores = cfg.learner.nproc * int(_threads(cfg, learner=True)["OMP_NUM_THREADS"])
-    if cfg.supervise.server_nice == "auto" and learner_cores >= (os.cpu_count() or 1):
+    if setting == "auto" and learner_cores >= (os.cpu_count() or 1):
+        say(f"supervise.server_nice auto: the learner's threads take all {learner_cores} cores, and first on every "
+            "core it would starve the generation it waits on next; the servers keep niceness 0")
         return None
     return ServerPriority(cfg.supervise.server_nice, cfg.run.path / "metrics" / "learner.jsonl", say)
 

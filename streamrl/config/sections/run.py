@@ -92,11 +92,10 @@ class SuperviseConfig(Section):
         None, ge=1, description="torch threads per learner rank, when not `threads`: a learner-bound run, whose "
                                 "servers wait on admission most of the time, may give its learner every core")
     server_nice: Annotated[int, Field(ge=0, le=19)] | Literal["auto"] = Field(
-        "auto", description="the niceness of the servers' processes, where they share this machine's CPU with the "
-                            "learner (no GPU): auto renices them to 10 while the learner sets the pace (it waits "
-                            "under 10% of its steps), so it gets the cores first, and back to 0 while generation "
-                            "does (lowering takes root), unless the learner's threads take every core; a number holds "
-                            "them at it")
+        0, description="the niceness of the servers' processes where they share this machine's CPU with the "
+                       "learner (no GPU): 0 shares the cores evenly; auto renices them to 10 while the learner sets "
+                       "the pace (it waits under 10% of its steps) and back to 0 while generation does (lowering "
+                       "takes root), unless the learner's threads take every core; a number holds them at it")
 
 
 class Placement(Section):
