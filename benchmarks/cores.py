@@ -4,7 +4,7 @@ Each run is a real ``streamrl up``, asynchronous at max staleness 2, of one of t
 cores: the SmolLM2 recipe on the vllm engine (``configs/smollm2.yaml server.engine=vllm``, 20 steps, as `streamrl
 bench trl --trl-trainer async` runs streamrl's side: the learner sets the pace) and the toy quickstart
 (``configs/quickstart.yaml``, 40 steps: generation sets it), each evaluated once, after its last step. Two arms on the same seeds, who goes first rotating:
-``supervise.server_nice=0`` (the servers share the cores evenly with the learner) and ``auto`` (they yield to
+``supervise.server_nice=0`` (the default: the servers share the cores evenly with the learner) and ``auto`` (they yield to
 the learner while it sets the pace; docs/up.md).
 
 A sampler reads every process's CPU time through the run (``cpu_share``) and files it under generating (the
@@ -114,13 +114,14 @@ def report(data: dict, out: Path) -> None:
 
 
 def figure(data: dict):
-    """Per workload and arm: samples/s, and where the cores went (stacked shares)."""
+    """Per workload and arm: samples/s over the even share's, and where the cores went (stacked shares)."""
     fig, (ax1, ax2) = new_figure(2, "The servers' priority on shared cores")
     labels = [f"{w}\n{arm}" for w, arms in data["summary"].items() for arm in arms if arm != "ratio"]
     cells = [m for arms in data["summary"].values() for arm, m in arms.items() if arm != "ratio"]
-    ax1.bar(labels, [m["samples_per_s"] for m in cells], color=[f"C{i % 2}" for i in range(len(cells))])
-    ax1.set_ylabel("samples/s")
-    ax1.set_yscale("log")
+    base = [arms["niceness 0"]["samples_per_s"] for arms in data["summary"].values() for arm in arms if arm != "ratio"]
+    ax1.bar(labels, [m["samples_per_s"] / b for m, b in zip(cells, base)], color=[f"C{i % 2}" for i in range(len(cells))])
+    ax1.axhline(1.0, color="grey", linestyle="--")
+    ax1.set_ylabel("samples/s over niceness 0's (medians)")
     bottom = [0.0] * len(cells)
     for i, role in enumerate(ROLES):
         ax2.bar(labels, [m[role] for m in cells], bottom=bottom, label=role, color="lightgrey" if role == "idle" else f"C{i + 2}")
