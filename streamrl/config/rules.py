@@ -229,7 +229,7 @@ def deepspeed_json_is_used_as_is(cfg: Config) -> Iterator[str]:
 def launcher_settings_need_their_launcher(cfg: Config) -> Iterator[str]:
     """`ray.*` without `launcher: ray`; under Ray on a cluster (`ray.address`), an address pinned to loopback
     (parts on other nodes cannot reach it: leave it empty and each part announces its node's address); a
-    `ray.<kind>` that reserves nothing; a fixed `supervise.server_nice` under Ray; `prepare.args` without
+    `ray.<kind>` that reserves nothing; any `supervise.server_nice` but 0 under Ray; `prepare.args` without
     `prepare.fn`."""
     if cfg.launcher != "ray":
         for name in _changed(cfg.ray, *type(cfg.ray).model_fields):

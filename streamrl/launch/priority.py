@@ -29,7 +29,7 @@ from pathlib import Path
 
 import psutil
 
-from streamrl.launch.supervisor import Part
+from streamrl.launch.supervisor import Part, process_tree
 
 AUTO_NICE = 10  # the kernel then gives a nice-0 thread about 10× a nice-10 one's time on a shared core
 WINDOW = 5  # learner steps judged at a time
@@ -108,12 +108,7 @@ class ServerPriority:
     def _renice(self, part: Part) -> None:
         """Every thread of every process of the part: Linux keeps a niceness per thread, and a thread takes its
         creator's only when it is made (vLLM's engine threads are long made when ``auto`` yields)."""
-        try:
-            root = psutil.Process(part.pid)
-            tree = [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return
-        for proc in tree:
+        for proc in process_tree(part.pid):
             try:
                 threads = [t.id for t in proc.threads()]
             except (psutil.NoSuchProcess, psutil.AccessDenied):  # gone; or a process not ours

@@ -102,7 +102,7 @@ class LocalProcesses:
 
 def _part_tree(part: Part) -> list[psutil.Process]:
     """A live part's process and descendants; nothing for one already reaped (its pid may be reused)."""
-    return _tree(part.proc.pid) if part.proc.poll() is None else []
+    return process_tree(part.proc.pid) if part.proc.poll() is None else []
 
 
 def _signal_part(part: Part, tree: list[psutil.Process], sig: int) -> None:
@@ -127,7 +127,7 @@ def _group(proc: psutil.Process) -> int | None:
 
 def kill_tree(pid: int, timeout_s: float) -> None:
     """SIGTERM a process and all its descendants; SIGKILL what is left after ``timeout_s``."""
-    tree = _tree(pid)
+    tree = process_tree(pid)
     for proc in tree:
         _signal(proc, signal.SIGTERM)
     _, alive = psutil.wait_procs(tree, timeout=timeout_s)
@@ -240,7 +240,8 @@ class Supervisor:
                 self.launcher.stop_all(group, timeout_s)
 
 
-def _tree(pid: int) -> list[psutil.Process]:
+def process_tree(pid: int) -> list[psutil.Process]:
+    """The process and every descendant of it (none if it is gone)."""
     try:
         root = psutil.Process(pid)
         return [root, *root.children(recursive=True)]
