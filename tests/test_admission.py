@@ -145,3 +145,22 @@ def test_a_published_bound_moves_the_admission_limit_for_every_worker(ns):
     assert worker.try_admit("k5")
     with pytest.raises(ValueError, match="a staleness bound is >= 0"):
         learner.set_bound(-1)
+
+
+def test_generation_is_held_only_while_every_slot_is_taken_and_no_group_runs(ns):
+    # (0 + V + 1) * 2 slots: 2 at version 0
+    admission, stream = Admission(ns, max_staleness=0, groups_per_step=2), ReplayStream(ns)
+    groups = [synthetic_group(2, 8, prompt_len=2) for _ in range(3)]
+    assert not admission.held()  # slots free: a worker may start a group
+    assert admission.try_admit(groups[0].group_id) and admission.try_admit(groups[1].group_id)
+    assert not admission.held()  # full, but two groups still generate
+    stream.put(groups[0])
+    assert not admission.held()
+    stream.put(groups[1])
+    assert admission.held()  # full and nothing running: nothing generates until the version moves
+    assert admission.refusals() == 0  # asking refuses nobody
+    PolicyVersion(ns).set(1)
+    assert not admission.held()
+    assert admission.try_admit(groups[2].group_id) and not admission.held()
+    admission.abandon(groups[2].group_id)
+    assert not admission.held()  # its slot is free again

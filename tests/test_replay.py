@@ -18,6 +18,7 @@ import torch
 from streamrl.buffer import Namespace, ReplayStream
 from streamrl.buffer.redis_server import free_port
 from streamrl.learner import record
+from streamrl.learner.cores import machine_cores
 from streamrl.testing import synthetic_group
 
 pytestmark = pytest.mark.slow
@@ -77,6 +78,20 @@ def test_a_learner_run_replays_bit_for_bit_from_its_start_and_from_a_checkpoint(
     assert out.returncode == 0, out.stderr[-3000:]
     assert "from version 2" in out.stderr and "identical through step 5" in out.stdout  # the checkpoint at 2
     assert [r["step"] for r in _steps(tmp_path / "late")] == [3, 4, 5]
+
+
+@pytest.mark.skipif(machine_cores() < 2, reason="widening the learner needs a second core")
+def test_a_learner_widened_while_generation_was_held_replays_each_phase_on_the_run_s_threads(
+        redis_server, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the learner's share; every core once generation is held
+    run = _recorded_run(redis_server.url, tiny_model_dir, tmp_path, 1, "supervise.learner_threads=auto")
+    # no worker runs, and the 22 groups put fill every slot of versions 0-2 ((2 + V + 1) * 4 slots): held from each
+    # step's first phase; from version 3 slots are free (two groups were dropped)
+    assert [s.wide_from for s in record.read(run / "record")] == [0, 0, 0, None, None]
+    assert json.loads((run / "record" / "meta.json").read_text())["starts"][0]["cores"] == machine_cores()
+    out = _replay(run, "--verify", "--out", tmp_path / "again")
+    assert out.returncode == 0 and "identical through step 5" in out.stdout, out.stderr[-3000:]
+    assert [r.get("wide_from") for r in _steps(tmp_path / "again")] == [0, 0, 0, None, None]
 
 
 def test_a_counterfactual_trains_other_weights_on_the_same_data_and_bad_overrides_are_refused(

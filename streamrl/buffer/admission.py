@@ -24,26 +24,40 @@ import uuid
 
 from streamrl.buffer.connection import LUA_NOW, Namespace
 
+
+def _full(staleness_arg: int, per_step_arg: int) -> str:
+    """Lua that sets ``running`` (groups admitted, not yet put) and ``full`` (no slot free under the bound in force,
+    the one the learner publishes or else ``ARGV[staleness_arg]``; ``ARGV[per_step_arg]``: groups per step)."""
+    return f"""
+local running = redis.call('ZCARD', KEYS[1])
+local accepted = tonumber(redis.call('HGET', KEYS[2], 'accepted') or '0')
+  - tonumber(redis.call('HGET', KEYS[2], 'dropped_stale') or '0')
+  - tonumber(redis.call('HGET', KEYS[2], 'dropped_no_signal') or '0')
+local version = tonumber(redis.call('GET', KEYS[3]) or '0')
+local bound = tonumber(redis.call('GET', KEYS[4]) or ARGV[{staleness_arg}])
+local full = accepted + running >= (bound + version + 1) * tonumber(ARGV[{per_step_arg}])
+"""
+
+
 _ADMIT = LUA_NOW + """
 local expired = redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 if expired > 0 then redis.call('HINCRBY', KEYS[2], 'expired', expired) end
 if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
   redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
   return 1
-end
-local running = redis.call('ZCARD', KEYS[1])
-local accepted = tonumber(redis.call('HGET', KEYS[2], 'accepted') or '0')
-  - tonumber(redis.call('HGET', KEYS[2], 'dropped_stale') or '0')
-  - tonumber(redis.call('HGET', KEYS[2], 'dropped_no_signal') or '0')
-local version = tonumber(redis.call('GET', KEYS[3]) or '0')
-local bound = tonumber(redis.call('GET', KEYS[4]) or ARGV[3])
-if accepted + running >= (bound + version + 1) * tonumber(ARGV[4]) then
+end""" + _full(3, 4) + """if full then
   redis.call('HINCRBY', KEYS[2], 'refused', 1)
   return 0
 end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 redis.call('HINCRBY', KEYS[2], 'admitted', 1)
 return 1
+"""
+
+# Read-only: whether no group runs and none may start before the version moves (a lease past its deadline still
+# counts as running here, until a worker's next admit expires it).
+_HELD = _full(1, 2) + """if full and running == 0 then return 1 end
+return 0
 """
 
 _RELEASE = """
@@ -104,6 +118,7 @@ class Admission:
         self._release = ns.conn.register_script(_RELEASE)
         self._renew = ns.conn.register_script(_RENEW)
         self._reclaim = ns.conn.register_script(_RECLAIM)
+        self._held = ns.conn.register_script(_HELD)
 
     def published(self) -> int | None:
         """The bound the learner published (``max_staleness: auto``), if it did."""
@@ -181,6 +196,12 @@ class Admission:
         ``RETRY_S``): while it does, the bound, not generation, limits the groups in flight."""
         with self.ns.reachable("read the admission refusals"):
             return int(self.ns.conn.hget(self._keys[1], "refused") or 0)
+
+    def held(self) -> bool:
+        """Whether generation is held: every slot is taken and no group runs, so no worker starts one (nor any
+        server computes for one) until the learner publishes a version."""
+        with self.ns.reachable("read whether admission holds generation"):
+            return bool(self._held(keys=self._keys, args=[self.max_staleness, self.groups_per_step]))
 
     def running(self) -> int:
         with self.ns.reachable("count running groups"):

@@ -252,6 +252,20 @@ def launcher_settings_need_their_launcher(cfg: Config) -> Iterator[str]:
         yield "prepare.args are the arguments of prepare.fn, which is not set"
 
 
+@rule
+def learner_threads_widen_one_local_rank(cfg: Config) -> Iterator[str]:
+    """`supervise.learner_threads: auto` under Ray (each part has its reserved CPUs) or with more than one learner
+    rank (each would widen onto the same cores)."""
+    if cfg.supervise.learner_threads != "auto":
+        return
+    if cfg.launcher == "ray":
+        yield ("supervise.learner_threads=auto widens the learner onto the cores of the machine `streamrl up` shares "
+               "with its servers; Ray gives each part its own reserved CPUs (ray.learner.cpus)")
+    if cfg.learner.nproc > 1:
+        yield (f"supervise.learner_threads=auto widens one learner rank, and learner.nproc is {cfg.learner.nproc}: "
+               "give each rank a number of threads instead")
+
+
 # --------------------------------------------------------------------------- LoRA
 
 

@@ -74,7 +74,7 @@ def _threads(cfg: Config, learner: bool = False) -> dict[str, str]:
     gain less from a second thread than they lose waiting on it beside the other processes).
     """
     n = cfg.supervise.threads or max(1, (os.cpu_count() or 1) // (cfg.server.count + cfg.learner.nproc))
-    if learner and cfg.supervise.learner_threads:
+    if learner and isinstance(cfg.supervise.learner_threads, int):  # auto: the share, widened by the learner
         n = cfg.supervise.learner_threads
     return {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)}
 

@@ -50,6 +50,7 @@ class Coordinator:
             log.info("resumed from %s: version %d, cursor %s", resumed["path"], version, self.reader.cursor)
         self.admission = Admission(ns, max_staleness=cfg.admission_bound, groups_per_step=learner.groups_per_step)
         self.auto = AutoBound(cfg.off_policy.auto, self.admission) if cfg.off_policy.adaptive else None
+        policy.cores.held = self.admission.held  # `learner_threads: auto` widens once generation is held
         self.version_key.set(version)
         self.published, self.publish_lock = version, threading.Lock()
         self.probe_ids = probe.load(Path(cfg.run.path))  # the push's probe: the first tokens trained on
@@ -66,7 +67,7 @@ class Coordinator:
         self.recorder = None
         if cfg.record.enabled:  # every step's input, for ``streamrl replay``
             root = Path(cfg.run.path) / "record"
-            record.write_meta(root, {"world": self.world, "threads": torch.get_num_threads(),
+            record.write_meta(root, {"world": self.world, "threads": policy.cores.share, "cores": policy.cores.every,
                                      "device": policy.device.type, "init_rng": record.pack(policy.init_rng),
                                      "config": cfg.redacted()}, version)
             self.recorder = record.Recorder(root, version, cfg.record.chunk_steps, cfg.record.keep_steps)
@@ -211,7 +212,8 @@ class Coordinator:
                 version=version - 1, trained=plan.groups, outcomes={g: o for g, o in plan.outcomes.items()
                                                                      if o != "trained"},
                 bound=plan.info["staleness_bound"], partition=plan.partition, cursor=self.reader.cursor,
-                landed=landed, weights=weights, info={k: plan.info[k] for k in record.PLAN_INFO}))
+                landed=landed, weights=weights, info={k: plan.info[k] for k in record.PLAN_INFO},
+                wide_from=stats.get("wide_from")))
             if landed and version % self.cfg.learner.checkpoint_every == 0:
                 self.recorder.sync()  # a checkpoint of this version follows: the frames it covers are on disk
 

@@ -93,6 +93,8 @@ class Learner:
         # 5. proximal, reference and critic forwards; 6. an optimizer step per minibatch, for each epoch
         stats, landed = train(self.policy, shards, self.cfg.learner.epochs, self.critic, ptx,
                               lambda: self.coordinator.end_push(plan.info))
+        if (wide_from := self.policy.cores.end()) is not None:  # the phase it took every core from
+            stats["wide_from"] = wide_from
         return self.commit(plan, stats, landed, time.perf_counter() - t0)  # 7. push, checkpoint, export
 
     def commit(self, plan: Plan, stats: dict, landed: int, train_s: float) -> dict:

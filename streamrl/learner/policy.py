@@ -21,6 +21,7 @@ import xxhash
 from streamrl.config import Config
 from streamrl.learner import adapter, packing, prefix, tally
 from streamrl.learner.batching import TrainSequence
+from streamrl.learner.cores import Cores, machine_cores
 from streamrl.learner.losses import PolicyLoss, effective_sample_size, kl, normaliser
 from streamrl.learner.reference import Reference
 
@@ -127,6 +128,9 @@ class Policy:
                                tis_cap=cfg.off_policy.tis_cap, behav_cap=cfg.off_policy.behav_weight_cap)
         self.temperature = cfg.rollout.sampling.temperature
         self.random_forward = has_dropout(model)
+        # every core once generation is held, with `supervise.learner_threads: auto` (one rank, on the CPU)
+        widen = cfg.supervise.learner_threads == "auto" and self.device.type == "cpu" and self.world_size == 1
+        self.cores = Cores(torch.get_num_threads(), machine_cores() if widen else torch.get_num_threads())
         self.reference = None
         if cfg.learner.kl_coef > 0 and not cfg.learner.kl_in_reward:  # the initial policy, frozen
             self.reference = (Reference.base_of(self.model, self.temperature) if adapter_off_reference(cfg) else
@@ -242,6 +246,7 @@ class Policy:
         bad = self._backward(work, timer)
         if before_update:
             before_update()
+        self.cores.phase()
         with timer("optimizer_s"):
             self._apply(bad, stats)
         stats.update(timer.totals)
@@ -255,10 +260,12 @@ class Policy:
         for i, (row, loss_of, weight) in enumerate(work):
             last = i == len(work) - 1
             self.model.set_gradient_accumulation_boundary(last)
+            self.cores.phase()
             with timer("forward_s"):
                 loss = self._empty_micro_batch() if row is None else loss_of(row)
             if not torch.isfinite(loss):
                 bad, loss = True, self._discarded(loss)
+            self.cores.phase()
             with timer("backward_s"):
                 self.model.backward(loss * weight)
             if not last:

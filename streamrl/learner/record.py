@@ -66,6 +66,7 @@ class Step:
     landed: int = 0              # minibatches whose update reached the weights
     weights: str = ""            # hash of the weights the step ended with (``Policy.fingerprint``)
     info: dict[str, Any] = field(default_factory=dict)  # the plan's counts (dropped, refused, waited)
+    wide_from: int | None = None  # the phase from which the step trained on every core (``cores``); None: none
 
 
 def encode(step: Step) -> bytes:

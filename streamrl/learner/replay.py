@@ -159,7 +159,7 @@ class Replayer:
     pushes = False
 
     def __init__(self, cfg: Config, policy: Policy, source: Source):
-        self.cfg, self.source = cfg, source
+        self.cfg, self.source, self.policy = cfg, source, policy
         self.planner = Planner(cfg, policy, dist.get_world_size())
         self.frames = record.read(source.run / "record", since=source.start)
         self.frame: record.Step | None = None
@@ -178,6 +178,7 @@ class Replayer:
         """The recorded step's groups and outcomes, planned as the run planned them (at the version the run was
         at: a counterfactual whose update was skipped falls behind, and trains on the same data)."""
         self.frame = frame = next(self.frames)
+        self.policy.cores.follow(frame.wide_from)  # each phase on the threads the run trained it on
         plan = Plan(payloads=[], groups=[decode_group(g) for g in frame.trained], outcomes=dict(frame.outcomes))
         plan.info.update(frame.info, staleness_bound=frame.bound)
         parts = self.planner.advantages(plan.groups, frame.version, plan)
@@ -248,6 +249,7 @@ def run(cfg: Config, source: Source, verify: bool, solo: bool) -> dict:
         torch.set_rng_state(record.unpack(source.meta["init_rng"]))
     start = Start(source.run / "checkpoints", source.start) if source.start else None
     learner = Learner(cfg, lambda policy, resumed: Replayer(cfg, policy, source), start=start, pushes=False)
+    learner.policy.cores.every = int(source.meta.get("cores", source.meta["threads"]))  # the run's, not this machine's
     for _ in range(source.steps):
         learner.coordinator.announce(learner.step())
         if verify and not _rank0_says(getattr(learner.coordinator, "same", True), learner.policy.device):

@@ -88,9 +88,10 @@ class SuperviseConfig(Section):
     refresh_s: float = Field(1.0, gt=0, description="seconds between display refreshes")
     threads: int | None = Field(None, ge=1, description="torch threads per server and learner rank (default: "
                                 "cores / (servers + learner ranks))")
-    learner_threads: int | None = Field(
-        None, ge=1, description="torch threads per learner rank, when not `threads`: a learner-bound run, whose "
-                                "servers wait on admission most of the time, may give its learner every core")
+    learner_threads: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
+        None, description="torch threads per learner rank, when not `threads`: a number, or auto: the learner's "
+                          "share while the servers generate and every core once admission holds generation, until "
+                          "its next version (one rank, on the CPU; each step's switch is recorded for replay)")
     server_nice: Annotated[int, Field(ge=0, le=19)] | Literal["auto"] = Field(
         0, description="the niceness of the servers' processes where they share this machine's CPU with the "
                        "learner (no GPU): 0 shares the cores evenly; auto renices them to 10 while the learner sets "
