@@ -1,17 +1,18 @@
-"""Cores: where a run's CPU goes when the servers and the learner share it, with and without the servers' priority.
+"""Cores: where a run's CPU goes when the servers and the learner share it, and whether the learner's widening uses it.
 
 Each run is a real ``streamrl up``, asynchronous at max staleness 2, of one of two workloads on this machine's
 cores: the SmolLM2 recipe on the vllm engine (``configs/smollm2.yaml server.engine=vllm``, 20 steps, as `streamrl
 bench trl --trl-trainer async` runs streamrl's side: the learner sets the pace) and the toy quickstart
-(``configs/quickstart.yaml``, 40 steps: generation sets it), each evaluated once, after its last step. Two arms on the same seeds, who goes first rotating:
-``supervise.server_nice=0`` (the default: the servers share the cores evenly with the learner) and ``auto`` (they yield to
-the learner while it sets the pace; docs/up.md).
+(``configs/quickstart.yaml``, 40 steps: generation sets it), each evaluated once, after its last step. Two arms on
+the same seeds, who goes first rotating: ``supervise.learner_threads`` unset (an even share: the learner keeps its
+share of the cores throughout) and ``auto`` (the learner takes every core from the first phase of a step at which
+admission holds generation; docs/up.md).
 
 A sampler reads every process's CPU time through the run (``cpu_share``) and files it under generating (the
 servers, vLLM's processes), training (the learner) or other (workers, router, evaluator, Redis); what none
 took is idle. Reported per arm (medians): samples/s, each role's share of the cores over the clock (the
-worker's opening report to the learner's last step), when ``auto`` yielded, and the held-out score of the
-final weights; per workload, ``auto``'s samples/s over niceness 0's, paired by seed. The plot draws both.
+worker's opening report to the learner's last step), the steps the learner widened in, and the held-out score of
+the final weights; per workload, ``auto``'s samples/s over the even share's, paired by seed. The plot draws both.
 
     python -m benchmarks.cores [--quick] [--repeats N] [--workload W]   (streamrl bench cores)
 """
@@ -40,7 +41,8 @@ from benchmarks.e2e_run import RECIPES, prepare_shared, summarise, up_argv
 from streamrl.rollout.evaluate import read_records
 
 WORKLOADS = {"smollm2": (RECIPES["smollm2"], ("server.engine=vllm",)), "toy": (RECIPES["toy"], ())}
-ARMS = {"niceness 0": "supervise.server_nice=0", "auto": "supervise.server_nice=auto"}
+ARMS = {"even share": "supervise.learner_threads=null", "auto": "supervise.learner_threads=auto"}
+BASE = "even share"
 ROLES = ["generating", "training", "other", "idle"]
 STALENESS = 2
 
@@ -58,7 +60,9 @@ def one_run(run_dir: Path, prepared: Path, workload: str, arm: str, steps: int, 
     row = summarise(run_dir / name, recipe)
     start = read_records(run_dir / name / "metrics" / "rollout-worker-0.jsonl")[0]["time"]
     row["cpu_share"] = cores.shares(start, start + row["wall_s"])
-    row["niceness"] = read_records(run_dir / name / "metrics" / "server_nice.jsonl")  # auto's changes, if any
+    trained = [r for r in read_records(run_dir / name / "metrics" / "learner.jsonl") if "loss" in r]
+    row["widened"] = [r["step"] for r in trained if "wide_from" in r]  # steps trained on every core from a phase
+    row["steps"] = len(trained)
     return {**row, "seed": seed}
 
 
@@ -77,12 +81,12 @@ def run(quick: bool, repeats: int | None, workloads: list[str]) -> dict:
                            "invocation": invocation}
                     runs[workload][arm].append(row)
                     console.log(f"{workload} / {arm} seed {seed}: {row['samples_per_s']:.2f} samples/s, idle "
-                                f"{percent(row['cpu_share']['idle'])}, niceness changes {row['niceness']}")
+                                f"{percent(row['cpu_share']['idle'])}, widened in {len(row['widened'])} steps")
     return summarise_arms({"study": "cores", "staleness": STALENESS, "runs": runs})
 
 
 def summarise_arms(data: dict) -> dict:
-    """Each arm's medians, and per workload auto's samples/s over niceness 0's, paired by seed."""
+    """Each arm's medians, and per workload auto's samples/s over the even share's, paired by seed."""
     summary = {}
     for workload, arms in data["runs"].items():
         summary[workload] = {arm: {"samples_per_s": median([x["samples_per_s"] for x in rows]),
@@ -90,7 +94,7 @@ def summarise_arms(data: dict) -> dict:
                                    **{role: median([x["cpu_share"][role] for x in rows]) for role in ROLES}}
                              for arm, rows in arms.items()}
         pairs = [a["samples_per_s"] / b["samples_per_s"] for a, b in
-                 zip(sorted(arms["auto"], key=lambda x: x["seed"]), sorted(arms["niceness 0"], key=lambda x: x["seed"]))]
+                 zip(sorted(arms["auto"], key=lambda x: x["seed"]), sorted(arms[BASE], key=lambda x: x["seed"]))]
         summary[workload]["ratio"] = median(pairs)
     return {**data, "summary": summary}
 
@@ -98,16 +102,16 @@ def summarise_arms(data: dict) -> dict:
 def report(data: dict, out: Path) -> None:
     s = data["summary"]
     repeats = min(len(rows) for arms in data["runs"].values() for rows in arms.values())
-    print_table(f"Cores: the servers' priority on shared cores, async at max staleness {data['staleness']}, medians "
+    print_table(f"Cores: the learner's threads on shared cores, async at max staleness {data['staleness']}, medians "
                 f"of {repeats}; shares of all cores over the run's clock",
                 ["workload", "arm", "samples/s", *ROLES, "held-out"],
                 [[w, arm, m["samples_per_s"], *(percent(m[r]) for r in ROLES), m["held_out_final"]]
                  for w, arms in s.items() for arm, m in arms.items() if arm != "ratio"]
-                + [[w, "auto / niceness 0 (paired by seed)", arms["ratio"], "", "", "", "", ""] for w, arms in s.items()])
-    print_table("Cores: each run, and when auto yielded (step: niceness)",
-                ["workload", "arm", "seed", "samples/s", "idle", "changes"],
+                + [[w, f"auto / {BASE} (paired by seed)", arms["ratio"], "", "", "", "", ""] for w, arms in s.items()])
+    print_table("Cores: each run, and the steps the learner widened in",
+                ["workload", "arm", "seed", "samples/s", "idle", "widened"],
                 [[w, arm, x["seed"], x["samples_per_s"], percent(x["cpu_share"]["idle"]),
-                  ", ".join(f"{c['step']}: {c['niceness']}" for c in x["niceness"]) or "none"]
+                  f"{len(x['widened'])} of {x['steps']}"]
                  for w, arms in data["runs"].items() for arm, rows in arms.items() for x in rows])
     json_path = write_json(out, "cores", data)
     save_figure(figure(data), out, "cores", json_path)
@@ -115,13 +119,13 @@ def report(data: dict, out: Path) -> None:
 
 def figure(data: dict):
     """Per workload and arm: samples/s over the even share's, and where the cores went (stacked shares)."""
-    fig, (ax1, ax2) = new_figure(2, "The servers' priority on shared cores")
+    fig, (ax1, ax2) = new_figure(2, "The learner's threads on shared cores")
     labels = [f"{w}\n{arm}" for w, arms in data["summary"].items() for arm in arms if arm != "ratio"]
     cells = [m for arms in data["summary"].values() for arm, m in arms.items() if arm != "ratio"]
-    base = [arms["niceness 0"]["samples_per_s"] for arms in data["summary"].values() for arm in arms if arm != "ratio"]
+    base = [arms[BASE]["samples_per_s"] for arms in data["summary"].values() for arm in arms if arm != "ratio"]
     ax1.bar(labels, [m["samples_per_s"] / b for m, b in zip(cells, base)], color=[f"C{i % 2}" for i in range(len(cells))])
     ax1.axhline(1.0, color="grey", linestyle="--")
-    ax1.set_ylabel("samples/s over niceness 0's (medians)")
+    ax1.set_ylabel(f"samples/s over the {BASE}'s (medians)")
     bottom = [0.0] * len(cells)
     for i, role in enumerate(ROLES):
         ax2.bar(labels, [m[role] for m in cells], bottom=bottom, label=role, color="lightgrey" if role == "idle" else f"C{i + 2}")

@@ -30,7 +30,7 @@ TITLES = {"queue": "Replay stream", "partition": "Micro-batch partitioning", "ge
           "trl_tune": "TRL's AsyncGRPOTrainer: its settings here", "engines": "The real-model recipe on each engine",
           "stress": "Stale data on purpose: the auto staleness bound under stress",
           "coverage": "Who the bound trains: a long-tail workload",
-          "cores": "Where the cores go: the servers' priority on shared cores",
+          "cores": "Where the cores go: the learner's threads on shared cores",
           "weight_push_verification": "Weight push: what verifying it costs",
           "weight_push_fleet": "Weight push: how much of the fleet pauses"}
 MODULES = {"queue": "replay_stream", "trl": "against_trl", "e2e_smollm2": "e2e"}  # a study's module, where not its own name

@@ -474,17 +474,17 @@ def test_the_coverage_study_takes_each_quartiles_median_over_seeds_and_marks_the
     assert (tmp_path / "coverage.png").stat().st_size > 10_000
 
 
-def test_the_cores_study_pairs_auto_with_niceness_0_by_seed_and_reports_where_the_cores_went(tmp_path):
+def test_the_cores_study_pairs_auto_with_the_even_share_by_seed_and_reports_where_the_cores_went(tmp_path):
     from benchmarks import cores
 
-    def row(seed, rate, idle, changes=()):
+    def row(seed, rate, idle, widened=()):
         shares = {"generating": 0.5, "training": 0.5 - idle, "other": 0.0, "idle": idle}
         return {"seed": seed, "samples_per_s": rate, "held_out_final": 0.6, "cpu_share": shares,
-                "niceness": [{"step": s, "niceness": n} for s, n in changes]}
+                "widened": list(widened), "steps": 20}
 
-    runs = {"smollm2": {"niceness 0": [row(0, 4.0, 0.14), row(1, 5.0, 0.12)],
-                        "auto": [row(1, 5.5, 0.04, [(6, 10)]), row(0, 4.8, 0.05, [(6, 10)])]},
-            "toy": {"niceness 0": [row(0, 100.0, 0.13), row(1, 90.0, 0.15)],
+    runs = {"smollm2": {"even share": [row(0, 4.0, 0.14), row(1, 5.0, 0.12)],
+                        "auto": [row(1, 5.5, 0.04, [3, 4, 9]), row(0, 4.8, 0.05, [6])]},
+            "toy": {"even share": [row(0, 100.0, 0.13), row(1, 90.0, 0.15)],
                     "auto": [row(0, 99.0, 0.13), row(1, 91.8, 0.14)]}}
     data = cores.summarise_arms({"study": "cores", "staleness": 2, "runs": runs})
     # paired by seed: 4.8/4.0 = 1.2 and 5.5/5.0 = 1.1, median 1.15 (unpaired medians would give 5.15/4.5)
@@ -493,6 +493,6 @@ def test_the_cores_study_pairs_auto_with_niceness_0_by_seed_and_reports_where_th
     assert data["summary"]["smollm2"]["auto"]["idle"] == pytest.approx(0.045)
     cores.report(data, tmp_path)
     saved = json.loads((tmp_path / "cores.json").read_text())
-    assert saved["tables"][0]["rows"][0][:4] == ["smollm2", "niceness 0", "4.50", "50%"]
-    assert ["smollm2", "auto", "1", "5.50", "4%", "6: 10"] == saved["tables"][1]["rows"][2]
+    assert saved["tables"][0]["rows"][0][:4] == ["smollm2", "even share", "4.50", "50%"]
+    assert ["smollm2", "auto", "1", "5.50", "4%", "3 of 20"] == saved["tables"][1]["rows"][2]
     assert (tmp_path / "cores.png").stat().st_size > 10_000

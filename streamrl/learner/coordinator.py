@@ -50,7 +50,8 @@ class Coordinator:
             log.info("resumed from %s: version %d, cursor %s", resumed["path"], version, self.reader.cursor)
         self.admission = Admission(ns, max_staleness=cfg.admission_bound, groups_per_step=learner.groups_per_step)
         self.auto = AutoBound(cfg.off_policy.auto, self.admission) if cfg.off_policy.adaptive else None
-        policy.cores.held = self.admission.held  # `learner_threads: auto` widens once generation is held
+        policy.cores.held = self.generation_held  # `learner_threads: auto` widens once it is
+        self.planned = version  # the version the step in progress trains from
         self.version_key.set(version)
         self.published, self.publish_lock = version, threading.Lock()
         self.probe_ids = probe.load(Path(cfg.run.path))  # the push's probe: the first tokens trained on
@@ -82,7 +83,7 @@ class Coordinator:
     def plan(self, version: int) -> Plan:
         """The work of the step to ``version + 1``: 1. groups from the stream; 2. the staleness policy, dynamic
         sampling; 3. advantages, per minibatch of whole groups; 4. packed micro-batches, balanced over the ranks."""
-        plan = Plan(payloads=[])
+        plan, self.planned = Plan(payloads=[]), version
         plan.groups = self.pull(version, plan)
         parts = self.planner.advantages(plan.groups, version, plan)
         if self.probe_ids is None and self.cfg.weight_sync.verify:
@@ -250,6 +251,11 @@ class Coordinator:
             if version > self.published:
                 self.version_key.set(version)
                 self.published = version
+
+    def generation_held(self) -> bool:
+        """Whether no server generates again before this step ends: admission holds generation under the version the
+        step trains from. Until that version's push lands, it is not published, and its landing reopens admission."""
+        return self.published == self.planned and self.admission.held()
 
     def checkpointed(self, version: int, cursor: str) -> None:
         """What a checkpoint of ``version`` covers, read up to ``cursor``, is settled in the ledger and trimmed
