@@ -4,9 +4,9 @@ Each run is a real ``streamrl up``, asynchronous at max staleness 2, of one of t
 cores: the SmolLM2 recipe on the vllm engine (``configs/smollm2.yaml server.engine=vllm``, 20 steps, as `streamrl
 bench trl --trl-trainer async` runs streamrl's side: the learner sets the pace) and the toy quickstart
 (``configs/quickstart.yaml``, 40 steps: generation sets it), each evaluated once, after its last step. Two arms on
-the same seeds, who goes first rotating: ``supervise.learner_threads`` unset (an even share: the learner keeps its
-share of the cores throughout) and ``auto`` (the learner takes every core from the first phase of a step at which
-admission holds generation; docs/up.md).
+the same seeds, who goes first rotating: an even share (``supervise.learner_threads`` at half the cores: the learner
+keeps its share throughout) and ``auto`` (the default: the learner takes every core from the first phase of a step
+at which admission holds generation; docs/up.md).
 
 A sampler reads every process's CPU time through the run (``cpu_share``) and files it under generating (the
 servers, vLLM's processes), training (the learner) or other (workers, router, evaluator, Redis); what none
@@ -41,7 +41,9 @@ from benchmarks.e2e_run import RECIPES, prepare_shared, summarise, up_argv
 from streamrl.rollout.evaluate import read_records
 
 WORKLOADS = {"smollm2": (RECIPES["smollm2"], ("server.engine=vllm",)), "toy": (RECIPES["toy"], ())}
-ARMS = {"even share": "supervise.learner_threads=null", "auto": "supervise.learner_threads=auto"}
+# the even share is the launcher's own split of the cores between one server and one learner rank
+ARMS = {"even share": f"supervise.learner_threads={max(1, (os.cpu_count() or 1) // 2)}",
+        "auto": "supervise.learner_threads=auto"}
 BASE = "even share"
 ROLES = ["generating", "training", "other", "idle"]
 STALENESS = 2

@@ -46,3 +46,15 @@ def test_a_replay_follows_the_recorded_phase_whatever_admission_says(one_thread)
 def test_a_learner_whose_share_is_every_core_never_asks(one_thread):
     cores = Cores(1, 1, held=lambda: pytest.fail("asked"))
     assert _threads_per_phase(cores, 3) == [1, 1, 1] and cores.end() is None
+
+
+def test_an_async_run_of_one_local_rank_widens_by_default_and_nothing_else_does():
+    from streamrl.config import load_config
+
+    def widens(*overrides):
+        return load_config(None, list(overrides)).learner_widens
+
+    assert widens() and widens("supervise.learner_threads=auto")
+    assert not widens("mode=sync")  # generation and training take turns: each keeps its share
+    assert not widens("learner.nproc=2") and not widens("launcher=ray") and not widens("supervise.learner_threads=1")
+    assert widens("mode=sync", "supervise.learner_threads=auto")  # asked for

@@ -109,8 +109,8 @@ COMMANDS = {
     "streamrl bench weight-push --study fleet": "a benchmark study: tests/test_benchmarks.py checks its pause figures "
                                                 "against hand-computed ones, tests/test_weightsync.py the waves",
     "streamrl bench cores": ("a benchmark study of minutes a run: tests/test_benchmarks.py::test_the_cores_study_"
-                             "pairs_auto_with_niceness_0_by_seed_and_reports_where_the_cores_went checks how it "
-                             "summarises, tests/test_priority.py the priority it measures"),
+                             "pairs_auto_with_the_even_share_by_seed_and_reports_where_the_cores_went checks how it "
+                             "summarises, tests/test_cores.py and tests/test_replay.py the widening it measures"),
     "streamrl bench coverage": ("a benchmark study of minutes a run: tests/test_benchmarks.py::test_the_coverage_"
                                 "study_takes_each_quartiles_median_over_seeds_and_marks_the_goal checks how it "
                                 "summarises, tests/test_staleness.py the late rule it measures"),

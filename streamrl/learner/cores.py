@@ -1,10 +1,11 @@
-"""The learner's threads where it shares the machine's CPU with the servers (``supervise.learner_threads: auto``).
+"""The learner's threads where it shares the machine's CPU with the servers (``Config.learner_widens``).
 
 While the servers generate, the learner keeps its share of the cores: a second thread beside a generating
-server gains nothing, as the learner's threads wait on the one that shares a core. Once generation is held —
-admission is full and no group runs — no server computes again until the learner publishes its next version,
-so the learner takes every core for the rest of its step (at 135M on two cores, a forward and backward ran
-1.9x faster on two threads than on one).
+server gains nothing, as the learner's threads wait on the one that shares a core. Once generation is held under
+the version the step trains from (admission is full, no group runs, and that version's push has landed), no server
+generates until the learner publishes its next version, so the learner takes every core for the rest of its step
+(at 135M on two cores, a forward and backward ran 1.9x faster on two threads than on one). The evaluator's
+requests are not admitted: an evaluation that falls in a widened phase shares the cores with it.
 
 The step is cut into phases (each micro-batch's forward, its backward, the optimizer's step), and the first
 phase trained on every core goes into the run's record: a replay runs each phase on the threads the run did,
@@ -13,13 +14,10 @@ as a sum over two threads is not, bit for bit, the sum over one.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 
 import torch
-
-log = logging.getLogger("streamrl.learner")
 
 
 def machine_cores() -> int:
@@ -30,8 +28,8 @@ def machine_cores() -> int:
 class Cores:
     """The thread count of each phase of a step: ``share`` until generation is ``held``, then ``every``.
 
-    ``held`` is asked at each phase until it says yes (None: never, as in a replay, which ``follow``\\ s the
-    recorded phase instead). ``end()`` closes the step: back to ``share``, and the phase it widened at (or None).
+    ``held`` is asked at each phase until it says yes (None: never; a replay follows the recorded phase
+    instead). ``end()`` closes the step: back to ``share``, and the phase it widened at (or None).
     """
 
     def __init__(self, share: int, every: int, held: Callable[[], bool] | None = None):

@@ -128,8 +128,8 @@ class Policy:
                                tis_cap=cfg.off_policy.tis_cap, behav_cap=cfg.off_policy.behav_weight_cap)
         self.temperature = cfg.rollout.sampling.temperature
         self.random_forward = has_dropout(model)
-        # every core once generation is held, with `supervise.learner_threads: auto` (one rank, on the CPU)
-        widen = cfg.supervise.learner_threads == "auto" and self.device.type == "cpu" and self.world_size == 1
+        # every core once generation is held (`Config.learner_widens`)
+        widen = cfg.learner_widens and self.device.type == "cpu" and self.world_size == 1
         self.cores = Cores(torch.get_num_threads(), machine_cores() if widen else torch.get_num_threads())
         self.reference = None
         if cfg.learner.kl_coef > 0 and not cfg.learner.kl_in_reward:  # the initial policy, frozen

@@ -88,6 +88,15 @@ class Config(Section):
         return 0 if self.mode == "sync" else self.off_policy.initial
 
     @property
+    def learner_widens(self) -> bool:
+        """Whether the learner takes every core while admission holds generation (``streamrl.learner.cores``):
+        ``supervise.learner_threads: auto``, or unset in an asynchronous run of one learner rank under `streamrl
+        up`'s own launcher. It does so only on the CPU."""
+        threads = self.supervise.learner_threads
+        return threads == "auto" or (threads is None and self.mode == "async" and self.launcher == "local"
+                                     and self.learner.nproc == 1)
+
+    @property
     def adapter_slots(self) -> int:
         """Adapter versions a LoRA server holds at once: ``server.max_loras``, or every version a request may
         still run under (the staleness bound's) and the one arriving."""

@@ -91,7 +91,8 @@ class SuperviseConfig(Section):
     learner_threads: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
         None, description="torch threads per learner rank, when not `threads`: a number, or auto: the learner's "
                           "share while the servers generate and every core once admission holds generation, until "
-                          "its next version (one rank, on the CPU; each step's switch is recorded for replay)")
+                          "its next version (one rank, on the CPU; each step's switch is recorded for replay); unset: "
+                          "auto in an async run of one learner rank under the local launcher, else the share")
     server_nice: Annotated[int, Field(ge=0, le=19)] | Literal["auto"] = Field(
         0, description="the niceness of the servers' processes where they share this machine's CPU with the "
                        "learner (no GPU): 0 shares the cores evenly; auto renices them to 10 while the learner sets "
