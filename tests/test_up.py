@@ -423,6 +423,10 @@ def test_the_summary_counts_stale_drops_and_says_what_to_do_when_many(tmp_path, 
     assert "2 of 100 finished" in out and "off_policy.stale=keep" not in out
     assert re.search(r"generated tokens/s \(whole run\)\s*│\s*151 ", out)
     assert re.search(r"trained tokens/s \(learner's time\)\s*│\s*73 ", out)
+    assert "every core" not in out  # no step widened: nothing to say
+    board.final = {"step": 20, "widened": 14}
+    board.summary(60.0, 0)
+    assert re.search(r"steps the learner took every core in\s*│\s*14 of 20 ", capsys.readouterr().out)
     board.final = {"step": 40, "dropped_stale": 14, "accepted": 100}
     board.summary(60.0, 0)
     said = capsys.readouterr().out
@@ -483,3 +487,11 @@ def test_the_display_says_each_refused_push_once_and_counts_them(tmp_path, capsy
     assert said.count("weight push http://s:1 refused version 2: version 2 failed its probe: x") == 1
     stats = dashboard.stats()
     assert (stats["pushes_served"], stats["pushes_refused"]) == (1.0, 1.0)
+
+
+def test_the_summary_counts_the_steps_the_learner_took_every_core_in(tmp_path, capsys):
+    lines = [{**STEP, "step": 1}, {**STEP, "step": 2, "wide_from": 3}, {**STEP, "step": 3, "wide_from": 0}]
+    dashboard = _dashboard(tmp_path, lines)
+    dashboard.final = dashboard.stats()
+    dashboard.summary(1.0, 0)
+    assert re.search(r"steps the learner took every core in\s*│\s*2 of 3 ", capsys.readouterr().out)

@@ -97,7 +97,8 @@ class Dashboard:
                        staleness_max=max(r.get("staleness_max", 0) for r in learner),
                        train_tok_s=last.get("tokens_per_s"), first_reward=learner[0].get("reward_mean"),
                        mismatch=last.get("mismatch_abs"), fresh_mismatch=last.get("fresh_mismatch_abs"),
-                       no_signal=last.get("groups_no_signal"), groups=last.get("groups"))
+                       no_signal=last.get("groups_no_signal"), groups=last.get("groups"),
+                       widened=sum("wide_from" in r for r in learner))  # steps the learner took every core in
             if "staleness_bound" in last:  # Redis gone (after teardown): the auto bound of the last step
                 out.setdefault("bound", last["staleness_bound"])
         if pushes:
@@ -209,6 +210,8 @@ class Dashboard:
         table.add_row("max staleness seen (bound)", f"{s.get('staleness_max', '–')} ({self._bound(s)})")
         if s.get("bound_changes"):
             table.add_row("bound changes (auto)", str(len(s["bound_changes"])))
+        if s.get("widened"):  # generation was held and the learner took its cores (supervise.learner_threads)
+            table.add_row("steps the learner took every core in", f"{s['widened']} of {s.get('step', 0)}")
         dropped, finished = s.get("dropped_stale"), s.get("accepted")
         table.add_row("groups dropped as stale", f"{dropped} of {finished} finished" if finished else str(dropped or "–"))
         table.add_row("run directory", str(self.cfg.run.path))
