@@ -286,3 +286,38 @@ def test_the_reference_runs_on_the_learners_gpu_in_its_dtype(tiny_model_dir):
     batch = packing.collate(seqs, "cuda")
     logprobs = reference.logprobs(batch)
     assert logprobs.device.type == "cuda" and logprobs.shape == batch["input_ids"].shape
+
+
+FREED = """
+import gc, sys, weakref
+from streamrl.config import load_config
+from streamrl.learner.coordinator import Coordinator
+from streamrl.learner.main import Learner, init_rank
+
+cfg = load_config(None, sys.argv[1:])
+init_rank(True)
+learner = Learner(cfg, lambda policy, resumed: Coordinator(cfg, cfg.redis.url, policy, resumed))
+learner.coordinator.announce(learner.step())
+learner.finish()
+policy = weakref.ref(learner.policy)
+gc.collect()  # the garbage of the run so far (imports' tracebacks hold frames of the learner's start)
+gc.disable()  # from here only references may free it, as at the end of `launch`, before the process group goes
+del learner
+print("freed" if policy() is None else "alive")
+"""
+
+
+@pytest.mark.slow
+def test_a_finished_learner_is_freed_before_its_process_group_is_destroyed(redis_server, tiny_model_dir, tmp_path):
+    # held in a reference cycle, DeepSpeed's engine outlived `destroy_process_group` and was torn down at
+    # interpreter exit, where a backend thread could abort the process ("terminate called", exit status 250)
+    ns = Namespace.open(redis_server.url, f"freed-{uuid.uuid4().hex[:6]}")
+    stream, rng = ReplayStream(ns), np.random.default_rng(0)
+    for _ in range(4):
+        stream.put(synthetic_group(4, 30, prompt_len=8, vocab=200, rng=rng, version=0))
+    out = subprocess.run([sys.executable, "-c", FREED, f"model.path={tiny_model_dir}", f"redis.url={redis_server.url}",
+                          f"run.name={ns.run}", f"run.dir={tmp_path}", "learner.groups_per_step=4",
+                          "learner.micro_batch_tokens=128", "rollout.max_context=128"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "freed"

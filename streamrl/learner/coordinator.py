@@ -286,6 +286,9 @@ class Coordinator:
         self.metrics.close()
         if self.recorder:
             self.recorder.close()
+        # the policy's cores ask this coordinator: a cycle that would keep both, and DeepSpeed's engine, alive past
+        # the process group's destroy, to be torn down at interpreter exit
+        self.policy.cores.held = None
 
 
 class Bystander:
