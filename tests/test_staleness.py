@@ -382,12 +382,45 @@ def test_a_fresh_run_fills_its_pipeline_under_low_and_the_controller_starts_afte
 
 
 def test_the_bound_opens_at_1_or_at_low_if_larger_unless_start_is_set():
-    """By default a fresh run opens at 1 after its fill under low (0: the floor cuts may go to, not a bound to
-    climb from, a doubling later than 1), or at low if that is larger."""
+    """Where the first step measures no depth, a fresh run opens at 1 after its fill under low (0: the floor cuts
+    may go to, not a bound to climb from, a doubling later than 1), or at low if that is larger."""
     assert controller().bound == 1 == AutoStalenessConfig().first and AutoStalenessConfig().start is None
     assert AutoStalenessConfig().low == 0 and controller(low=0, high=1).bound == 1
     assert controller(low=3, high=8).bound == 3 and controller(low=0, high=1, start=0).bound == 0
     assert controller(low=3, high=8, start=5).bound == 5
+
+
+def test_a_fresh_run_opens_at_the_pipeline_depth_its_first_step_measured(ns):
+    """Little's law: a learner that trains a step every T seconds finds its next step waiting only if its groups,
+    L seconds each to generate, were started L / T steps before; a bound k keeps k + 1 steps of data in flight. So
+    the bound opens at ceil(L / T) - 1, within [max(low, 1), high], unless start is set."""
+    from streamrl.buffer import Admission
+    from streamrl.learner.staleness import AutoBound, depth
+
+    def first_step(groups_s, train_s):
+        return {"wait_s": 3.0, "train_s": train_s, "is_ess": 1.0, "clip_frac": 0.0, "grad_norm": 1.0,
+                "groups_read": [(s, 0.5, 1) for s in groups_s]}
+
+    agentic = first_step([2.0, 2.41, 3.44, None], 0.32)  # the median of the groups that say: 2.41 s
+    assert depth(agentic) == pytest.approx(2.41 / 0.32) and depth(first_step([], 0.3)) is None
+    assert depth(first_step([1.0], 0.0)) is None and depth({"train_s": 1.0}) is None
+
+    def opened(record, **rules):
+        ns.conn.delete(ns.key("staleness_bound"))  # a fresh run each
+        auto = AutoBound(AutoStalenessConfig(**rules), Admission(ns, max_staleness=0, groups_per_step=2))
+        change = auto.after_step(1, record).get("staleness_change", "")
+        return auto.bound, change
+
+    bound, change = opened(agentic)
+    assert bound == 7 and "opened 0 -> 7 at step 1" in change and "7.53 of its training steps" in change
+    assert opened(first_step([0.253] * 4, 0.066))[0] == 3  # 3.83 steps: the single-turn toy's
+    assert opened(first_step([1.0] * 4, 0.5))[0] == 1  # 2 steps in flight: a bound of 1 keeps them
+    assert opened(first_step([0.1] * 4, 1.0))[0] == 1  # under one step: still 1, the least a doubling starts at
+    assert opened(agentic, high=4)[0] == 4 and opened(agentic, low=2, high=8)[0] == 7
+    assert opened(first_step([0.1] * 4, 1.0), low=2)[0] == 2
+    assert opened(agentic, start=2)[0] == 2  # a start given is kept
+    bound, change = opened({**agentic, "groups_read": []})  # no depth measured: the start's default
+    assert bound == 1 and change.endswith("is trained")
 
 
 def test_groups_made_before_an_easing_or_a_revert_keep_the_bound_they_were_admitted_under(ns):

@@ -1,9 +1,9 @@
 """The staleness bound chosen from what the learner measures (``off_policy.max_staleness: auto``).
 
 After each step the controller reads the step's signals and may move the admission bound ``k`` within
-``[low, high]``, as TCP moves its window: in a fresh run doubling up from ``start`` (by default 1, or ``low`` if
-larger; in force from the second step: ``AutoBound`` fills the pipeline under ``low``) until the bound first comes
-down, additive up from then on (and after a restart), multiplicative down:
+``[low, high]``, as TCP moves its window: in a fresh run doubling up from ``start`` (in force from the second
+step: ``AutoBound`` fills the pipeline under ``low``; by default the depth the first step measured, ``depth``)
+until the bound first comes down, additive up from then on (and after a restart), multiplicative down:
 
 - **down**, to ``max(low, floor(k / 2))``, as soon as the off-policy data degrades: the normalised effective sample
   size of the importance weights ``ESS = (sum w)^2 / (n sum w^2)`` falls under ``ess_floor``, their second moment
@@ -49,6 +49,7 @@ judged on data made under it) keep it from flipping on noise.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -88,7 +89,7 @@ class Change:
     new: int
     cause: str
     way: str  # raised, lowered (degraded data), eased (an idle learner), reverted (a raise that did not pay) or
-    # opened (from low, the fill's bound, to start after a fresh run's first step)
+    # opened (from low, the fill's bound, to start or the measured depth after a fresh run's first step)
 
     def __str__(self) -> str:
         return f"max staleness {self.way} {self.old} -> {self.new} at step {self.step}: {self.cause}"
@@ -241,7 +242,9 @@ class AutoBound:
     A fresh run fills its pipeline under ``low``: the learner waits for its first groups under any bound, and
     every group admitted beyond them competes with them for the servers (on SmolLM2's agentic workload the first
     step took 306 s under 2 against 177 s under 1). That wait is the fill's, so the controller does not judge
-    the first step, and a ``start`` above ``low`` opens once it is trained; nothing is published until then, so
+    the first step, and opens the bound once it is trained: to ``start``, or where it is empty to the pipeline
+    depth the step measured (``depth``: a bound under it starves the learner at once, as the slow start's first
+    raises found step by step; at or past it the bound leaves generation free); nothing is published until then, so
     a learner restarted meanwhile fills afresh. A resumed learner goes on from the bound in force, raising it by
     one (its climb is over, and doubling a bound it had settled at would overshoot), and keeps the bounds its
     easings and reverts left to the groups made before them."""
@@ -289,13 +292,19 @@ class AutoBound:
         """Judge a step's record; for its metrics line, the change it made to the next steps' bound (and why)."""
         if self._filling:
             self._filling = False
-            low = self.controller.rules.low
+            rules, measured = self.controller.rules, depth(record)
+            if rules.start is None and measured is not None:  # the depth that keeps the learner fed, within bounds
+                self.controller.bound = min(rules.high, max(rules.first, math.ceil(measured) - 1))
+            low = rules.low
             if self.bound == low:  # nothing to open; published, so a restarted learner goes on from it
                 self.admission.set_bound(low)
                 return {}
-            self._trust(step + self.controller.rules.cooldown)
-            return self._publish(Change(step, low, self.bound, "the first step, its data admitted under low, is "
-                                        "trained", "opened"))
+            self._trust(step + rules.cooldown)
+            why = "the first step, its data admitted under low, is trained"
+            if rules.start is None and measured is not None:
+                why += (f"; its groups took {measured:.3g} of its training steps to generate (median): so many steps "
+                        "of data in flight keep the learner fed")
+            return self._publish(Change(step, low, self.bound, why, "opened"))
         change = self.controller.observe(step, signals(record))
         if change is not None and change.way in ("lowered", "raised"):
             self._trust(step + self.controller.rules.cooldown if change.way == "raised" else None)
@@ -318,6 +327,16 @@ class AutoBound:
         self.admission.set_bound(change.new)
         log.info("%s", change)
         return {"staleness_change": str(change)}
+
+
+def depth(record: dict) -> float | None:
+    """The pipeline depth a step measured, in learner steps: its groups' median generation seconds over its
+    training seconds. By Little's law the learner, training a step of groups every ``T`` seconds, finds its next
+    step's waiting only if the groups it needs were started ``L`` seconds before, ``L / T`` steps of data in
+    flight: a bound ``k`` admits ``k + 1``. None where the step does not say (no group's seconds, or no training)."""
+    seconds = [row[0] for row in record.get("groups_read", ()) if row[0] is not None]
+    train = record.get("train_s", 0.0)
+    return statistics.median(seconds) / train if seconds and train > 0 else None
 
 
 def apart(value: float, limit: float) -> str:

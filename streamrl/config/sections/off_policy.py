@@ -23,7 +23,9 @@ class AutoStalenessConfig(Section):
                      "only bound that holds a fast-moving policy, e.g. at a high learning rate)")
     high: int = Field(8, ge=1, description="largest bound")
     start: int | None = Field(None, ge=0, description="the bound once a fresh run's first step is trained (its "
-                              "data comes in under low; empty: 1, or low if larger; raises double it from there)")
+                              "data comes in under low; empty: the pipeline depth that step measured, its groups' "
+                              "median generation seconds over its training seconds, less one, at least 1 (or low if "
+                              "larger) and at most high; raises double it from there)")
     wait_share: float = Field(0.1, ge=0, lt=1, description="a step that waited for data longer than this share "
                               "of it counts towards a raise (see held_share)")
     held_share: float = Field(0.5, ge=0, le=1, description="a wait counts towards a raise only if the bound turned "
@@ -71,7 +73,7 @@ class AutoStalenessConfig(Section):
     @property
     def first(self) -> int:
         """The controller's first bound, opened once a fresh run's first step is trained (its data comes in under
-        ``low``)."""
+        ``low``): ``start``, or where it is empty the least the measured depth opens at (``staleness.depth``)."""
         return max(self.low, 1) if self.start is None else self.start
 
 
