@@ -7,8 +7,8 @@ or overloaded learner would stop: the rollout workers keep generating, the repla
 to the bound in force, and once the learner goes on it trains data up to that many versions old while its
 weights move on.
 
-Three arms on the same seeds (paired): a fixed bound of 8, ``auto`` (within its default 0..8, opening at 1), and ``mode:
-sync`` (no stale data: the reference accuracy). Reported per arm: samples/s, the staleness of trained
+Three arms on the same seeds (paired): a fixed bound of 8, ``auto`` (within its default 0..8, opening at the
+depth its first step measures), and ``mode: sync`` (no stale data: the reference accuracy). Reported per arm: samples/s, the staleness of trained
 samples, the importance weights' lowest effective sample size, the bound's changes with their causes, and,
 off the clock, the final weights' greedy accuracy on 512 held-out prompts (paired with sync). The plot draws
 each arm's online accuracy, bound and effective sample size against the step; each ``auto`` run's own
