@@ -135,8 +135,12 @@ def test_auto_pushes_over_nccl_only_into_vllm_on_a_gpu_learner(monkeypatch):
 def test_an_auto_bound_spans_its_range_and_a_fixed_one_is_its_own():
     auto = load_config(None, ["off_policy.max_staleness=auto", "off_policy.auto.low=2", "off_policy.auto.high=6"])
     assert (auto.off_policy.floor, auto.off_policy.ceiling, auto.staleness_bound) == (2, 6, 6)
-    assert auto.admission_bound == 2  # workers admit under low (the fill's bound) until the learner publishes one
-    assert load_config(None, ["off_policy.max_staleness=auto", "off_policy.auto.start=4"]).admission_bound == 0
+    assert auto.admission_bound == 2  # workers admit under the fill's bound (low, here) until the learner publishes one
+    # a fresh run fills under 1, the least under which the next step's groups start while one trains (or start
+    # if smaller: 0 keeps even the fill on-policy)
+    assert load_config(None, ["off_policy.max_staleness=auto", "off_policy.auto.start=4"]).admission_bound == 1
+    assert load_config(None, ["off_policy.max_staleness=auto", "off_policy.auto.start=0"]).admission_bound == 0
+    assert load_config(None, ["off_policy.max_staleness=auto"]).admission_bound == 1
     assert auto.adapter_slots == 8  # a LoRA server holds every version the largest bound may need
     fixed = load_config(None, ["off_policy.max_staleness=3"])
     assert (fixed.off_policy.floor, fixed.off_policy.ceiling, fixed.staleness_bound, fixed.admission_bound) == (3,) * 4

@@ -370,7 +370,7 @@ def test_a_fresh_run_fills_its_pipeline_under_low_and_the_controller_starts_afte
     restarted = AutoBound(cfg.off_policy.auto, Admission(ns, max_staleness=cfg.admission_bound, groups_per_step=2))
     assert restarted.bound == 1  # a learner restarted before its first step fills afresh
     change = auto.after_step(1, held)["staleness_change"]
-    assert change == "max staleness opened 1 -> 2 at step 1: the first step, its data admitted under low, is trained"
+    assert change == "max staleness opened 1 -> 2 at step 1: the first step, its data admitted under 1, is trained"
     assert auto.bound == 2 == worker.bound()
     assert auto.after_step(2, held) == {}  # a raise's trial needs `patience` steps under the bound it leaves
     assert "raised 2 -> 4 at step 3" in auto.after_step(3, held)["staleness_change"]  # still doubling
@@ -407,20 +407,25 @@ def test_a_fresh_run_opens_at_the_pipeline_depth_its_first_step_measured(ns):
 
     def opened(record, **rules):
         ns.conn.delete(ns.key("staleness_bound"))  # a fresh run each
-        auto = AutoBound(AutoStalenessConfig(**rules), Admission(ns, max_staleness=0, groups_per_step=2))
+        auto = AutoBound(AutoStalenessConfig(**rules), Admission(ns, max_staleness=1, groups_per_step=2))
+        # it fills under 1, the least under which the second step's groups start while the first trains
+        assert auto.bound == min(max(rules.get("low", 0), 1), rules.get("start", 8))
         change = auto.after_step(1, record).get("staleness_change", "")
         return auto.bound, change
 
     bound, change = opened(agentic)
-    assert bound == 7 and "opened 0 -> 7 at step 1" in change and "7.53 of its training steps" in change
+    assert bound == 7 and "opened 1 -> 7 at step 1" in change and "7.53 of its training steps" in change
     assert opened(first_step([0.253] * 4, 0.066))[0] == 3  # 3.83 steps: the single-turn toy's
     assert opened(first_step([1.0] * 4, 0.5))[0] == 1  # 2 steps in flight: a bound of 1 keeps them
     assert opened(first_step([0.1] * 4, 1.0))[0] == 1  # under one step: still 1, the least a doubling starts at
     assert opened(agentic, high=4)[0] == 4 and opened(agentic, low=2, high=8)[0] == 7
     assert opened(first_step([0.1] * 4, 1.0), low=2)[0] == 2
     assert opened(agentic, start=2)[0] == 2  # a start given is kept
-    bound, change = opened({**agentic, "groups_read": []})  # no depth measured: the start's default
-    assert bound == 1 and change.endswith("is trained")
+    assert opened(agentic, start=0) == (0, "")  # start 0: on-policy from the fill on, nothing to open
+    # no depth measured: start's default, 1, which the run filled under: nothing to open
+    assert opened({**agentic, "groups_read": []}) == (1, "")
+    bound, change = opened({**agentic, "groups_read": []}, low=0, start=3)
+    assert bound == 3 and change.endswith("opened 1 -> 3 at step 1: the first step, its data admitted under 1, is trained")
 
 
 def test_groups_made_before_an_easing_or_a_revert_keep_the_bound_they_were_admitted_under(ns):
@@ -429,11 +434,11 @@ def test_groups_made_before_an_easing_or_a_revert_keep_the_bound_they_were_admit
     from streamrl.buffer import Admission
     from streamrl.learner.staleness import AutoBound
 
-    admission = Admission(ns, max_staleness=0, groups_per_step=1)  # low: admission's default under auto
+    admission = Admission(ns, max_staleness=1, groups_per_step=1)  # the fill's: admission's default under auto
     auto = AutoBound(AutoStalenessConfig(low=0, high=8, start=4, patience=1, cooldown=1), admission)
     idle = {"wait_s": 0.0, "train_s": 1.0, "is_ess": 0.99, "clip_frac": 0.0, "grad_norm": 1.0}
     steady = {**idle, "wait_s": 0.05, "train_s": 0.95}  # between idle_share and wait_share: no move
-    assert "opened 0 -> 4 at step 9" in auto.after_step(9, idle)["staleness_change"]  # the fill
+    assert "opened 1 -> 4 at step 9" in auto.after_step(9, idle)["staleness_change"]  # the fill
     assert "eased 4 -> 3 at step 10" in auto.after_step(10, idle)["staleness_change"]
     assert admission.published() == 3 and [auto.bound_for(v) for v in (9, 10, 11)] == [4, 4, 3]
     assert "eased 3 -> 2 at step 11" in auto.after_step(11, idle)["staleness_change"]

@@ -2,7 +2,7 @@
 
 After each step the controller reads the step's signals and may move the admission bound ``k`` within
 ``[low, high]``, as TCP moves its window: in a fresh run doubling up from ``start`` (in force from the second
-step: ``AutoBound`` fills the pipeline under ``low``; by default the depth the first step measured, ``depth``)
+step: ``AutoBound`` fills the pipeline under ``fill``; by default the depth the first step measured, ``depth``)
 until the bound first comes down, additive up from then on (and after a restart), multiplicative down:
 
 - **down**, to ``max(low, floor(k / 2))``, as soon as the off-policy data degrades: the normalised effective sample
@@ -89,7 +89,7 @@ class Change:
     new: int
     cause: str
     way: str  # raised, lowered (degraded data), eased (an idle learner), reverted (a raise that did not pay) or
-    # opened (from low, the fill's bound, to start or the measured depth after a fresh run's first step)
+    # opened (from the fill's bound to start or the measured depth after a fresh run's first step)
 
     def __str__(self) -> str:
         return f"max staleness {self.way} {self.old} -> {self.new} at step {self.step}: {self.cause}"
@@ -239,9 +239,11 @@ class AutoBound:
     """``max_staleness: auto`` at the learner: the controller, the bound published where every worker's
     admission reads it, and the bound each group is judged under (``bound_for``).
 
-    A fresh run fills its pipeline under ``low``: the learner waits for its first groups under any bound, and
-    every group admitted beyond them competes with them for the servers (on SmolLM2's agentic workload the first
-    step took 306 s under 2 against 177 s under 1). That wait is the fill's, so the controller does not judge
+    A fresh run fills its pipeline under ``rules.fill``, 1 (or ``low`` if larger): the learner waits for its first
+    groups under any bound, and every group admitted beyond them competes with them for the servers (on SmolLM2's
+    agentic workload the first step took 306 s under 2 against 177 s under 1); under 0 the second step's groups
+    could not start before the first is trained (on the toy's agentic workload that bubble was 6% of a 40-step
+    run). That wait is the fill's, so the controller does not judge
     the first step, and opens the bound once it is trained: to ``start``, or where it is empty to the pipeline
     depth the step measured (``depth``: a bound under it starves the learner at once, as the slow start's first
     raises found step by step; at or past it the bound leaves generation free); nothing is published until then, so
@@ -254,7 +256,7 @@ class AutoBound:
         published = admission.published()
         fresh, published = published is None, auto.first if published is None else published
         self.controller = StalenessController(auto, bound=min(max(published, auto.low), auto.high), doubling=fresh)
-        self._filling = fresh  # until the first step is trained: admission's own default, low, rules meanwhile
+        self._filling = fresh  # until the first step is trained: admission's own default, the fill's, rules
         if not fresh:  # (``Config.admission_bound``)
             admission.set_bound(self.bound)
         # the version an easing or a revert came at -> the bound it left, stored beside the bound in force
@@ -268,8 +270,8 @@ class AutoBound:
 
     @property
     def bound(self) -> int:
-        """The bound in force: ``low`` while a fresh run fills its pipeline, then the controller's."""
-        return self.controller.rules.low if self._filling else self.controller.bound
+        """The bound in force: ``rules.fill`` while a fresh run fills its pipeline, then the controller's."""
+        return self.controller.rules.fill if self._filling else self.controller.bound
 
     def bound_for(self, oldest: int) -> int:
         """The bound a group whose oldest token policy version ``oldest`` made is judged under. Easing and
@@ -295,16 +297,15 @@ class AutoBound:
             rules, measured = self.controller.rules, depth(record)
             if rules.start is None and measured is not None:  # the depth that keeps the learner fed, within bounds
                 self.controller.bound = min(rules.high, max(rules.first, math.ceil(measured) - 1))
-            low = rules.low
-            if self.bound == low:  # nothing to open; published, so a restarted learner goes on from it
-                self.admission.set_bound(low)
+            if self.bound == rules.fill:  # nothing to open; published, so a restarted learner goes on from it
+                self.admission.set_bound(rules.fill)
                 return {}
             self._trust(step + rules.cooldown)
-            why = "the first step, its data admitted under low, is trained"
+            why = f"the first step, its data admitted under {rules.fill}, is trained"
             if rules.start is None and measured is not None:
                 why += (f"; its groups took {measured:.3g} of its training steps to generate (median): so many steps "
                         "of data in flight keep the learner fed")
-            return self._publish(Change(step, low, self.bound, why, "opened"))
+            return self._publish(Change(step, rules.fill, self.bound, why, "opened"))
         change = self.controller.observe(step, signals(record))
         if change is not None and change.way in ("lowered", "raised"):
             self._trust(step + self.controller.rules.cooldown if change.way == "raised" else None)

@@ -23,9 +23,10 @@ class AutoStalenessConfig(Section):
                      "only bound that holds a fast-moving policy, e.g. at a high learning rate)")
     high: int = Field(8, ge=1, description="largest bound")
     start: int | None = Field(None, ge=0, description="the bound once a fresh run's first step is trained (its "
-                              "data comes in under low; empty: the pipeline depth that step measured, its groups' "
-                              "median generation seconds over its training seconds, less one, at least 1 (or low if "
-                              "larger) and at most high; raises double it from there)")
+                              "data comes in under 1, or low if larger, or start if smaller; empty: the pipeline "
+                              "depth that step measured, its groups' median generation seconds over its training "
+                              "seconds, less one, at least 1 (or low if larger) and at most high; raises double it "
+                              "from there)")
     wait_share: float = Field(0.1, ge=0, lt=1, description="a step that waited for data longer than this share "
                               "of it counts towards a raise (see held_share)")
     held_share: float = Field(0.5, ge=0, le=1, description="a wait counts towards a raise only if the bound turned "
@@ -76,6 +77,12 @@ class AutoStalenessConfig(Section):
         ``low``): ``start``, or where it is empty the least the measured depth opens at (``staleness.depth``)."""
         return max(self.low, 1) if self.start is None else self.start
 
+    @property
+    def fill(self) -> int:
+        """The bound a fresh run fills its pipeline under, until its first step is trained: 1, the least under which
+        the next step's groups start while one trains (or low if larger, or start if smaller)."""
+        return min(self.first, max(self.low, 1))
+
 
 class OffPolicyConfig(Section):
     """How old (in policy versions) trained data may be, and how the loss corrects for its age."""
@@ -111,9 +118,9 @@ class OffPolicyConfig(Section):
 
     @property
     def initial(self) -> int:
-        """The bound in force until the learner publishes one (``auto``: low, the bound a fresh run fills its
-        pipeline under before the learner opens it to ``start``)."""
-        return self.auto.low if self.adaptive else self.max_staleness
+        """The bound in force until the learner publishes one (``auto``: the bound a fresh run fills its pipeline
+        under, ``auto.fill``, before the learner opens it)."""
+        return self.auto.fill if self.adaptive else self.max_staleness
 
 
 class WeightSyncConfig(Section):
