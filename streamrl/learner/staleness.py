@@ -243,13 +243,13 @@ class AutoBound:
     groups under any bound, and every group admitted beyond them competes with them for the servers (on SmolLM2's
     agentic workload the first step took 306 s under 2 against 177 s under 1); under 0 the second step's groups
     could not start before the first is trained (on the toy's agentic workload that bubble was 6% of a 40-step
-    run). That wait is the fill's, so the controller does not judge
-    the first step, and opens the bound once it is trained: to ``start``, or where it is empty to the pipeline
-    depth the step measured (``depth``: a bound under it starves the learner at once, as the slow start's first
-    raises found step by step; at or past it the bound leaves generation free); nothing is published until then, so
-    a learner restarted meanwhile fills afresh. A resumed learner goes on from the bound in force, raising it by
-    one (its climb is over, and doubling a bound it had settled at would overshoot), and keeps the bounds its
-    easings and reverts left to the groups made before them."""
+    run). That wait is the fill's, so the controller does not judge the first step, and opens the bound once it is
+    trained: to ``start``, or where it is empty to the pipeline depth the step measured (``depth``: a bound under
+    it starves the learner at once, as the slow start's first raises found step by step; at or past it the bound
+    leaves generation free); nothing is published until then, so a learner restarted meanwhile fills afresh. A
+    resumed learner goes on from the bound in force, raising it by one (its climb is over, and doubling a bound it
+    had settled at would overshoot), and keeps the bounds its easings and reverts left to the groups made before
+    them."""
 
     def __init__(self, auto: Any, admission: Any):
         self.admission = admission

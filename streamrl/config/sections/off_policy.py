@@ -74,7 +74,7 @@ class AutoStalenessConfig(Section):
     @property
     def first(self) -> int:
         """The controller's first bound, opened once a fresh run's first step is trained (its data comes in under
-        ``low``): ``start``, or where it is empty the least the measured depth opens at (``staleness.depth``)."""
+        ``fill``): ``start``, or where it is empty the least the measured depth opens at (``staleness.depth``)."""
         return max(self.low, 1) if self.start is None else self.start
 
     @property
