@@ -294,15 +294,16 @@ class AutoBound:
         """Judge a step's record; for its metrics line, the change it made to the next steps' bound (and why)."""
         if self._filling:
             self._filling = False
-            rules, measured = self.controller.rules, depth(record)
-            if rules.start is None and measured is not None:  # the depth that keeps the learner fed, within bounds
+            rules = self.controller.rules
+            measured = depth(record) if rules.start is None else None  # a start given is kept
+            if measured is not None:  # the depth that keeps the learner fed, within bounds
                 self.controller.bound = min(rules.high, max(rules.first, math.ceil(measured) - 1))
             if self.bound == rules.fill:  # nothing to open; published, so a restarted learner goes on from it
                 self.admission.set_bound(rules.fill)
                 return {}
             self._trust(step + rules.cooldown)
             why = f"the first step, its data admitted under {rules.fill}, is trained"
-            if rules.start is None and measured is not None:
+            if measured is not None:
                 why += (f"; its groups took {measured:.3g} of its training steps to generate (median): so many steps "
                         "of data in flight keep the learner fed")
             return self._publish(Change(step, rules.fill, self.bound, why, "opened"))
