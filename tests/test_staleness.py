@@ -3,7 +3,7 @@
 import pytest
 
 from streamrl.config.sections import AutoStalenessConfig
-from streamrl.learner.staleness import Signals, StalenessController, signals
+from streamrl.learner.staleness import Signals, StalenessController, afford, signals
 
 CALM = Signals(wait_share=0.5, ess=0.97, second_moment=1.02, clip_frac=0.01, grad_norm=1.0)
 
@@ -93,6 +93,45 @@ def test_degraded_off_policy_data_halves_the_bound_at_once_with_its_cause(bad, c
     assert [step for step, _ in changes] == [0, 4, 8] and cause in changes[0][1].cause
     assert str(changes[0][1]).startswith("max staleness lowered 8 -> 4 at step 0: ")
     assert run(c, [bad] * 10, first_step=9) == [] and c.bound == 1  # never under low
+
+
+def test_the_age_the_drift_affords_against_hand_computed_values():
+    # age * ln(0.8) / ln(ESS): ln 0.8 = -0.22314
+    assert afford(0.27, 1, 0.8) == 0  # 0.22314 / 1.30933 = 0.17
+    assert afford(0.5, 2, 0.8) == 0  # 2 * 0.22314 / 0.69315 = 0.64
+    assert afford(0.73, 4, 0.8) == 2  # 4 * 0.22314 / 0.31471 = 2.84
+    assert afford(0.7, 8, 0.8) == 5  # 8 * 0.22314 / 0.35667 = 5.005
+    assert afford(0.79, 10, 0.8) == 9  # just under the floor: just under the age measured
+    assert afford(0.0, 3, 0.8) == 0
+    assert afford(0.5, 0, 0.8) is None and afford(1.0, 4, 0.8) is None  # on-policy data; no drift measured
+    # the invariant: an ESS under the floor never affords the age it was measured at
+    for ess in (0.01, 0.3, 0.6, 0.799):
+        assert all(afford(ess, age, 0.8) < age for age in range(1, 20))
+
+
+@pytest.mark.parametrize("bound, ess, age, low, new", [
+    (7, 0.27, 1, 0, 0),  # the stress run's second step: one version of lag already read 0.27
+    (7, 0.27, 1, 1, 1),  # never under low
+    (8, 0.5, 2, 0, 0),
+    (4, 0.73, 4, 0, 2),  # affords 2 = half: a dip just under the floor is halved, as before
+    (8, 0.7, 8, 0, 4),  # affords 5 > half: halved
+    (8, 0.7, 3, 0, 1),  # the data was younger than the bound let it be: floor(3 * 0.626) = 1
+    (8, 0.5, 0, 0, 4),  # no age measured: halved
+])
+def test_an_ess_far_under_the_floor_cuts_to_the_age_the_drift_affords(bound, ess, age, low, new):
+    c = controller(low=low, high=8, bound=bound)
+    changes = run(c, [calm(ess=ess, age=age)])
+    assert [(ch.old, ch.new) for _, ch in changes] == [(bound, new)]
+    cause = changes[0][1].cause
+    deeper = new < max(low, bound // 2)
+    assert ("data keeps an ESS of 0.8 up to" in cause) == deeper and cause.startswith(f"ESS {ess:.2f} < 0.8")
+    if deeper:
+        assert f"on data up to {age} version{'s' if age > 1 else ''} old" in cause
+
+
+def test_a_clip_fraction_or_second_moment_cut_halves_whatever_the_age():
+    for bad in (calm(clip_frac=0.3, age=1), calm(second_moment=2.0, age=1)):
+        assert [ch.new for _, ch in run(controller(low=0, bound=8), [bad])] == [4]
 
 
 def test_a_gradient_spike_on_off_policy_data_lowers_the_bound_once_and_a_norm_that_stays_up_becomes_the_level():
@@ -279,6 +318,7 @@ def test_signals_read_from_a_learner_record():
     waited = {**record, "wait_s": 2.0}
     assert [signals({**waited, "admission_refused": n}).held_share for n in (1, 2, 4, 9)] == [0.25, 0.5, 1.0, 1.0]
     assert signals({**record, "dropped_stale": 1}).held_share == 1.0  # the bound cost the learner a group
+    assert signals({**record, "staleness_max": 3}).age == 3  # the oldest sequence trained, in versions
     # 16 groups trained, 12 with equal rewards (2 more were read with equal rewards and left out)
     silent = {**record, "groups": 16, "groups_no_signal": 14, "dropped_no_signal": 2}
     assert signals(silent).signal_share == 0.25 and signals(silent).norm_per_signal == pytest.approx(1.2)

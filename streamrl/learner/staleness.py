@@ -5,7 +5,8 @@ After each step the controller reads the step's signals and may move the admissi
 step: ``AutoBound`` fills the pipeline under ``fill``; by default the depth the first step measured, ``depth``)
 until the bound first comes down, additive up from then on (and after a restart), multiplicative down:
 
-- **down**, to ``max(low, floor(k / 2))``, as soon as the off-policy data degrades: the normalised effective sample
+- **down**, to ``max(low, floor(k / 2))``, or lower where the ESS says the data drifts faster (``afford``), as
+  soon as the off-policy data degrades: the normalised effective sample
   size of the importance weights ``ESS = (sum w)^2 / (n sum w^2)`` falls under ``ess_floor``, their second moment
   ``E[w^2]`` (M2PO's quantity) passes ``m2_ceiling``, the clip fraction passes ``clip_ceiling``, or the gradient
   norm per share of groups with a signal passes ``spike`` times its running mean (an exponential mean of every
@@ -73,6 +74,7 @@ class Signals:
     step_s: float = 0.0  # the step's seconds, waiting for data and training: what a raise must shorten
     held_share: float = 1.0  # the share of the wait the bound turned workers away (1: it dropped a group as stale)
     signal_share: float = 1.0  # the share of the trained groups with a learning signal (rewards not all equal)
+    age: int = 0  # the oldest trained sequence's staleness, in policy versions (0: on-policy, or not known)
 
     @property
     def norm_per_signal(self) -> float | None:
@@ -138,7 +140,8 @@ class StalenessController:
             return None
         if cause is not None and self.bound > r.low:
             self._fed_floor = r.low  # the data, not the supply, was the problem: what fed the learner is unknown
-            return self._move(step, max(r.low, self.bound // 2), "lowered", cause)
+            new, cause = self._cut(s, cause)
+            return self._move(step, new, "lowered", cause)
         if self._trial and step - self._trial[0] >= max(r.cooldown, r.patience):
             raised_at, old, before = self._trial
             after, self._trial = self._median_step_s(step - raised_at), None
@@ -155,12 +158,22 @@ class StalenessController:
             self._trial = (step, self.bound, self._median_step_s(self._steps_at_bound))
             new = min(self._raise_ceiling(step), max(2 * self.bound, 1) if self._doubling else self.bound + 1)
             return self._move(step, new, "raised", f"the learner waited {s.wait_share:.0%} of its step for data the "
-                                                    f"bound held back {_steps(self._healthy_waits)} running, "
+                                                    f"bound held back {_count(self._healthy_waits, 'step')} running, "
                                                     f"ESS {s.ess:.2f}")
         if cause is None and self._idle_steps >= r.patience and self.bound > max(self._fed_floor, 1):
             return self._move(step, self.bound - 1, "eased", f"the learner waited under {r.idle_share:.1%} of its step for "
-                                                    f"data {_steps(r.patience)} running: fresher data, same speed")
+                                                    f"data {_count(r.patience, 'step')} running: fresher data, same speed")
         return None
+
+    def _cut(self, s: Signals, cause: str) -> tuple[int, str]:
+        """Where a lowering goes, and its cause: half the bound, as TCP halves its window on a loss, or where the
+        ESS fell under the floor, the age the data's own drift affords (``afford``) if that is lower: an ESS far
+        under the floor is no overshoot that halving corrects (data one version old read 0.27 at lr 5e-4)."""
+        r, half = self.rules, self.bound // 2
+        if s.ess < r.ess_floor and (affords := afford(s.ess, s.age, r.ess_floor)) is not None and affords < half:
+            return max(r.low, affords), (f"{cause} on data up to {_count(s.age, 'version')} old; at that drift, "
+                                         f"data keeps an ESS of {r.ess_floor} up to {_count(affords, 'version')} old")
+        return max(r.low, half), cause
 
     def _may_raise(self, step: int) -> bool:
         """Whether the held, healthy waits call for a raise now. While the bound doubles, the last step's wait is
@@ -217,8 +230,8 @@ class StalenessController:
         return change
 
 
-def _steps(n: int) -> str:
-    return f"{n} step" if n == 1 else f"{n} steps"
+def _count(n: int, unit: str) -> str:
+    return f"{n} {unit}" if n == 1 else f"{n} {unit}s"
 
 
 def signals(record: dict) -> Signals:
@@ -232,7 +245,7 @@ def signals(record: dict) -> Signals:
     return Signals(wait_share=wait / max(wait + train, 1e-9), ess=record.get("is_ess", 1.0),
                    second_moment=record.get("is_second_moment", 1.0), clip_frac=record.get("clip_frac", 0.0),
                    grad_norm=record.get("grad_norm", 0.0), step_s=wait + train, held_share=held,
-                   signal_share=1 - silent / groups if groups else 1.0)
+                   signal_share=1 - silent / groups if groups else 1.0, age=record.get("staleness_max", 0))
 
 
 class AutoBound:
@@ -339,6 +352,19 @@ def depth(record: dict) -> float | None:
     seconds = [row[0] for row in record.get("groups_read", ()) if row[0] is not None]
     train = record.get("train_s", 0.0)
     return statistics.median(seconds) / train if seconds and train > 0 else None
+
+
+def afford(ess: float, age: int, floor: float) -> int | None:
+    """The age, in policy versions, at which data would read ``floor``, given an ESS measured on data up to
+    ``age`` versions old. Importance weights log-normal with ``Var(log w) = sigma^2`` have ``ESS = exp(-sigma^2)``;
+    a policy that drifts a little with each update has ``sigma^2`` growing with the versions between the two
+    policies, ``c`` a version. The oldest data's weights vary most, so ``ESS >= exp(-c age)``, ``c >= -ln(ESS) / age``
+    (the drift is at least that fast), and data ``a`` versions old reads at least ``floor`` only while
+    ``a <= age ln(floor) / ln(ESS)``: the bound the evidence affords at most. None where the data was on-policy (its
+    ESS does not grow with age: inference against training numerics) or the ESS is not under 1."""
+    if age < 1 or not 0 <= ess < 1:
+        return None
+    return 0 if ess == 0 else math.floor(age * math.log(floor) / math.log(ess))
 
 
 def apart(value: float, limit: float) -> str:
