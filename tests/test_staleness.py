@@ -129,6 +129,22 @@ def test_an_ess_far_under_the_floor_cuts_to_the_age_the_drift_affords(bound, ess
         assert f"on data up to {age} version{'s' if age > 1 else ''} old" in cause
 
 
+def test_a_raise_whose_data_degrades_is_cut_at_once_and_backs_raises_off():
+    """The cooldown lets data made under a looser bound drain before the next verdict; after a raise there is
+    none, and the data made under it is the raise's verdict (at lr 5e-4 under stress an ESS of 0.32 the step after
+    a raise went unjudged through the cooldown). A raise that brought degraded data did not pay: raises stop where
+    it started, as after a revert, for a hold that doubles with each such raise in a row."""
+    c = controller(low=0, high=8, bound=1, patience=2, cooldown=3, revert_hold=6, doubling=False)
+    bad = calm(ess=0.5)
+    changes = run(c, [calm()] * 2 + [bad] + [calm()] * 6 + [bad] + [calm()] * 14)
+    assert [(step, ch.way, ch.old, ch.new) for step, ch in changes] == [
+        (1, "raised", 1, 2), (2, "lowered", 2, 1), (8, "raised", 1, 2), (9, "lowered", 2, 1), (21, "raised", 1, 2)]
+    assert [changes[i][1].cause for i in (1, 3)] == ["ESS 0.50 < 0.8; raises stop at 1 for 6 steps",
+                                                     "ESS 0.50 < 0.8; raises stop at 1 for 12 steps"]
+    # after a cut the data made under the looser bound drains first: a degraded step in its cooldown waits
+    assert [step for step, _ in run(controller(low=0, bound=8, cooldown=3), [bad] * 4)] == [0, 3]
+
+
 def test_a_clip_fraction_or_second_moment_cut_halves_whatever_the_age():
     for bad in (calm(clip_frac=0.3, age=1), calm(second_moment=2.0, age=1)):
         assert [ch.new for _, ch in run(controller(low=0, bound=8), [bad])] == [4]
@@ -354,7 +370,8 @@ def test_the_learners_auto_bound_is_published_where_admission_reads_it_and_survi
     from streamrl.learner.staleness import AutoBound
 
     cfg = load_config(None, ["off_policy.max_staleness=auto", "off_policy.auto.low=1", "off_policy.auto.high=4",
-                             "off_policy.auto.start=1", "off_policy.auto.patience=1", "off_policy.auto.cooldown=1"])
+                             "off_policy.auto.start=1", "off_policy.auto.patience=1", "off_policy.auto.cooldown=1",
+                             "off_policy.auto.revert_hold=1"])  # the cut in the raise's trial backs off 1 step
     worker = Admission(ns, max_staleness=cfg.admission_bound, groups_per_step=2)
     assert (cfg.staleness_bound, worker.bound()) == (4, 1)  # a worker up before the learner admits under start
     auto = AutoBound(cfg.off_policy.auto, Admission(ns, max_staleness=cfg.admission_bound, groups_per_step=2))
@@ -519,7 +536,8 @@ def test_with_late_keep_a_slow_group_is_kept_up_to_twice_a_trusted_bound_until_a
     from streamrl.buffer import Admission
     from streamrl.learner.staleness import AutoBound
 
-    rules = AutoStalenessConfig(low=1, high=8, patience=1, cooldown=2, late="keep")
+    # revert_hold 1: the cut at step 4 comes in the raise's trial, and backs raises off for that long only
+    rules = AutoStalenessConfig(low=1, high=8, patience=1, cooldown=2, late="keep", revert_hold=1)
     auto = AutoBound(rules, Admission(ns, max_staleness=1, groups_per_step=1))
     waiting = {"wait_s": 1.0, "train_s": 1.0, "is_ess": 0.99, "clip_frac": 0.0, "grad_norm": 1.0, "dropped_stale": 1}
     assert auto.after_step(1, waiting) == {}  # the fill: nothing to open at low 1

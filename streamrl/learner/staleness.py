@@ -11,7 +11,9 @@ until the bound first comes down, additive up from then on (and after a restart)
   ``E[w^2]`` (M2PO's quantity) passes ``m2_ceiling``, the clip fraction passes ``clip_ceiling``, or the gradient
   norm per share of groups with a signal passes ``spike`` times its running mean (an exponential mean of every
   step's, judged from the ``StalenessController.warmup``-th step on) on data off-policy enough to explain it (ESS
-  under ``ess_raise``). Per share of groups with a signal: a group whose rewards are all equal adds no gradient but
+  under ``ess_raise``). A raise on trial is cut without waiting for the cooldown (no data made under a looser bound
+  is left to drain: what arrives is the raise's verdict), and, as a raise that did not pay, backs raises off as
+  a revert does. Per share of groups with a signal: a group whose rewards are all equal adds no gradient but
   counts in the loss's mean, so near convergence the norm shrinks with the share, and a step that draws more groups
   with a signal than the last few would read as a spike;
 - **up**, to ``max(2k, 1)`` until the bound has first come down and to ``k + 1`` after (never past
@@ -43,8 +45,8 @@ speed on healthy data, so the groups that may have been admitted before them kee
 
 It does not oscillate: the margins between the thresholds that lower and raise it, the ``patience`` steps a move
 waits for, the floor a raise leaves for easing, the ceiling a reverted raise leaves for raising, and the
-``cooldown`` steps after any change (the data admitted under the old bound drains meanwhile, so a change is
-judged on data made under it) keep it from flipping on noise.
+``cooldown`` steps after any change but a cut of a raise on trial (the data admitted under the old bound drains
+meanwhile, so a change is judged on data made under it) keep it from flipping on noise.
 """
 
 from __future__ import annotations
@@ -136,22 +138,23 @@ class StalenessController:
         starved = s.wait_share > r.wait_share and s.held_share >= r.held_share  # by the bound, not by generation
         self._healthy_waits = self._healthy_waits + 1 if healthy and starved else 0
         self._idle_steps = self._idle_steps + 1 if s.wait_share < r.idle_share else 0
-        if step - self._last_change < r.cooldown:
-            return None
-        if cause is not None and self.bound > r.low:
+        # a raise on trial is cut at once: its data is the verdict, and no data made under a looser bound drains
+        cooling = step - self._last_change < r.cooldown and self._trial is None
+        if cause is not None and self.bound > r.low and not cooling:
             self._fed_floor = r.low  # the data, not the supply, was the problem: what fed the learner is unknown
             new, cause = self._cut(s, cause)
+            if self._trial is not None:  # the raise brought data too far off-policy: it did not pay
+                cause += self._back_off(step, self._trial[1])
             return self._move(step, new, "lowered", cause)
+        if cooling:
+            return None
         if self._trial and step - self._trial[0] >= max(r.cooldown, r.patience):
             raised_at, old, before = self._trial
             after, self._trial = self._median_step_s(step - raised_at), None
             if after > before * (1 - r.raise_gain):
-                self._reverts += 1
-                hold = r.revert_hold * 2 ** (self._reverts - 1)
-                self._ceiling = (old, step + hold)
                 return self._move(step, old, "reverted", f"raising it at step {raised_at} did not speed the learner "
-                                  f"up: {before:.3g} s a step before, {after:.3g} s after (median); raises stop at "
-                                  f"{old} for {hold} steps")
+                                  f"up: {before:.3g} s a step before, {after:.3g} s after (median)"
+                                  + self._back_off(step, old))
             self._reverts = 0
         if self._may_raise(step):
             self._fed_floor = self.bound + 1  # the bound below starved the learner
@@ -174,6 +177,14 @@ class StalenessController:
             return max(r.low, affords), (f"{cause} on data up to {_count(s.age, 'version')} old; at that drift, "
                                          f"data keeps an ESS of {r.ess_floor} up to {_count(affords, 'version')} old")
         return max(r.low, half), cause
+
+    def _back_off(self, step: int, old: int) -> str:
+        """Stop raises at ``old``, the bound a raise that did not pay started from, for ``revert_hold`` steps,
+        doubled for each further one in a row; the clause that says so."""
+        self._reverts += 1
+        hold = self.rules.revert_hold * 2 ** (self._reverts - 1)
+        self._ceiling = (old, step + hold)
+        return f"; raises stop at {old} for {hold} steps"
 
     def _may_raise(self, step: int) -> bool:
         """Whether the held, healthy waits call for a raise now. While the bound doubles, the last step's wait is
