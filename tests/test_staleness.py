@@ -141,6 +141,10 @@ def test_a_raise_whose_data_degrades_is_cut_at_once_and_backs_raises_off():
         (1, "raised", 1, 2), (2, "lowered", 2, 1), (8, "raised", 1, 2), (9, "lowered", 2, 1), (21, "raised", 1, 2)]
     assert [changes[i][1].cause for i in (1, 3)] == ["ESS 0.50 < 0.8; raises stop at 1 for 6 steps",
                                                      "ESS 0.50 < 0.8; raises stop at 1 for 12 steps"]
+    # only a cut skips the cooldown: a learner idle from the raise on is not eased during it
+    idle = controller(low=0, high=8, bound=2, patience=2, cooldown=3)  # doubled to 4: may ease to 3 after
+    assert [(step, ch.way) for step, ch in run(idle, [calm()] * 2 + [calm(wait_share=0.0)] * 4)] == [
+        (1, "raised"), (4, "eased")]
     # after a cut the data made under the looser bound drains first: a degraded step in its cooldown waits
     assert [step for step, _ in run(controller(low=0, bound=8, cooldown=3), [bad] * 4)] == [0, 3]
 

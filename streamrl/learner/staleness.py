@@ -138,9 +138,9 @@ class StalenessController:
         starved = s.wait_share > r.wait_share and s.held_share >= r.held_share  # by the bound, not by generation
         self._healthy_waits = self._healthy_waits + 1 if healthy and starved else 0
         self._idle_steps = self._idle_steps + 1 if s.wait_share < r.idle_share else 0
+        cooling = step - self._last_change < r.cooldown
         # a raise on trial is cut at once: its data is the verdict, and no data made under a looser bound drains
-        cooling = step - self._last_change < r.cooldown and self._trial is None
-        if cause is not None and self.bound > r.low and not cooling:
+        if cause is not None and self.bound > r.low and (not cooling or self._trial is not None):
             self._fed_floor = r.low  # the data, not the supply, was the problem: what fed the learner is unknown
             new, cause = self._cut(s, cause)
             if self._trial is not None:  # the raise brought data too far off-policy: it did not pay
