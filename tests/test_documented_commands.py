@@ -75,6 +75,7 @@ COMMANDS = {
                                                "path with `streamrl up`"),
     "streamrl up configs/quickstart.yaml run.seed=1 learner.max_steps=80 mode=sync": QUICKSTART,
     "streamrl up configs/quickstart.yaml --fresh run.name=async": QUICKSTART,
+    "streamrl up configs/quickstart.yaml off_policy.max_staleness=auto learner.max_steps=300": QUICKSTART,
     "streamrl up configs/quickstart.yaml --fresh run.name=sync mode=sync": QUICKSTART,
     # the guides' own configs and code
     "streamrl launch-rollout config.yaml rollout.env=my_envs:ReverseWord": (
