@@ -41,8 +41,8 @@ class AutoStalenessConfig(Section):
     clip_ceiling: float = Field(0.1, gt=0, lt=1, description="lower when the clip fraction passes this")
     spike: float = Field(3.0, gt=1, description="lower when the gradient norm per share of groups with a signal "
                          "passes this many times its running mean (of about the last 3 steps, judged from the 6th, on "
-                         "steps with at least 4 groups with a signal: never under learner.groups_per_step 4) while "
-                         "ESS is under ess_raise")
+                         "steps with at least 4 groups with a signal, so never with learner.groups_per_step under 4) "
+                         "while ESS is under ess_raise")
     raise_gain: float = Field(0.0, ge=0, lt=1, description="a raise is kept only if it cut the learner's median "
                               "step time by this share (its trial's max(cooldown, patience) steps against the steps "
                               "before it; 0: unless it made it longer); else the bound goes back and raises stop "
