@@ -260,10 +260,11 @@ def signals(record: dict) -> Signals:
     held = 1.0 if record.get("dropped_stale", 0) else min(1.0, held_s / max(wait, 1e-9))
     groups = record.get("groups", 0)
     silent = record.get("groups_no_signal", 0) - record.get("dropped_no_signal", 0)  # trained without a signal
+    signal = groups - silent if groups else None  # trained with one (None: no group counted)
     return Signals(wait_share=wait / max(wait + train, 1e-9), ess=record.get("is_ess", 1.0),
                    second_moment=record.get("is_second_moment", 1.0), clip_frac=record.get("clip_frac", 0.0),
                    grad_norm=record.get("grad_norm", 0.0), step_s=wait + train, held_share=held,
-                   signal_share=1 - silent / groups if groups else 1.0, signal_groups=groups - silent if groups else None,
+                   signal_share=signal / groups if signal is not None else 1.0, signal_groups=signal,
                    age=record.get("staleness_max", 0))
 
 
