@@ -131,3 +131,33 @@ def test_news_with_brackets_from_a_log_tail_is_printed_as_text(tmp_path, capsys)
     cfg = load_config(None, [f"run.dir={tmp_path}", "supervise.display=plain"])
     Dashboard(cfg).say("server-0 exited; its log: [/__w/gloo/pair.cc:553] Connection closed by peer [bold]")
     assert "[/__w/gloo/pair.cc:553] Connection closed by peer [bold]" in capsys.readouterr().out
+
+
+def test_a_refresh_of_the_dashboard_tries_a_redis_that_is_down_once(tmp_path):
+    """The supervisor's loop refreshes the dashboard and restarts a dead Redis: a refresh that waited out
+    reconnects would hold up that restart past the reconnect budget of every part, which then gives up."""
+    import socket
+    import threading
+
+    from streamrl.config import load_config
+    from streamrl.launch.display import Dashboard
+
+    attempts = []
+    with socket.create_server(("127.0.0.1", 0)) as down:  # accepts each connection and hangs up: a Redis dying
+
+        def hang_up():
+            while True:
+                try:
+                    conn, _ = down.accept()
+                except OSError:  # closed: the test is over
+                    return
+                attempts.append(conn)
+                conn.close()
+
+        threading.Thread(target=hang_up, daemon=True).start()
+        cfg = load_config(None, [f"run.dir={tmp_path}", "supervise.display=plain", "redis.retries=8"])
+        dashboard = Dashboard(cfg)
+        dashboard.connect(f"redis://127.0.0.1:{down.getsockname()[1]}/0", supervisor=None)
+        figures = dashboard.stats()
+    assert "version" not in figures  # the files' figures alone
+    assert len(attempts) == 1

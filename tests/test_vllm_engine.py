@@ -500,14 +500,17 @@ def test_requests_that_ran_on_weights_that_failed_the_probe_are_withdrawn(engine
     learner = _perturbed(reference, seed=12)
 
     async def fail_mid_request():
+        # long enough to still run when the trial starts, however slow the push; aborted once the probe failed
         task = asyncio.create_task(engine.generate("trial-long", PROMPTS[2], SamplingParams(
-            max_new_tokens=200, ignore_eos=True, seed=5)))
+            max_new_tokens=4000, ignore_eos=True, seed=5)))
         while engine.load()["num_tokens"] < len(PROMPTS[2]) + 10:
             await asyncio.sleep(0.05)
         with pytest.raises(ProbeMismatch):
             await asyncio.to_thread(_push, receiver, kept_old_weights(_params(learner), _params(reference)),
                                     version + 1, probe=_learner_probe(learner))
+        assert not task.done()
         after = await engine.generate("after-trial", PROMPTS[0], SamplingParams(max_new_tokens=8, ignore_eos=True))
+        engine.abort("trial-long")
         with pytest.raises(Withdrawn, match="failed their probe"):
             await task
         return after

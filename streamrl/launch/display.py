@@ -51,7 +51,9 @@ class Dashboard:
     def connect(self, redis_url: str, supervisor) -> None:
         from streamrl.buffer import Admission, Namespace, PolicyVersion
 
-        ns = Namespace.open(redis_url, self.cfg.run.name, **self.cfg.redis.retry())
+        # no retries: the supervisor's loop refreshes the dashboard, and waiting out a Redis that is down there would
+        # hold up Redis's own restart, past the reconnect budget of every part (the figures fall back on the files)
+        ns = Namespace.open(redis_url, self.cfg.run.name, retries=0)
         self.ns, self.policy_version = ns, PolicyVersion(ns)
         self.admission = Admission(ns, max_staleness=self.cfg.admission_bound,
                                    groups_per_step=self.cfg.learner.groups_per_step)
