@@ -120,13 +120,36 @@ def test_the_age_the_drift_affords_against_hand_computed_values():
 ])
 def test_an_ess_far_under_the_floor_cuts_to_the_age_the_drift_affords(bound, ess, age, low, new):
     c = controller(low=low, high=8, bound=bound)
-    changes = run(c, [calm(ess=ess, age=age)])
+    changes = run(c, [calm(ess=ess, age=age)] * 2)  # twice: a shallow dip cuts on its second reading
     assert [(ch.old, ch.new) for _, ch in changes] == [(bound, new)]
     cause = changes[0][1].cause
     deeper = new < max(low, bound // 2)
     assert ("data keeps an ESS of 0.8 up to" in cause) == deeper and cause.startswith(f"ESS {ess:.2f} < 0.8")
     if deeper:
         assert f"on data up to {age} version{'s' if age > 1 else ''} old" in cause
+
+
+@pytest.mark.parametrize("bound, ess, age", [(2, 0.71, 2), (4, 0.73, 4), (8, 0.7, 8), (8, 0.75, 6)])
+def test_a_single_shallow_ess_dip_cuts_nothing_and_a_second_in_a_row_cuts(bound, ess, age):
+    """A dip whose drift still affords data half the bound old (the toy's single-turn workload read 0.71 on data 2
+    versions old once in 40 steps, and a cut to 1 dropped a step's groups) is noise until the next step reads
+    degraded too; a deep one, or a shallow one beside another symptom, cuts at once."""
+    steady = calm(wait_share=0.05)  # neither starved nor idle: nothing else moves the bound
+    dip = calm(ess=ess, age=age, wait_share=0.05)
+    c = controller(low=0, high=8, bound=bound)
+    assert run(c, [dip, steady, dip, steady, steady]) == [] and c.bound == bound
+    assert [(step, ch.new) for step, ch in run(c, [dip, dip], first_step=5)] == [(6, bound // 2)]
+    c = controller(low=0, high=8, bound=bound)  # the second reading of another symptom
+    assert [(step, ch.new) for step, ch in run(c, [calm(second_moment=2.0, wait_share=0.05), dip])] == [(0, bound // 2)]
+
+    def cut_at_once(s: Signals) -> bool:
+        return run(controller(low=0, high=8, bound=bound), [s]) != []
+
+    assert not cut_at_once(dip)
+    assert cut_at_once(calm(ess=ess - 0.3, age=age))  # deep: the drift affords data under half the bound old
+    assert cut_at_once(calm(ess=ess, age=0))  # no drift measured
+    assert cut_at_once(calm(ess=ess, age=age, clip_frac=0.3))
+    assert cut_at_once(calm(ess=ess, age=age, second_moment=2.0))
 
 
 def test_a_raise_whose_data_degrades_is_cut_at_once_and_backs_raises_off():

@@ -12,9 +12,11 @@ until the bound first comes down, additive up from then on (and after a restart)
   norm per share of groups with a signal passes ``spike`` times its running mean (an exponential mean of every
   step's, judged from the ``StalenessController.warmup``-th step on, on steps with at least
   ``StalenessController.spike_groups`` groups with a signal) on data off-policy enough to explain it (ESS under
-  ``ess_raise``). A raise on trial is cut without waiting for the cooldown (no data made under a looser bound
-  is left to drain: what arrives is the raise's verdict), and, as a raise that did not pay, backs raises off as
-  a revert does. Per share of groups with a signal: a group whose rewards are all equal adds no gradient but
+  ``ess_raise``). A shallow ESS dip (the ESS alone under its floor, by so little that the drift it implies still
+  affords data half the bound old) cuts only on a second degraded step in a row: a single one is the small batch's
+  noise, which fixed bounds train through. A raise on trial is cut without waiting for the cooldown (no data made
+  under a looser bound is left to drain: what arrives is the raise's verdict), and, as a raise that did not pay,
+  backs raises off as a revert does. Per share of groups with a signal: a group whose rewards are all equal adds no gradient but
   counts in the loss's mean, so near convergence the norm shrinks with the share, and a step that draws more groups
   with a signal than the last few would read as a spike;
 - **up**, to ``max(2k, 1)`` until the bound has first come down and to ``k + 1`` after (never past
@@ -134,14 +136,18 @@ class StalenessController:
         self._trial: tuple[int, int, float] | None = None  # the last raise: its step, the old bound, step s before
         self._doubling = doubling  # raises double the bound until it first comes down: the climb from low is short
         self._last_change = -(10**9)
+        self._dipped = False  # the last step's data was degraded: a shallow dip now is its second reading
 
     def observe(self, step: int, s: Signals) -> Change | None:
         """Take a step's signals; the change of the bound they call for, if any (already applied)."""
-        r, cause = self.rules, self._degraded(s)
+        r, symptoms = self.rules, self._symptoms(s)
+        symptom = symptoms[0] if symptoms else None
+        cause = None if self._shallow(s, symptoms) and not self._dipped else symptom  # one shallow dip: wait
+        self._dipped = symptom is not None
         self._track_grad_norm(s)
         self._step_s.append(s.step_s)
         self._steps_at_bound += 1
-        healthy = cause is None and s.ess >= r.ess_raise and s.clip_frac <= r.clip_ceiling / 2
+        healthy = symptom is None and s.ess >= r.ess_raise and s.clip_frac <= r.clip_ceiling / 2
         starved = s.wait_share > r.wait_share and s.held_share >= r.held_share  # by the bound, not by generation
         self._healthy_waits = self._healthy_waits + 1 if healthy and starved else 0
         self._idle_steps = self._idle_steps + 1 if s.wait_share < r.idle_share else 0
@@ -170,7 +176,7 @@ class StalenessController:
             return self._move(step, new, "raised", f"the learner waited {s.wait_share:.0%} of its step for data the "
                                                     f"bound held back {_count(self._healthy_waits, 'step')} running, "
                                                     f"ESS {s.ess:.2f}")
-        if cause is None and self._idle_steps >= r.patience and self.bound > max(self._fed_floor, 1):
+        if symptom is None and self._idle_steps >= r.patience and self.bound > max(self._fed_floor, 1):
             return self._move(step, self.bound - 1, "eased", f"the learner waited under {r.idle_share:.1%} of its step for "
                                                     f"data {_count(r.patience, 'step')} running: fresher data, same speed")
         return None
@@ -184,6 +190,17 @@ class StalenessController:
             return max(r.low, affords), (f"{cause} on data up to {_count(s.age, 'version')} old; at that drift, "
                                          f"data keeps an ESS of {r.ess_floor} up to {_count(affords, 'version')} old")
         return max(r.low, half), cause
+
+    def _shallow(self, s: Signals, symptoms: list[str]) -> bool:
+        """Whether ``symptoms`` are a shallow ESS dip, cut only on a second degraded step in a row: the ESS alone is
+        under its floor, by so little that the drift it implies affords data at least half the bound old (a cut
+        would only halve it; ``_cut``). Such dips come one at a time (a small batch's ESS is noisy) and fixed bounds
+        train through them, while a cut drops every group older than the new bound. A deep dip, or one of the
+        other symptoms, cuts at once."""
+        if len(symptoms) != 1 or s.ess >= self.rules.ess_floor:
+            return False
+        affords = afford(s.ess, s.age, self.rules.ess_floor)
+        return affords is not None and affords >= max(1, self.bound // 2)
 
     def _back_off(self, step: int, old: int) -> str:
         """Stop raises at ``old``, the bound a raise that did not pay started from, for ``revert_hold`` steps,
@@ -206,14 +223,22 @@ class StalenessController:
         bound, until = self._ceiling
         return bound if step < until else self.rules.high
 
-    def _degraded(self, s: Signals) -> str | None:
-        r = self.rules
+    def _symptoms(self, s: Signals) -> list[str]:
+        """How the step's data is degraded, if it is: the first one says why a cut is made."""
+        r, found = self.rules, []
         if s.ess < r.ess_floor:
-            return f"ESS {apart(s.ess, r.ess_floor)} < {r.ess_floor}"
+            found.append(f"ESS {apart(s.ess, r.ess_floor)} < {r.ess_floor}")
         if s.second_moment > r.m2_ceiling:
-            return f"E[w^2] {apart(s.second_moment, r.m2_ceiling)} > {r.m2_ceiling}"
+            found.append(f"E[w^2] {apart(s.second_moment, r.m2_ceiling)} > {r.m2_ceiling}")
         if s.clip_frac > r.clip_ceiling:
-            return f"clip fraction {apart(s.clip_frac, r.clip_ceiling)} > {r.clip_ceiling}"
+            found.append(f"clip fraction {apart(s.clip_frac, r.clip_ceiling)} > {r.clip_ceiling}")
+        if spike := self._spike(s):
+            found.append(spike)
+        return found
+
+    def _spike(self, s: Signals) -> str | None:
+        """A jump of the gradient norm per share of groups with a signal over its running mean."""
+        r = self.rules
         # a spike on data the weights show near on-policy is the policy's own (a rare group with signal, on the
         # toy near convergence): a smaller bound would not change it
         norm, few = s.norm_per_signal, s.signal_groups is not None and s.signal_groups < self.spike_groups
