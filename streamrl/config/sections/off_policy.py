@@ -35,7 +35,8 @@ class AutoStalenessConfig(Section):
     idle_share: float = Field(0.02, ge=0, lt=1, description="a step that waited for data under this share of it "
                               "counts towards easing the bound down by one (0: never ease)")
     ess_floor: float = Field(0.8, gt=0, lt=1, description="lower when the importance weights' effective sample "
-                             "size (a share of the tokens) falls under this")
+                             "size (a share of the tokens) falls under this: at once, or on the second step in a row "
+                             "where it is the only sign and the drift it implies affords data half the bound old")
     ess_raise: float = Field(0.9, gt=0, le=1, description="raise only while the effective sample size is at least this")
     m2_ceiling: float = Field(1.5, gt=1, description="lower when the importance weights' second moment passes this")
     clip_ceiling: float = Field(0.1, gt=0, lt=1, description="lower when the clip fraction passes this")
