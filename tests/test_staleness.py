@@ -408,7 +408,7 @@ def test_settings_that_cannot_work_are_refused():
 def test_the_learners_auto_bound_is_published_where_admission_reads_it_and_survives_a_restart(ns):
     from streamrl.buffer import Admission
     from streamrl.config import load_config
-    from streamrl.learner.staleness import AutoBound
+    from streamrl.learner.auto_bound import AutoBound
 
     cfg = load_config(None, ["off_policy.max_staleness=auto", "off_policy.auto.low=1", "off_policy.auto.high=4",
                              "off_policy.auto.start=1", "off_policy.auto.patience=1", "off_policy.auto.cooldown=1",
@@ -433,7 +433,7 @@ def test_the_learners_auto_bound_is_published_where_admission_reads_it_and_survi
 
 def test_the_learners_bound_is_published_where_admission_reads_it_and_a_resumed_learner_goes_on_from_it(ns):
     from streamrl.buffer import Admission
-    from streamrl.learner.staleness import AutoBound
+    from streamrl.learner.auto_bound import AutoBound
 
     admission = Admission(ns, max_staleness=8, groups_per_step=1)  # the ceiling; the published bound rules
     rules = AutoStalenessConfig(low=1, high=4, start=1, patience=1, cooldown=1)
@@ -456,7 +456,7 @@ def test_a_fresh_run_fills_its_pipeline_under_low_and_the_controller_starts_afte
     wait (held back by low throughout) counts towards no raise."""
     from streamrl.buffer import Admission
     from streamrl.config import load_config
-    from streamrl.learner.staleness import AutoBound
+    from streamrl.learner.auto_bound import AutoBound
 
     cfg = load_config(None, ["off_policy.max_staleness=auto", "off_policy.auto.low=1", "off_policy.auto.start=2",
                              "off_policy.auto.patience=2"])
@@ -493,7 +493,7 @@ def test_a_fresh_run_opens_at_the_pipeline_depth_its_first_step_measured(ns):
     L seconds each to generate, were started L / T steps before; a bound k keeps k + 1 steps of data in flight. So
     the bound opens at ceil(L / T) - 1, within [max(low, 1), high], unless start is set."""
     from streamrl.buffer import Admission
-    from streamrl.learner.staleness import AutoBound, depth
+    from streamrl.learner.auto_bound import AutoBound, depth
 
     def first_step(groups_s, train_s):
         return {"wait_s": 3.0, "train_s": train_s, "is_ess": 1.0, "clip_frac": 0.0, "grad_norm": 1.0,
@@ -530,7 +530,7 @@ def test_groups_made_before_an_easing_or_a_revert_keep_the_bound_they_were_admit
     """Easing and reverting trade speed, not data: nothing admitted is dropped for them. A lowering (degraded
     data) judges every group at once."""
     from streamrl.buffer import Admission
-    from streamrl.learner.staleness import AutoBound
+    from streamrl.learner.auto_bound import AutoBound
 
     admission = Admission(ns, max_staleness=1, groups_per_step=1)  # the fill's: admission's default under auto
     auto = AutoBound(AutoStalenessConfig(low=0, high=8, start=4, patience=1, cooldown=1), admission)
@@ -556,7 +556,7 @@ def test_groups_made_before_an_easing_or_a_revert_keep_the_bound_they_were_admit
 
 def test_groups_made_before_a_revert_keep_the_raised_bound(ns):
     from streamrl.buffer import Admission
-    from streamrl.learner.staleness import AutoBound
+    from streamrl.learner.auto_bound import AutoBound
 
     auto = AutoBound(AutoStalenessConfig(low=1, high=8, start=1, patience=1, cooldown=1),
                      Admission(ns, max_staleness=8, groups_per_step=1))
@@ -575,7 +575,7 @@ def test_with_late_keep_a_slow_group_is_kept_up_to_twice_a_trusted_bound_until_a
     raise. Measured at lr 5e-4 under stress: kept within `high` from the raise on, groups 2 and 3 versions old
     came in under a bound of 1, and the ESS fell to 0.70."""
     from streamrl.buffer import Admission
-    from streamrl.learner.staleness import AutoBound
+    from streamrl.learner.auto_bound import AutoBound
 
     # revert_hold 1: the cut at step 4 comes in the raise's trial, and backs raises off for that long only
     rules = AutoStalenessConfig(low=1, high=8, patience=1, cooldown=2, late="keep", revert_hold=1)

@@ -19,11 +19,11 @@ import torch
 from streamrl.buffer import Admission, Ledger, Namespace, PolicyVersion, ReplayStream, ServerRegistry, StreamReader
 from streamrl.config import Config
 from streamrl.learner import batching, coverage, probe, record
+from streamrl.learner.auto_bound import AutoBound
 from streamrl.learner.metrics import MetricsSink, line
 from streamrl.learner.planning import Plan, Planner
 from streamrl.learner.policy import Policy
 from streamrl.learner.push import WeightPusher
-from streamrl.learner.staleness import AutoBound
 from streamrl.weightsync import Probe
 
 log = logging.getLogger("streamrl.learner")

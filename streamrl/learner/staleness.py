@@ -2,8 +2,9 @@
 
 After each step the controller reads the step's signals and may move the admission bound ``k`` within
 ``[low, high]``, as TCP moves its window: in a fresh run doubling up from ``start`` (in force from the second
-step: ``AutoBound`` fills the pipeline under ``fill``; by default the depth the first step measured, ``depth``)
-until the bound first comes down, additive up from then on (and after a restart), multiplicative down:
+step: ``auto_bound.AutoBound`` fills the pipeline under ``fill``; by default the depth the first step measured,
+``auto_bound.depth``) until the bound first comes down, additive up from then on (and after a restart),
+multiplicative down:
 
 - **down**, to ``max(low, floor(k / 2))``, or lower where the ESS says the data drifts faster (``afford``), as
   soon as the off-policy data degrades: the normalised effective sample
@@ -44,7 +45,7 @@ until the bound first comes down, additive up from then on (and after a restart)
 
 Only a lowering drops data made under the old bound, as a fixed bound would; easing and reverting are moves for
 speed on healthy data, so the groups that may have been admitted before them keep the old bound
-(``AutoBound.bound_for``): a bound that overshot comes back down without dropping anything.
+(``auto_bound.AutoBound.bound_for``): a bound that overshot comes back down without dropping anything.
 
 It does not oscillate: the margins between the thresholds that lower and raise it, the ``patience`` steps a move
 waits for, the floor a raise leaves for easing, the ceiling a reverted raise leaves for raising, and the
@@ -54,17 +55,13 @@ meanwhile, so a change is judged on data made under it) keep it from flipping on
 
 from __future__ import annotations
 
-import logging
 import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
 
 from streamrl.buffer.admission import RETRY_S
 from streamrl.config.sections import AutoStalenessConfig
-
-log = logging.getLogger("streamrl.learner")
 
 
 @dataclass(frozen=True)
@@ -291,112 +288,6 @@ def signals(record: dict) -> Signals:
                    grad_norm=record.get("grad_norm", 0.0), step_s=wait + train, held_share=held,
                    signal_share=signal / groups if signal is not None else 1.0, signal_groups=signal,
                    age=record.get("staleness_max", 0))
-
-
-class AutoBound:
-    """``max_staleness: auto`` at the learner: the controller, the bound published where every worker's
-    admission reads it, and the bound each group is judged under (``bound_for``).
-
-    A fresh run fills its pipeline under ``rules.fill``, 1 (or ``low`` if larger): the learner waits for its first
-    groups under any bound, and every group admitted beyond them competes with them for the servers (on SmolLM2's
-    agentic workload the first step took 306 s under 2 against 177 s under 1); under 0 the second step's groups
-    could not start before the first is trained (on the toy's agentic workload that bubble was 6% of a 40-step
-    run). That wait is the fill's, so the controller does not judge the first step, and opens the bound once it is
-    trained: to ``start``, or where it is empty to the pipeline depth the step measured (``depth``: a bound under
-    it starves the learner at once, as the slow start's first raises found step by step; at or past it the bound
-    leaves generation free); nothing is published until then, so a learner restarted meanwhile fills afresh. A
-    resumed learner goes on from the bound in force, raising it by one (its climb is over, and doubling a bound it
-    had settled at would overshoot), and keeps the bounds its easings and reverts left to the groups made before
-    them."""
-
-    def __init__(self, auto: Any, admission: Any):
-        self.admission = admission
-        published = admission.published()
-        fresh, published = published is None, auto.first if published is None else published
-        self.controller = StalenessController(auto, bound=min(max(published, auto.low), auto.high), doubling=fresh)
-        self._filling = fresh  # until the first step is trained: admission's own default, the fill's, rules
-        if not fresh:  # (``Config.admission_bound``)
-            admission.set_bound(self.bound)
-        # the version an easing or a revert came at -> the bound it left, stored beside the bound in force
-        self._kept: dict[int, int] = {} if fresh else admission.kept_bounds()
-        # the step from which late groups may be kept (``keeps_late``): the bound in force has stood `cooldown` steps
-        # since it was opened or raised without a cut; None after a cut, until the next raise. Stored beside the
-        # bound: a resumed learner trusts what the one before it did (a cut before a crash is not forgotten)
-        self._trusted_from = admission.late_trusted_from()
-        if fresh:
-            self._trust(auto.cooldown)
-
-    @property
-    def bound(self) -> int:
-        """The bound in force: ``rules.fill`` while a fresh run fills its pipeline, then the controller's."""
-        return self.controller.rules.fill if self._filling else self.controller.bound
-
-    def bound_for(self, oldest: int) -> int:
-        """The bound a group whose oldest token policy version ``oldest`` made is judged under. Easing and
-        reverting trade nothing but speed on healthy data, so a group that may have been admitted under the bound
-        before them (its tokens date from no later than the move) keeps that bound: nothing admitted is dropped
-        for them. A lowering (degraded data) judges every group at once, as a fixed bound would."""
-        return max([self.bound, *(old for at, old in self._kept.items() if oldest <= at)])
-
-    def keeps_late(self, oldest: int, version: int) -> bool:
-        """Whether a group past its bound (``bound_for``) whose oldest token ``oldest`` made is trained anyway at
-        ``version``: with ``late: keep``, at most twice the bound in force old (and ``high``), once that bound
-        has stood ``cooldown`` steps without a cut (a raise is trusted only once the data made under it held;
-        a cut withdraws the trust until the next raise). The bound then paces admission, and a slow group is not
-        starved for being slow; a bound of 0 keeps nothing late."""
-        rules, trusted = self.controller.rules, self._trusted_from
-        return (rules.late == "keep" and trusted is not None and version >= trusted
-                and version - oldest <= min(rules.high, 2 * self.bound))
-
-    def after_step(self, step: int, record: dict) -> dict:
-        """Judge a step's record; for its metrics line, the change it made to the next steps' bound (and why)."""
-        if self._filling:
-            self._filling = False
-            rules = self.controller.rules
-            measured = depth(record) if rules.start is None else None  # a start given is kept
-            if measured is not None:  # the depth that keeps the learner fed, within bounds
-                self.controller.bound = min(rules.high, max(rules.first, math.ceil(measured) - 1))
-            if self.bound == rules.fill:  # nothing to open; published, so a restarted learner goes on from it
-                self.admission.set_bound(rules.fill)
-                return {}
-            self._trust(step + rules.cooldown)
-            why = f"the first step, its data admitted under {rules.fill}, is trained"
-            if measured is not None:
-                why += (f"; its groups took {measured:.3g} of its training steps to generate (median): so many steps "
-                        "of data in flight keep the learner fed")
-            return self._publish(Change(step, rules.fill, self.bound, why, "opened"))
-        change = self.controller.observe(step, signals(record))
-        if change is not None and change.way in ("lowered", "raised"):
-            self._trust(step + self.controller.rules.cooldown if change.way == "raised" else None)
-        # a group made at a move's version or before is past the bound the move left once `step - at` passes it
-        kept = {at: old for at, old in self._kept.items() if step - at <= old}
-        if change is not None and change.way == "lowered":
-            kept = {}
-        elif change is not None and change.new < change.old:
-            kept[step] = change.old
-        if kept != self._kept:
-            self.admission.set_kept_bounds(kept)
-            self._kept = kept
-        return {} if change is None else self._publish(change)
-
-    def _trust(self, at: int | None) -> None:
-        self._trusted_from = at
-        self.admission.set_late_trusted_from(at)
-
-    def _publish(self, change: Change) -> dict:
-        self.admission.set_bound(change.new)
-        log.info("%s", change)
-        return {"staleness_change": str(change)}
-
-
-def depth(record: dict) -> float | None:
-    """The pipeline depth a step measured, in learner steps: its groups' median generation seconds over its
-    training seconds. By Little's law the learner, training a step of groups every ``T`` seconds, finds its next
-    step's waiting only if the groups it needs were started ``L`` seconds before, ``L / T`` steps of data in
-    flight: a bound ``k`` admits ``k + 1``. None where the step does not say (no group's seconds, or no training)."""
-    seconds = [row[0] for row in record.get("groups_read", ()) if row[0] is not None]
-    train = record.get("train_s", 0.0)
-    return statistics.median(seconds) / train if seconds and train > 0 else None
 
 
 def afford(ess: float, age: int, floor: float) -> int | None:
