@@ -138,7 +138,9 @@ def test_a_single_shallow_ess_dip_cuts_nothing_and_a_second_in_a_row_cuts(bound,
     dip = calm(ess=ess, age=age, wait_share=0.05)
     c = controller(low=0, high=8, bound=bound)
     assert run(c, [dip, steady, dip, steady, steady]) == [] and c.bound == bound
-    assert [(step, ch.new) for step, ch in run(c, [dip, dip], first_step=5)] == [(6, bound // 2)]
+    changes = run(c, [dip, dip], first_step=5)
+    assert [(step, ch.new) for step, ch in changes] == [(6, bound // 2)]
+    assert changes[0][1].cause == f"ESS {ess:.2f} < 0.8, the second degraded step in a row"
     c = controller(low=0, high=8, bound=bound)  # the second reading of another symptom
     assert [(step, ch.new) for step, ch in run(c, [calm(second_moment=2.0, wait_share=0.05), dip])] == [(0, bound // 2)]
 

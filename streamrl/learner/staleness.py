@@ -139,7 +139,9 @@ class StalenessController:
         """Take a step's signals; the change of the bound they call for, if any (already applied)."""
         r, symptoms = self.rules, self._symptoms(s)
         symptom = symptoms[0] if symptoms else None
-        cause = None if self._shallow(s, symptoms) and not self._dipped else symptom  # one shallow dip: wait
+        cause = symptom
+        if self._shallow(s, symptoms):  # one shallow dip is noise: wait for the next step's reading
+            cause = f"{symptom}, the second degraded step in a row" if self._dipped else None
         self._dipped = symptom is not None
         self._track_grad_norm(s)
         self._step_s.append(s.step_s)
