@@ -177,8 +177,9 @@ def up(path: str | None, overrides: list[str], *, fresh: bool = False) -> int:
         supervisor = Supervisor(cfg.supervise.restart, cfg.supervise.max_restarts, cfg.supervise.ready_timeout_s,
                                 say, state_path=cfg.run.path / "parts.json", launcher=launcher)
         dashboard.connect(cfg.redis.url, supervisor)
-        # read each round without retries: waiting on a Redis that is down would hold up its own restart
-        requests, told = Namespace.open(cfg.redis.url, cfg.run.name, retries=0), set()
+        # each round reads through the dashboard's client, without retries: a Redis that is down must not hold up
+        # its own restart
+        requests, told = dashboard.ns, set()
         for part in todo:
             say(f"starting {part.name}")
             supervisor.start(part)

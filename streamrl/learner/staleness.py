@@ -17,9 +17,9 @@ multiplicative down:
   affords data half the bound old) cuts only on a second degraded step in a row: a single one is the small batch's
   noise, which fixed bounds train through. A raise on trial is cut without waiting for the cooldown (no data made
   under a looser bound is left to drain: what arrives is the raise's verdict), and, as a raise that did not pay,
-  backs raises off as a revert does. Per share of groups with a signal: a group whose rewards are all equal adds no gradient but
-  counts in the loss's mean, so near convergence the norm shrinks with the share, and a step that draws more groups
-  with a signal than the last few would read as a spike;
+  backs raises off as a revert does. Per share of groups with a signal: a group whose rewards are all equal adds
+  no gradient but counts in the loss's mean, so near convergence the norm shrinks with the share, and a step that
+  draws more groups with a signal than the last few would read as a spike;
 - **up**, to ``max(2k, 1)`` until the bound has first come down and to ``k + 1`` after (never past
   ``high``), when the learner waited for data for more than ``wait_share`` of each of the last ``patience`` steps
   (of the last step while the bound doubles, once ``patience`` steps have run under it: each raise is judged
