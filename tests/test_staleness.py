@@ -1,9 +1,11 @@
 """The staleness controller, driven with synthetic signals: each decision and its cause."""
 
+import math
+
 import pytest
 
 from streamrl.config.sections import AutoStalenessConfig
-from streamrl.learner.staleness import Signals, StalenessController, afford, signals
+from streamrl.learner.staleness import Signals, StalenessController, afford, median_noise, signals
 
 CALM = Signals(wait_share=0.5, ess=0.97, second_moment=1.02, clip_frac=0.01, grad_norm=1.0)
 
@@ -332,6 +334,30 @@ def test_a_raise_is_kept_when_it_cut_the_step_time_by_raise_gain(after, kept):
     # kept: the learner still waits, so the judging step raises again
     assert [ch.way for _, ch in changes] == ["raised"] + (["raised"] if kept else ["reverted"])
     assert c.bound == (4 if kept else 2)
+
+
+def test_the_noise_of_a_difference_of_medians_against_hand_computed_values():
+    """Residuals from each side's median: 0, .4, .4, .2, .2 and 0, .4, .4; their median 0.3 is sigma / 1.4826, and
+    the difference of medians of 5 and 3 steps varies sqrt(pi / 2 * (1/5 + 1/3)) sigma."""
+    before, after = [1.0, 1.4, 0.6, 1.2, 0.8], [1.1, 0.7, 1.5]
+    assert median_noise(before, after) == pytest.approx(0.3 * 1.4826 * math.sqrt(math.pi / 2 * (1 / 5 + 1 / 3)))
+    assert median_noise([1.0] * 5, [1.1] * 3) == 0  # steps that do not vary: any difference is the raise's
+    stalled = median_noise([1.0, 1.4, 0.6, 1.2, 20.0], after)  # a stall is one residual of eight, like any other
+    assert stalled == pytest.approx(median_noise(before, after), rel=0.4)
+
+
+@pytest.mark.parametrize("after, way", [([1.1, 0.7, 1.5], "raised"), ([1.9, 1.5, 2.3], "reverted")])
+def test_a_raise_is_reverted_only_when_it_slowed_the_learner_by_more_than_the_steps_noise(after, way):
+    """Steps of about 1 s varying by 0.4 s from one to the next: a trial's median 0.1 s longer is the noise's (a
+    verdict without the margin reverted it), 0.9 s longer is the raise's."""
+    c = controller(low=1, high=8, bound=2, patience=2, cooldown=3, doubling=False)
+    before = [calm(step_s=x, wait_share=0.05 if i < 3 else 0.5) for i, x in enumerate((1.0, 1.4, 0.6, 1.2, 0.8))]
+    trial = [calm(step_s=x, wait_share=0.05) for x in after]
+    changes = run(c, before + trial)
+    assert [ch.way for _, ch in changes] == ["raised"] + (["reverted"] if way == "reverted" else [])
+    if way == "reverted":
+        assert changes[1][1].cause.startswith("raising it at step 4 did not speed the learner up: 1 s a step "
+                                              "before, 1.9 s after (median; their noise 0.41 s)")
 
 
 def test_after_a_revert_the_bound_rises_past_it_only_once_the_hold_is_over():

@@ -36,7 +36,10 @@ multiplicative down:
 - **reverted**, back to the bound a raise started from, when the raise did not pay: the learner's median step
   time (waiting and training) over the steps of the raise's trial (``max(cooldown, patience)`` steps) is not at
   least ``raise_gain`` under its median over the steps before it under the old bound (at most
-  ``StalenessController.window`` each side). Medians, so that a stall (a preemption, a slow disk, servers
+  ``StalenessController.window`` each side), by more than the steps' own noise moves that difference
+  (``median_noise``): a verdict the noise could have made keeps the raise (the toy's steps of about 0.15 s vary by
+  half from one to the next, and a verdict without that margin reverted half the raises to and from bounds that
+  trained faster or no slower). Medians, so that a stall (a preemption, a slow disk, servers
   stopped for a while) in one step of three cannot decide the verdict. The learner waited because generation is
   at capacity, not because the bound held it back (on a shared machine more groups in flight slow both sides
   down), so raises stop at that bound: for ``revert_hold`` steps after the first raise that did not pay, twice as
@@ -130,7 +133,8 @@ class StalenessController:
         self._reverts = 0
         self._step_s: deque[float] = deque(maxlen=self.window)  # the last steps' seconds
         self._steps_at_bound = 0  # steps judged under the bound in force: a raise's trial needs `patience` of them
-        self._trial: tuple[int, int, float] | None = None  # the last raise: its step, the old bound, step s before
+        self._trial: tuple[int, int, list[float]] | None = None  # the last raise: its step, the old bound, and
+        # the seconds of the steps before it that judge it
         self._doubling = doubling  # raises double the bound until it first comes down: the climb from low is short
         self._last_change = -(10**9)
         self._dipped = False  # the last step's data was degraded: a shallow dip now is its second reading
@@ -162,15 +166,17 @@ class StalenessController:
             return None
         if self._trial and step - self._trial[0] >= max(r.cooldown, r.patience):
             raised_at, old, before = self._trial
-            after, self._trial = self._median_step_s(step - raised_at), None
-            if after > before * (1 - r.raise_gain):
+            after, self._trial = self._last_step_s(step - raised_at), None
+            slower = statistics.median(after) - statistics.median(before) * (1 - r.raise_gain)
+            if slower > (noise := median_noise(before, after)):
                 return self._move(step, old, "reverted", f"raising it at step {raised_at} did not speed the learner "
-                                  f"up: {before:.3g} s a step before, {after:.3g} s after (median)"
-                                  + self._back_off(step, old))
+                                  f"up: {statistics.median(before):.3g} s a step before, "
+                                  f"{statistics.median(after):.3g} s after (median"
+                                  + (f"; their noise {noise:.2g} s" if noise else "") + ")" + self._back_off(step, old))
             self._reverts = 0
         if self._may_raise(step):
             self._fed_floor = self.bound + 1  # the bound below starved the learner
-            self._trial = (step, self.bound, self._median_step_s(self._steps_at_bound))
+            self._trial = (step, self.bound, self._last_step_s(self._steps_at_bound))
             new = min(self._raise_ceiling(step), max(2 * self.bound, 1) if self._doubling else self.bound + 1)
             return self._move(step, new, "raised", f"the learner waited {s.wait_share:.0%} of its step for data the "
                                                     f"bound held back {_count(self._healthy_waits, 'step')} running, "
@@ -257,10 +263,9 @@ class StalenessController:
             self.smoothing * self._grad_mean + (1 - self.smoothing) * norm)
         self._grad_norms += 1
 
-    def _median_step_s(self, steps: int) -> float:
-        """The median seconds of the last ``steps`` steps (at most ``window``): one stalled step in three moves it
-        no further than the others' spread."""
-        return statistics.median(list(self._step_s)[-max(1, min(steps, self.window)):])
+    def _last_step_s(self, steps: int) -> list[float]:
+        """The seconds of the last ``steps`` steps (at most ``window``)."""
+        return list(self._step_s)[-max(1, min(steps, self.window)):]
 
     def _move(self, step: int, new: int, way: str, cause: str) -> Change:
         change = Change(step, self.bound, new, cause, way)
@@ -290,6 +295,16 @@ def signals(record: dict) -> Signals:
                    grad_norm=record.get("grad_norm", 0.0), step_s=wait + train, held_share=held,
                    signal_share=signal / groups if signal is not None else 1.0, signal_groups=signal,
                    age=record.get("staleness_max", 0))
+
+
+def median_noise(before: list[float], after: list[float]) -> float:
+    """The standard error of the difference between the medians of ``before`` and ``after``: what their steps'
+    spread alone moves it by. The spread is the median absolute deviation of each step from its own side's median
+    (times 1.4826, the standard deviation of normal noise), so that one stalled step moves it no further than any
+    other; a median of ``n`` steps varies ``sqrt(pi / 2 n)`` of that. 0 where the steps do not vary."""
+    residuals = [abs(x - statistics.median(side)) for side in (before, after) for x in side]
+    sigma = 1.4826 * statistics.median(residuals)
+    return sigma * math.sqrt(math.pi / 2 * (1 / len(before) + 1 / len(after)))
 
 
 def afford(ess: float, age: int, floor: float) -> int | None:

@@ -44,10 +44,10 @@ class AutoStalenessConfig(Section):
                          "passes this many times its running mean (of about the last 3 steps, judged from the 6th, on "
                          "steps with at least 4 groups with a signal, so never with learner.groups_per_step under 4) "
                          "while ESS is under ess_raise")
-    raise_gain: float = Field(0.0, ge=0, lt=1, description="a raise is kept only if it cut the learner's median "
-                              "step time by this share (its trial's max(cooldown, patience) steps against the steps "
-                              "before it; 0: unless it made it longer); else the bound goes back and raises stop "
-                              "there for `revert_hold` steps")
+    raise_gain: float = Field(0.0, ge=0, lt=1, description="a raise is kept unless the learner's median step time "
+                              "over its trial (max(cooldown, patience) steps) exceeds (1 - raise_gain) x its median "
+                              "over the steps before it by more than those steps' noise (0: unless it made it longer); "
+                              "else the bound goes back and raises stop there for `revert_hold` steps")
     revert_hold: int = Field(12, ge=1, description="steps after a revert before raises may pass its bound again; "
                              "doubled for each further raise in a row that did not pay")
     patience: int = Field(2, ge=1, description="steps in a row that must call for a raise (the last one while "
