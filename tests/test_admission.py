@@ -25,25 +25,6 @@ def test_the_bound_follows_the_learner_version(ns):
     assert admission.refusals() == 3  # each turn-away is counted: the bound, not generation, held them back
 
 
-def test_admission_measures_how_long_it_turned_workers_away_not_how_often(ns):
-    """Closed from a refusal until the next admission, however many retries meet it closed meanwhile: a worker
-    waiting on the version retries on its own clock, and 17 slots refused at once are one closed gate."""
-    admission = Admission(ns, max_staleness=0, groups_per_step=1)
-    assert admission.try_admit("a") and admission.turned_away_s() == 0
-    assert not admission.try_admit("b")  # closed from here
-    time.sleep(0.3)
-    assert not any(admission.try_admit(g) for g in ("b", "c", "d"))  # retries, no more closed time
-    assert 0.3 <= admission.turned_away_s() < 2.0  # read while closed: counted up to now
-    time.sleep(0.2)
-    PolicyVersion(ns).set(1)  # a slot opens; the gate stays closed until a worker takes it
-    assert admission.try_admit("b")
-    closed = admission.turned_away_s()
-    assert 0.5 <= closed < 2.2 and admission.refusals() == 4
-    time.sleep(0.2)
-    assert admission.turned_away_s() == closed  # open: nothing more counts
-    assert not admission.try_admit("c") and admission.turned_away_s() >= closed  # closed again, counting anew
-
-
 def test_a_version_watch_wakes_on_the_next_version_and_times_out_without_one(ns):
     version = PolicyVersion(ns)
     watch = version.watch()

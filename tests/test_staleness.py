@@ -398,11 +398,9 @@ def test_signals_read_from_a_learner_record():
               "grad_norm": 0.3}
     assert signals(record) == Signals(wait_share=0.25, ess=0.9, second_moment=1.1, clip_frac=0.02, grad_norm=0.3,
                                       step_s=2.0, held_share=0.0)
-    # in a 2 s wait, admission turned workers away for 0.5 s: the bound held them back a quarter of it
+    # a held worker retries every 0.5 s: in a 2 s wait one refusal held a worker back a quarter of it
     waited = {**record, "wait_s": 2.0}
-    turned_away = [signals({**waited, "admission_turned_away_s": s}).held_share for s in (0.5, 1.0, 2.0, 2.1)]
-    assert turned_away == [0.25, 0.5, 1.0, 1.0]
-    assert signals({**waited, "admission_refused": 40}).held_share == 0.0  # retries, not time: they do not count
+    assert [signals({**waited, "admission_refused": n}).held_share for n in (1, 2, 4, 9)] == [0.25, 0.5, 1.0, 1.0]
     assert signals({**record, "dropped_stale": 1}).held_share == 1.0  # the bound cost the learner a group
     assert signals({**record, "staleness_max": 3}).age == 3  # the oldest sequence trained, in versions
     # 16 groups trained, 12 with equal rewards (2 more were read with equal rewards and left out)
@@ -450,7 +448,7 @@ def test_the_learners_auto_bound_is_published_where_admission_reads_it_and_survi
     waited = {"wait_s": 3.0, "train_s": 1.0, "is_ess": 0.99, "is_second_moment": 1.0, "clip_frac": 0.0,
               "grad_norm": 1.0}
     assert auto.after_step(1, waited) == {}  # it waited, but the bound held nothing back meanwhile
-    waited["admission_turned_away_s"] = 3.0  # from here on it turned workers away for the whole wait
+    waited["admission_refused"] = 6  # from here on it turned workers away for the whole wait (6 x 0.5 s = 3 s)
     assert "raised 1 -> 2 at step 2" in auto.after_step(2, waited)["staleness_change"]
     assert auto.bound == 2 == worker.bound()
     record = auto.after_step(3, {**waited, "is_ess": 0.5})
@@ -494,7 +492,7 @@ def test_a_fresh_run_fills_its_pipeline_under_low_and_the_controller_starts_afte
     auto = AutoBound(cfg.off_policy.auto, Admission(ns, max_staleness=cfg.admission_bound, groups_per_step=2))
     assert (auto.bound, auto.bound_for(0), worker.bound(), worker.published()) == (1, 1, 1, None)
     held = {"wait_s": 3.0, "train_s": 1.0, "is_ess": 0.99, "clip_frac": 0.0, "grad_norm": 1.0,
-            "admission_turned_away_s": 3.0}  # workers turned away for the whole wait
+            "admission_refused": 6}  # workers turned away for the whole wait
     restarted = AutoBound(cfg.off_policy.auto, Admission(ns, max_staleness=cfg.admission_bound, groups_per_step=2))
     assert restarted.bound == 1  # a learner restarted before its first step fills afresh
     change = auto.after_step(1, held)["staleness_change"]

@@ -47,26 +47,11 @@ if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
   return 1
 end""" + _full(3, 4) + """if full then
   redis.call('HINCRBY', KEYS[2], 'refused', 1)
-  redis.call('HSETNX', KEYS[5], 'since', now)
   return 0
-end
-local since = redis.call('HGET', KEYS[5], 'since')
-if since then
-  redis.call('HINCRBY', KEYS[5], 'ms', now - tonumber(since))
-  redis.call('HDEL', KEYS[5], 'since')
 end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 redis.call('HINCRBY', KEYS[2], 'admitted', 1)
 return 1
-"""
-
-# How long admission has turned workers away, in ms: closed from a refusal until the next admission (KEYS[1]:
-# ``since``, while closed, and ``ms``, the time closed before), however many workers and retries met it closed.
-_TURNED_AWAY = LUA_NOW + """
-local ms = tonumber(redis.call('HGET', KEYS[1], 'ms') or '0')
-local since = redis.call('HGET', KEYS[1], 'since')
-if since then ms = ms + now - tonumber(since) end
-return ms
 """
 
 # Read-only: whether no group runs and none may start before the version moves (a lease past its deadline still
@@ -126,8 +111,7 @@ class Admission:
         self.max_staleness = max_staleness
         self.groups_per_step = groups_per_step
         self.lease_ms = int(lease_s * 1000)
-        self._keys = [ns.key("inflight"), ns.key("counters"), ns.key("version"), ns.key("staleness_bound"),
-                      ns.key("turned_away")]
+        self._keys = [ns.key("inflight"), ns.key("counters"), ns.key("version"), ns.key("staleness_bound")]
         self._kept_key = ns.key("staleness_kept")
         self._trust_key = ns.key("staleness_late_trusted_from")
         self._admit = ns.conn.register_script(_ADMIT)
@@ -135,7 +119,6 @@ class Admission:
         self._renew = ns.conn.register_script(_RENEW)
         self._reclaim = ns.conn.register_script(_RECLAIM)
         self._held = ns.conn.register_script(_HELD)
-        self._turned_away = ns.conn.register_script(_TURNED_AWAY)
 
     def published(self) -> int | None:
         """The bound the learner published (``max_staleness: auto``), if it did."""
@@ -213,13 +196,6 @@ class Admission:
         ``RETRY_S``): while it does, the bound, not generation, limits the groups in flight."""
         with self.ns.reachable("read the admission refusals"):
             return int(self.ns.conn.hget(self._keys[1], "refused") or 0)
-
-    def turned_away_s(self) -> float:
-        """The seconds admission has turned workers away, from each refusal until the next admission: how long the
-        bound, not generation, limited the groups in flight (a refused worker waits for the next version, so its
-        refusals count its retries, not the time it waited)."""
-        with self.ns.reachable("read how long admission turned workers away"):
-            return int(self._turned_away(keys=self._keys[4:])) / 1000
 
     def held(self) -> bool:
         """Whether generation is held: every slot is taken and no group runs, so no worker starts one (nor any

@@ -99,8 +99,7 @@ class Coordinator:
         ``learner.drop_no_signal`` groups whose rewards are all equal left out (and counted). The ledger outcome
         of every group read and not trained goes into ``plan.outcomes``."""
         want, groups, dropped, silent_dropped, late, outcomes = self.cfg.learner.groups_per_step, [], 0, 0, 0, {}
-        # the bound starves the learner if it turns workers away meanwhile
-        refused, turned_away = self.admission.refusals(), self.admission.turned_away_s()
+        refused = self.admission.refusals()  # the bound starves the learner if it turns workers away meanwhile
         t0 = last_catch_up = time.perf_counter()
         while len(groups) < want:
             entries = self.reader.read(want - len(groups), block_ms=1000)
@@ -131,7 +130,6 @@ class Coordinator:
         bound = max(map(self._bound_for, groups))  # the loosest the step's groups were judged under
         plan.outcomes = outcomes
         plan.info.update(wait_s=time.perf_counter() - t0, admission_refused=self.admission.refusals() - refused,
-                         admission_turned_away_s=self.admission.turned_away_s() - turned_away,
                          dropped_stale=dropped, dropped_no_signal=silent_dropped,
                          groups_no_signal=silent_kept + silent_dropped, late_kept=late, staleness_bound=bound)
         return groups

@@ -39,8 +39,7 @@ MAGIC = b"SRLR"
 HEADER = struct.Struct("<4sqqII")
 FORMAT = 1
 # the plan's figures a frame keeps, so that a replay's metrics lines read as the run's did
-PLAN_INFO = ("wait_s", "admission_refused", "admission_turned_away_s", "dropped_stale", "dropped_no_signal",
-             "groups_no_signal")
+PLAN_INFO = ("wait_s", "admission_refused", "dropped_stale", "dropped_no_signal", "groups_no_signal")
 
 log = logging.getLogger("streamrl.learner")
 

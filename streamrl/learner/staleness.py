@@ -63,6 +63,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
+from streamrl.buffer.admission import RETRY_S
 from streamrl.config.sections import AutoStalenessConfig
 
 
@@ -281,10 +282,10 @@ def _count(n: int, unit: str) -> str:
 
 
 def signals(record: dict) -> Signals:
-    """A learner step's signals, from its metrics record: the bound held workers back for as long as admission
-    turned them away while the learner waited."""
+    """A learner step's signals, from its metrics record. A worker held at admission retries every ``RETRY_S``,
+    so the refusals while the learner waited measure how long the bound held workers back."""
     wait, train = record.get("wait_s", 0.0), record.get("train_s", 0.0)
-    held_s = record.get("admission_turned_away_s", 0.0)
+    held_s = record.get("admission_refused", 0) * RETRY_S
     held = 1.0 if record.get("dropped_stale", 0) else min(1.0, held_s / max(wait, 1e-9))
     groups = record.get("groups", 0)
     silent = record.get("groups_no_signal", 0) - record.get("dropped_no_signal", 0)  # trained without a signal
