@@ -37,9 +37,10 @@ multiplicative down:
   time (waiting and training) over the steps of the raise's trial (``max(cooldown, patience)`` steps) is not at
   least ``raise_gain`` under its median over the steps before it under the old bound (at most
   ``StalenessController.window`` each side), by more than the steps' own noise moves that difference
-  (``median_noise``): a verdict the noise could have made keeps the raise (the toy's steps of about 0.15 s vary by
-  half from one to the next, and a verdict without that margin reverted half the raises to and from bounds that
-  trained faster or no slower). Medians, so that a stall (a preemption, a slow disk, servers
+  (``median_noise``): a verdict the noise could have made keeps the raise (a toy step's time deviates from its
+  median by 30-45% of it; a trial after a raise from 1 to 2 read as slow as the steps before it in the median
+  raise, though a bound of 2 trains 1.1x the samples/s of 1, and a verdict without the margin reverted a third of
+  the raises). Medians, so that a stall (a preemption, a slow disk, servers
   stopped for a while) in one step of three cannot decide the verdict. The learner waited because generation is
   at capacity, not because the bound held it back (on a shared machine more groups in flight slow both sides
   down), so raises stop at that bound: for ``revert_hold`` steps after the first raise that did not pay, twice as
