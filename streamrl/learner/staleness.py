@@ -168,11 +168,10 @@ class StalenessController:
         if self._trial and step - self._trial[0] >= max(r.cooldown, r.patience):
             raised_at, old, before = self._trial
             after, self._trial = self._last_step_s(step - raised_at), None
-            slower = statistics.median(after) - statistics.median(before) * (1 - r.raise_gain)
-            if slower > (noise := median_noise(before, after)):
+            was, now, noise = statistics.median(before), statistics.median(after), median_noise(before, after)
+            if now - was * (1 - r.raise_gain) > noise:  # slower than the noise alone would read it
                 return self._move(step, old, "reverted", f"raising it at step {raised_at} did not speed the learner "
-                                  f"up: {statistics.median(before):.3g} s a step before, "
-                                  f"{statistics.median(after):.3g} s after (median"
+                                  f"up: {was:.3g} s a step before, {now:.3g} s after (median"
                                   + (f"; their noise {noise:.2g} s" if noise else "") + ")" + self._back_off(step, old))
             self._reverts = 0
         if self._may_raise(step):
