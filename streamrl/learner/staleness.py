@@ -302,7 +302,7 @@ def median_noise(before: list[float], after: list[float]) -> float:
     spread alone moves it by. The spread is the median absolute deviation of each step from its own side's median
     (times 1.4826, the standard deviation of normal noise), so that one stalled step moves it no further than any
     other; a median of ``n`` steps varies ``sqrt(pi / 2 n)`` of that. 0 where the steps do not vary."""
-    residuals = [abs(x - statistics.median(side)) for side in (before, after) for x in side]
+    residuals = [abs(x - mid) for side in (before, after) for mid in [statistics.median(side)] for x in side]
     sigma = 1.4826 * statistics.median(residuals)
     return sigma * math.sqrt(math.pi / 2 * (1 / len(before) + 1 / len(after)))
 
