@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
 import os
 import platform
 import signal
@@ -93,6 +94,16 @@ def paired_difference(a: list[float], b: list[float]) -> dict[str, float | int]:
         return {"mean": d[0] if d else float("nan"), "ci95": float("nan"), "pairs": len(d)}
     t = _T95[len(d) - 2] if len(d) - 1 <= len(_T95) else 1.96
     return {"mean": statistics.fmean(d), "ci95": t * statistics.stdev(d) / len(d) ** 0.5, "pairs": len(d)}
+
+
+def paired_ratio(a: list[float], b: list[float]) -> dict[str, float | int]:
+    """``a[i] / b[i]`` over runs paired by seed: their geometric mean, with its 95% t interval (``low``, ``high``:
+    ``nan`` with fewer than two pairs), from ``paired_difference`` of the logs. Pairing takes out what a seed does
+    to both arms (its draws, the machine's hour), which a ratio of medians keeps."""
+    logs = paired_difference([math.log(x) for x in a], [math.log(y) for y in b])
+    mean, half = logs["mean"], logs["ci95"]
+    return {"ratio": math.exp(mean), "low": math.exp(mean - half), "high": math.exp(mean + half),
+            "pairs": logs["pairs"], "per_seed": [x / y for x, y in zip(a, b)]}
 
 
 def join_seeds(earlier: dict[str, list[dict]], new: dict[str, list[dict]]) -> dict[str, list[dict]]:

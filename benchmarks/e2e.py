@@ -37,7 +37,10 @@ max staleness 4 (the headline), 2 and 1: staleness buys throughput and, on a tas
 dozen steps, can cost final reward — both sides of the trade are in the table — and at ``auto``, where the
 learner sets the bound from what it measures (docs/concepts.md); a row gives ``auto``'s samples/s over
 the fastest fixed bound's, what letting the learner choose cost (an ``auto`` run keeps the bound each of its
-steps trained under, ``bound_by_step``, and each change with its cause, ``changes``). Runs are 40 steps,
+steps trained under, ``bound_by_step``, and each change with its cause, ``changes``), and a table pairs
+``auto`` with each fixed bound seed by seed: the geometric mean of its per-seed ratios, with their 95% t
+interval (a seed's two runs ran side by side; the fastest bound's median is the best of several noisy ones,
+so the row's ratio of medians leans against ``auto``). Runs are 40 steps,
 the quickstart's length, by which the synchronous run has converged (held-out ≈ 0.95).
 Every run also records its stages' speeds (``stages``), from which ``streamrl bench simulate``
 replays it to check the pipeline model.
@@ -69,6 +72,7 @@ from benchmarks.common import (
     median,
     new_figure,
     one_invocation,
+    paired_ratio,
     percent,
     points,
     print_table,
@@ -145,7 +149,8 @@ def summarise_modes(results: dict[str, dict[str, list[dict]]]) -> dict:
                       **{f"{k}_vs_sync": by_seed(by_mode[m], by_mode["sync"], k)
                          for k in ("held_out_final", "held_out_reward")}}
                   for m in med if m != "sync"}
-        summary[workload] = {**med, **ratios.get("async", {}), "ratios": ratios, **auto_vs_best_fixed(med, by_mode)}
+        summary[workload] = {**med, **ratios.get("async", {}), "ratios": ratios, **auto_vs_best_fixed(med, by_mode),
+                             **auto_vs_fixed(by_mode)}
     return {"repeats": len(next(iter(results.values()))["sync"]), "runs": results, "summary": summary}
 
 
@@ -158,6 +163,21 @@ def auto_vs_best_fixed(med: dict[str, dict], by_mode: dict[str, list[dict]]) -> 
     best = max(fixed, key=lambda m: med[m]["samples_per_s"])
     return {"auto_vs_best_fixed": {"best": best, "ratio": med[auto]["samples_per_s"] / med[best]["samples_per_s"],
                                    "one_invocation": one_invocation(by_mode[auto], by_mode[best])}}
+
+
+def auto_vs_fixed(by_mode: dict[str, list[dict]]) -> dict:
+    """``auto``'s samples/s over each fixed bound's, paired by seed (``paired_ratio``): the fastest fixed bound's
+    median is the best of several noisy ones, and a seed's pair ran side by side (empty unless both ran)."""
+    auto = by_mode.get(async_mode("auto"), [])
+    paired = {}
+    for mode, rows in by_mode.items():
+        fixed = {x["seed"]: x for x in rows}
+        if mode in ("sync", async_mode("auto")) or not (pairs := [(x, fixed[x["seed"]]) for x in auto
+                                                                   if x["seed"] in fixed]):
+            continue
+        paired[mode] = {**paired_ratio([a["samples_per_s"] for a, _ in pairs], [b["samples_per_s"] for _, b in pairs]),
+                        "one_invocation": one_invocation([a for a, _ in pairs], [b for _, b in pairs])}
+    return {"auto_vs_fixed": paired} if paired else {}
 
 
 def more_seeds(earlier: dict, new: dict) -> dict:
@@ -214,6 +234,11 @@ def report(data: dict, out: Path) -> None:
                    for x in by_mode.get(async_mode("auto"), []) for c in x.get("changes", [])]:
         print_table(f"End to end, {model}each change of the auto bound, with its cause", ["workload", "seed", "change"],
                     changes)
+    if paired := [[workload, f"{data['staleness_modes'][mode]}{ACROSS * (not p['one_invocation'])}",
+                   ", ".join(f"{x:.2f}" for x in p["per_seed"]), p["ratio"], interval(p)]
+                  for workload, s in data["summary"].items() for mode, p in s.get("auto_vs_fixed", {}).items()]:
+        print_table(f"End to end, {model}auto's samples/s over each fixed bound's, paired by seed",
+                    ["workload", "fixed bound", "per seed", "geometric mean", "95% interval"], paired)
     json_path = write_json(out, name, data)
     fig, (ax1, ax2) = new_figure(2, f"Async vs sync, same samples ({data.get('task', TOY.task)})")
     names = list(data["summary"])
@@ -234,6 +259,11 @@ def report(data: dict, out: Path) -> None:
     ax2.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
     ax2.legend(loc="upper center", ncol=2, fontsize=8)
     save_figure(fig, out, name, json_path)
+
+
+def interval(p: dict) -> str:
+    """A ``paired_ratio``'s 95% interval, ``0.85–1.04`` (empty with one pair)."""
+    return "" if p["low"] != p["low"] else f"{p['low']:.2f}–{p['high']:.2f}"
 
 
 def bounds_of(staleness: tuple[str, ...], sync_only: bool = False) -> tuple[int | str, ...] | None:

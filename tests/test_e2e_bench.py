@@ -1,6 +1,7 @@
 """``streamrl bench e2e``: how its seeds and arms join, pair and report."""
 
 import json
+import math
 
 import pytest
 
@@ -69,6 +70,36 @@ def test_e2e_seeds_join_an_earlier_run_of_the_same_study_and_pair_by_seed(tmp_pa
     with pytest.raises(SystemExit, match="--staleness 3"):
         e2e.bounds_of(("auto", "3"))
     assert e2e.bounds_of(("4", "auto")) == (4, "auto")
+
+
+def test_auto_is_paired_by_seed_with_each_fixed_bound_as_a_geometric_mean_with_its_interval(tmp_path):
+    from benchmarks import common, e2e
+
+    # per seed 0.9 and 1.1: logs -0.1054 and 0.0953, mean -0.00503 (geometric mean sqrt(0.99) = 0.995), their
+    # standard deviation 0.1419, t at 1 degree of freedom 12.706: half-width 12.706 x 0.1419 / sqrt(2) = 1.2749
+    p = common.paired_ratio([0.9, 2.2], [1.0, 2.0])
+    assert p["ratio"] == pytest.approx(0.99 ** 0.5) and p["per_seed"] == pytest.approx([0.9, 1.1])
+    assert p["low"] == pytest.approx(math.exp(-0.005025 - 1.2749), rel=1e-3)
+    assert p["high"] == pytest.approx(math.exp(-0.005025 + 1.2749), rel=1e-3) and p["pairs"] == 2
+    one = common.paired_ratio([3.0], [2.0])
+    assert one["ratio"] == pytest.approx(1.5) and one["low"] != one["low"]  # one pair: no interval
+
+    # seeds only auto ran (3), or only a fixed bound ran (0), pair with nothing
+    by_mode = {"sync": [row(s, 1.0) for s in (0, 1, 2)], "async": [row(s, 2.0) for s in (0, 1, 2)],
+               "async-s2": [row(0, 1.0), row(1, 4.0), row(2, 2.0)],
+               "async-auto": [row(1, 2.2), row(2, 1.8), row(3, 9.0)]}
+    s = e2e.summarise_modes({"w": by_mode})["summary"]["w"]
+    assert s["auto_vs_fixed"]["async"]["per_seed"] == pytest.approx([1.1, 0.9])
+    assert s["auto_vs_fixed"]["async-s2"]["per_seed"] == pytest.approx([0.55, 0.9])
+    assert s["auto_vs_fixed"]["async-s2"]["ratio"] == pytest.approx((0.55 * 0.9) ** 0.5)
+    assert "auto_vs_fixed" not in e2e.summarise_modes({"w": {k: by_mode[k] for k in ("sync", "async")}})["summary"]["w"]
+    data = {"max_steps": 20, "staleness_modes": {"async": 4, "async-s2": 2, "async-auto": "auto"}, "repeats": 3,
+            "target": 0.8, "max_staleness": 4, **e2e.summarise_modes({"w": by_mode})}
+    e2e.report(data, tmp_path)
+    table = json.loads((tmp_path / "e2e.json").read_text())["tables"][1]
+    assert table["title"] == "End to end, auto's samples/s over each fixed bound's, paired by seed"
+    assert table["rows"][0][:3] == ["w", "4", "1.10, 0.90"] and table["rows"][1][:3] == ["w", "2", "0.55, 0.90"]
+    assert table["rows"][0][4] == f"{math.exp(-0.005025 - 1.2749):.2f}–{math.exp(-0.005025 + 1.2749):.2f}"
 
 
 def test_e2e_sync_arm_run_with_other_settings_replaces_the_earlier_sync_runs_and_keeps_the_async_ones():
