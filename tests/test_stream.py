@@ -212,3 +212,36 @@ def test_unreachable_redis_gives_a_clear_error():
     ns = Namespace.open(f"redis://:secret@127.0.0.1:{free_port()}/0", "x", retries=2, retry_cap_s=0.05)
     with pytest.raises(BufferUnavailable, match=r"Redis at redis://:\*\*\*@127.0.0.1:\d+/0 unreachable while trying to put group"):
         ReplayStream(ns).put(synthetic_group(2, 8, prompt_len=2))
+
+
+def test_a_server_that_accepts_and_drops_connections_is_tried_retries_plus_one_squared_times():
+    """What ``redis.retries`` says: a command is retried, and each retry's reconnect as often (redis-py's one
+    ``Retry`` at both levels)."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    accepted = []
+
+    def hang_up() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:  # closed: the test is over
+                return
+            accepted.append(1)
+            conn.close()
+
+    threading.Thread(target=hang_up, daemon=True).start()
+    try:
+        for retries in (0, 2):
+            accepted.clear()
+            url = f"redis://127.0.0.1:{server.getsockname()[1]}/0"
+            ns = Namespace.open(url, "x", retries=retries, retry_cap_s=0.001)
+            with pytest.raises(BufferUnavailable), ns.reachable("ping"):
+                ns.conn.ping()
+            assert len(accepted) == (retries + 1) ** 2
+    finally:
+        server.close()

@@ -36,7 +36,9 @@ class RedisConfig(Section):
     password: str | None = Field(None, description="embedded server: password it requires (then in its URL)")
     appendfsync: Literal["always", "everysec", "no"] = Field(
         "always", description="embedded Redis: always = no acknowledged write is lost if it is killed")
-    retries: int = Field(8, ge=0, description="reconnect attempts before giving up")
+    retries: int = Field(8, ge=0, description="retries of a command that lost its connection, before giving up "
+                         "(redis-py's Retry); each retry's reconnect is retried as often, so a server that accepts "
+                         "connections and drops them is tried up to (retries + 1)^2 times")
     retry_cap_s: float = Field(2.0, gt=0, description="longest wait between reconnect attempts")
     dedupe_ttl_s: int = Field(3600, gt=0, description="how long the id of a put whose reply never arrived is "
                               "remembered (a retry within it is a no-op); acknowledged puts forget it at once")
