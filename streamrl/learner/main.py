@@ -162,7 +162,6 @@ class Learner:
         dist.barrier()
         self.coordinator.checkpointed(self.version, cursor)
 
-
     def finish(self) -> None:
         """After the last step: the final weights pushed (if the cadence left them out) and exported."""
         if self.coordinator.pushes and self.version % self.cfg.weight_sync.sync_every:
