@@ -168,15 +168,15 @@ def auto_vs_best_fixed(med: dict[str, dict], by_mode: dict[str, list[dict]]) -> 
 def auto_vs_fixed(by_mode: dict[str, list[dict]]) -> dict:
     """``auto``'s samples/s over each fixed bound's, paired by seed (``paired_ratio``): the fastest fixed bound's
     median is the best of several noisy ones, and a seed's pair ran side by side (empty unless both ran)."""
-    auto = by_mode.get(async_mode("auto"), [])
-    paired = {}
+    auto, paired = by_mode.get(async_mode("auto"), []), {}
     for mode, rows in by_mode.items():
-        fixed = {x["seed"]: x for x in rows}
-        if mode in ("sync", async_mode("auto")) or not (pairs := [(x, fixed[x["seed"]]) for x in auto
-                                                                   if x["seed"] in fixed]):
+        if mode in ("sync", async_mode("auto")):
             continue
-        paired[mode] = {**paired_ratio([a["samples_per_s"] for a, _ in pairs], [b["samples_per_s"] for _, b in pairs]),
-                        "one_invocation": one_invocation([a for a, _ in pairs], [b for _, b in pairs])}
+        fixed = {x["seed"]: x for x in rows}
+        if pairs := [(x, fixed[x["seed"]]) for x in auto if x["seed"] in fixed]:
+            ours, theirs = [a for a, _ in pairs], [b for _, b in pairs]
+            paired[mode] = {**paired_ratio([x["samples_per_s"] for x in ours], [x["samples_per_s"] for x in theirs]),
+                            "one_invocation": one_invocation(ours, theirs)}
     return {"auto_vs_fixed": paired} if paired else {}
 
 
