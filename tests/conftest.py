@@ -112,6 +112,16 @@ class Cluster:
             wait_healthy(url, proc)
         return started
 
+    def listed(self, url: str, timeout_s: float = 30.0) -> None:
+        """Wait until the registry lists the server at ``url``: a push finds only listed servers, and under load a
+        heartbeat can come later than the registry's TTL."""
+        from streamrl.buffer import ServerRegistry
+
+        registry, deadline = ServerRegistry(self.ns), time.monotonic() + timeout_s
+        while not any(s.url == url for s in registry.alive()):
+            assert time.monotonic() < deadline, f"{url} not listed in {timeout_s} s"
+            time.sleep(0.1)
+
     def router(self) -> tuple[str, subprocess.Popen]:
         port = free_port()
         proc = self.start("launch-router", *self.common, f"router.port={port}",

@@ -2,7 +2,6 @@
 servers, whose logprobs then equal the learner's; and every adapter a server must refuse."""
 
 import functools
-import time
 
 import httpx
 import numpy as np
@@ -237,14 +236,6 @@ def test_adapter_pushes_into_an_hf_server_serve_the_learners_logprobs_and_bad_on
     assert _served_against_learner(late, policy, 3) <= 1e-4
 
 
-def _listed(registry, url: str, timeout_s: float = 30.0) -> None:
-    """Wait until the registry lists the server at ``url``."""
-    deadline = time.monotonic() + timeout_s
-    while not any(s.url == url for s in registry.alive()):
-        assert time.monotonic() < deadline, f"{url} not listed in {timeout_s} s"
-        time.sleep(0.1)
-
-
 @pytest.mark.slow
 def test_an_adapter_push_the_hf_server_merges_wrong_fails_its_probe_and_the_version_before_stays(
         one_rank_world, cluster, redis_server, tiny_model_dir):
@@ -263,19 +254,18 @@ def test_an_adapter_push_the_hf_server_merges_wrong_fails_its_probe_and_the_vers
     cfg = lora_config(tiny_model_dir, f"redis.url={redis_server.url}", f"run.name={cluster.run}",
                       f"run.dir={cluster.run_path.parent}", "weight_sync.timeout_s=30")
     policy = Policy(cfg, tiny_model_dir)
-    registry = ServerRegistry(cluster.ns, ttl_s=1.5)
-    pusher = WeightPusher(cfg, registry)
+    pusher = WeightPusher(cfg, ServerRegistry(cluster.ns, ttl_s=1.5))
     ids = list(range(3, 99))
     old = [(n, p.detach().clone()) for n, p in policy.pushed()]  # PEFT's start: B is zero
     for version, fault in enumerate(["swapped", "kept_old_weights"], start=1):
         randomize_adapter(policy, seed=10 + version)
         new = [(n, p.detach().clone()) for n, p in policy.pushed()]
         check = Probe(ids, probe.logprobs(policy.model, ids, policy.device), 1e-4)
-        _listed(registry, url)  # under CI's load a heartbeat can come late: a push finds only servers listed
+        cluster.listed(url)
         stats = pusher.push(FAULTS[fault](new, old), version, check=check)
         assert (stats["push_rejected"], stats["push_targets"]) == (1.0, 0.0), fault
         assert httpx.get(f"{url}/server_info", timeout=10).json()["weight_version"] == version - 1
-        _listed(registry, url)
+        cluster.listed(url)
         stats = pusher.push(new, version, check=check)
         assert (stats["push_rejected"], stats["push_targets"]) == (0.0, 1.0), fault
         assert _served_against_learner(url, policy, version) <= 1e-4

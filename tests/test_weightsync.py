@@ -141,8 +141,7 @@ def test_a_generation_running_across_an_in_flight_push_switches_version_at_the_s
 
     url, _ = cluster.server()
     registry = ServerRegistry(cluster.ns, ttl_s=1.5)
-    while not registry.alive():
-        time.sleep(0.1)
+    cluster.listed(url)
     old = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     new = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     torch.manual_seed(0)
@@ -339,7 +338,6 @@ def test_a_server_starting_from_an_export_verifies_it_with_the_probe_written_bes
     import dataclasses
     import json
     import shutil
-    import time
 
     from streamrl.buffer import ServerRegistry
     from streamrl.learner import probe
@@ -360,9 +358,7 @@ def test_a_server_starting_from_an_export_verifies_it_with_the_probe_written_bes
                                                             "sampling_params": {"max_new_tokens": 4}})
     info = httpx.get(f"{url}/server_info", timeout=10).json()
     registry = ServerRegistry(cluster.ns, ttl_s=1.5)
-    deadline = time.monotonic() + 10
-    while not registry.alive() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    cluster.listed(url)
     announced = registry.alive()[0].weight_version
     if loads_right:
         assert reply.status_code == 200 and reply.json()["meta_info"]["weight_version"] == 3
