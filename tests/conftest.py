@@ -88,7 +88,7 @@ class Cluster:
         self.run = f"t{os.getpid()}-{time.monotonic_ns()}"
         self.ns = Namespace.open(redis_url, self.run)
         self.common = [f"model.path={model_dir}", f"redis.url={redis_url}", f"run.name={self.run}",
-                       f"run.dir={run_dir}", "server.heartbeat_s=0.3", "server.registry_ttl_s=1.5"]
+                       f"run.dir={run_dir}", "server.heartbeat_s=0.3", "server.registry_ttl_s=3"]
         self.run_path = run_dir / self.run
         self.procs: list[subprocess.Popen] = []
         self.router_url: str | None = None
@@ -102,7 +102,8 @@ class Cluster:
         return self.servers(1, *overrides)[0]
 
     def servers(self, n: int, *overrides: str) -> list[tuple[str, subprocess.Popen]]:
-        """``n`` servers started at once (their imports overlap), each healthy when this returns."""
+        """``n`` servers started at once (their imports overlap), each healthy and listed in the registry when this
+        returns (a push finds only listed servers)."""
         started = []
         for _ in range(n):
             port = free_port()
@@ -110,6 +111,7 @@ class Cluster:
                                                                    "--port", str(port))))
         for url, proc in started:
             wait_healthy(url, proc)
+            self.listed(url)
         return started
 
     def listed(self, url: str, timeout_s: float = 30.0) -> None:

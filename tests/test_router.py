@@ -53,7 +53,7 @@ def test_router_spreads_requests_drops_dead_servers_and_adds_new_ones(cluster):
     outs = asyncio.run(_burst(router_url, 12))  # requests keep succeeding while a is dying
     assert len(outs) == 12
     _until(lambda: _router_workers(router_url) == {b})
-    assert [s.url for s in ServerRegistry(cluster.ns).alive()] == [b]
+    _until(lambda: [s.url for s in ServerRegistry(cluster.ns).alive()] == [b])  # the router may drop a first
 
     c, _ = cluster.server()  # joins at run time
     _until(lambda: _router_workers(router_url) == {b, c})

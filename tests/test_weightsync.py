@@ -141,7 +141,6 @@ def test_a_generation_running_across_an_in_flight_push_switches_version_at_the_s
 
     url, _ = cluster.server()
     registry = ServerRegistry(cluster.ns, ttl_s=1.5)
-    cluster.listed(url)
     old = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     new = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     torch.manual_seed(0)
@@ -358,7 +357,6 @@ def test_a_server_starting_from_an_export_verifies_it_with_the_probe_written_bes
                                                             "sampling_params": {"max_new_tokens": 4}})
     info = httpx.get(f"{url}/server_info", timeout=10).json()
     registry = ServerRegistry(cluster.ns, ttl_s=1.5)
-    cluster.listed(url)
     announced = registry.alive()[0].weight_version
     if loads_right:
         assert reply.status_code == 200 and reply.json()["meta_info"]["weight_version"] == 3
