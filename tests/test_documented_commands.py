@@ -166,6 +166,18 @@ def scratch(tmp_path_factory):
     return root
 
 
+def _evidence(run: Path) -> str:
+    """What a failed ``--verify`` needs to be explained, its run directory being scratch: the learner's starts
+    (threads, cores) and what each step recorded beside its data (widening, late groups, the bound)."""
+    meta = json.loads((run / "record/meta.json").read_text())
+    keys = ("step", "wide_from", "late_kept", "dropped_stale", "staleness_bound", "staleness_max", "skipped",
+            "updates", "push_s")
+    lines = [json.loads(x) for x in (run / "metrics/learner.jsonl").read_text().splitlines()]
+    steps = [{k: r[k] for k in keys if k in r} for r in lines if "step" in r]
+    starts = [{k: start.get(k) for k in ("version", "world", "threads", "cores", "device")} for start in meta["starts"]]
+    return f"\nlearner starts: {starts}\nsteps: {steps}"
+
+
 def _sh(command: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "COLUMNS": "120",
            "STREAMRL_VENV": str(Path(sys.executable).parent.parent)}
@@ -193,7 +205,8 @@ def test_the_quickstart_then_its_doctor_and_its_resume_work_as_documented(scratc
         assert doctor.returncode == 0 and "balanced" in doctor.stdout, doctor.stdout + doctor.stderr
     assert "record: steps 1-40" in doctor.stdout
     replayed = _sh("streamrl replay runs/quickstart --verify", scratch)  # the learner alone, from the record
-    assert replayed.returncode == 0 and "identical through step 40" in replayed.stdout, replayed.stderr[-3000:]
+    assert replayed.returncode == 0 and "identical through step 40" in replayed.stdout, (
+        replayed.stdout + replayed.stderr[-2000:] + _evidence(scratch / "runs/quickstart"))
     resumed = _sh("streamrl up configs/quickstart.yaml", scratch)  # a finished run resumes at its end
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
     steps = [json.loads(line).get("step") for line in (scratch / "runs/quickstart/metrics/learner.jsonl").open()]
