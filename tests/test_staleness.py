@@ -516,18 +516,21 @@ def test_the_bound_opens_at_1_or_at_low_if_larger_unless_start_is_set():
     assert controller(low=3, high=8, start=5).bound == 5
 
 
-def test_a_fresh_run_opens_at_the_pipeline_depth_its_first_step_measured(ns):
+def test_a_fresh_run_opens_at_the_pipeline_depth_its_first_step_measured_if_generation_kept_up(ns):
     """Little's law: a learner that trains a step every T seconds finds its next step waiting only if its groups,
     L seconds each to generate, were started L / T steps before; a bound k keeps k + 1 steps of data in flight. So
-    the bound opens at ceil(L / T) - 1, within [max(low, 1), high], unless start is set."""
+    the bound opens at ceil(L / T) - 1, within [max(low, 1), high], unless start is set, and only if the groups'
+    generation (L less its env share) took no longer than the fill's bound + 1 steps: else the servers limit the
+    supply, and more groups in flight would queue at them."""
     from streamrl.buffer import Admission
     from streamrl.learner.auto_bound import AutoBound, depth
 
-    def first_step(groups_s, train_s):
+    def first_step(groups_s, train_s, env_share=None):
         return {"wait_s": 3.0, "train_s": train_s, "is_ess": 1.0, "clip_frac": 0.0, "grad_norm": 1.0,
-                "groups_read": [(s, 0.5, 1) for s in groups_s]}
+                "groups_read": [(s, 0.5, 1) for s in groups_s]} | ({} if env_share is None else {"env_share": env_share})
 
-    agentic = first_step([2.0, 2.41, 3.44, None], 0.32)  # the median of the groups that say: 2.41 s
+    # the median of the groups that say, 2.41 s; 0.9 of it waiting on the env: 0.75 steps generating
+    agentic = first_step([2.0, 2.41, 3.44, None], 0.32, env_share=0.9)
     assert depth(agentic) == pytest.approx(2.41 / 0.32) and depth(first_step([], 0.3)) is None
     assert depth(first_step([1.0], 0.0)) is None and depth({"train_s": 1.0}) is None
 
@@ -541,17 +544,35 @@ def test_a_fresh_run_opens_at_the_pipeline_depth_its_first_step_measured(ns):
 
     bound, change = opened(agentic)
     assert bound == 7 and "opened 1 -> 7 at step 1" in change and "7.53 of its training steps" in change
-    assert opened(first_step([0.253] * 4, 0.066))[0] == 3  # 3.83 steps: the single-turn toy's
+    assert "0.75 of them generating" in change
+    # generation alone took 3.83 steps (the single-turn toy's first step), over the 2 the fill admits for: it stays
+    assert opened(first_step([0.253] * 4, 0.066))[0] == 1 == opened(first_step([0.253] * 4, 0.066, 0.4))[0]
+    assert opened(first_step([0.253] * 4, 0.066, 0.5))[0] == 3  # 1.92 steps generating: it kept up
+    assert opened({**agentic, "env_share": 0.7})[0] == 1  # 2.26 steps generating (SmolLM2's agentic: 10)
     assert opened(first_step([1.0] * 4, 0.5))[0] == 1  # 2 steps in flight: a bound of 1 keeps them
     assert opened(first_step([0.1] * 4, 1.0))[0] == 1  # under one step: still 1, the least a doubling starts at
     assert opened(agentic, high=4)[0] == 4 and opened(agentic, low=2, high=8)[0] == 7
     assert opened(first_step([0.1] * 4, 1.0), low=2)[0] == 2
     assert opened(agentic, start=2)[0] == 2  # a start given is kept
+    assert opened(first_step([0.253] * 4, 0.066), start=3)[0] == 3  # whatever generation did
     assert opened(agentic, start=0) == (0, "")  # start 0: on-policy from the fill on, nothing to open
     # no depth measured: start's default, 1, which the run filled under: nothing to open
     assert opened({**agentic, "groups_read": []}) == (1, "")
     bound, change = opened({**agentic, "groups_read": []}, low=0, start=3)
     assert bound == 3 and change.endswith("opened 1 -> 3 at step 1: the first step, its data admitted under 1, is trained")
+
+
+def test_the_env_share_is_the_share_of_episode_seconds_spent_waiting_on_the_env():
+    from types import SimpleNamespace
+
+    from streamrl.learner.auto_bound import env_share
+
+    def group(*timings):  # what env_share reads of a group: its samples' timings
+        return SimpleNamespace(samples=[SimpleNamespace(timings=t) for t in timings])
+
+    assert env_share([group({"env_s": 3.0, "generate_s": 1.0}), group({"env_s": 1.0, "generate_s": 3.0}, {})]) == 0.5
+    assert env_share([group({"generate_s": 2.0})]) == 0.0
+    assert env_share([group({}), group({"env_s": 0.0, "generate_s": 0.0})]) is None and env_share([]) is None
 
 
 def test_groups_made_before_an_easing_or_a_revert_keep_the_bound_they_were_admitted_under(ns):

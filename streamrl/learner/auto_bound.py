@@ -24,10 +24,14 @@ class AutoBound:
     run). That wait is the fill's, so the controller does not judge the first step, and opens the bound once it is
     trained: to ``start``, or where it is empty to the pipeline depth the step measured (``depth``: a bound under
     it starves the learner at once, as the slow start's first raises found step by step; at or past it the bound
-    leaves generation free); nothing is published until then, so a learner restarted meanwhile fills afresh. A
-    resumed learner goes on from the bound in force, raising it by one (its climb is over, and doubling a bound it
-    had settled at would overshoot), and keeps the bounds its easings and reverts left to the groups made before
-    them."""
+    leaves generation free), if generation kept up with the fill: a group's time is its generation and its waits
+    on the env (a tool, a checker), and waits take no server, so more groups in flight cover them; but where the
+    fill's groups took longer to generate than the ``fill + 1`` steps it admits them for, the servers, not the
+    bound, limit the supply: more groups in flight may only queue at them (SmolLM2's agentic groups took 40 s at a
+    bound of 1, 90 s at 8 on two shared cores), so the bound stays, and raises find out, each judged by its
+    trial. Nothing is published until then, so a learner restarted meanwhile fills afresh. A resumed learner goes
+    on from the bound in force, raising it by one (its climb is over, and doubling a bound it had settled at would
+    overshoot), and keeps the bounds its easings and reverts left to the groups made before them."""
 
     def __init__(self, auto: Any, admission: Any):
         self.admission = admission
@@ -74,6 +78,12 @@ class AutoBound:
             self._filling = False
             rules = self.controller.rules
             measured = depth(record) if rules.start is None else None  # a start given is kept
+            generation = None if measured is None else measured * (1 - record.get("env_share", 0.0))
+            if generation is not None and generation > rules.fill + 1:
+                log.info("max staleness stays %d after step %d: its groups' generation took %.3g of its training "
+                         "steps, more than the %d the fill admits them for: the servers, not the bound, limit the "
+                         "supply", rules.first, step, generation, rules.fill + 1)
+                measured = None
             if measured is not None:  # the depth that keeps the learner fed, within bounds
                 self.controller.bound = min(rules.high, max(rules.first, math.ceil(measured) - 1))
             if self.bound == rules.fill:  # nothing to open; published, so a restarted learner goes on from it
@@ -82,8 +92,8 @@ class AutoBound:
             self._trust(step + rules.cooldown)
             why = f"the first step, its data admitted under {rules.fill}, is trained"
             if measured is not None:
-                why += (f"; its groups took {measured:.3g} of its training steps to generate (median): so many steps "
-                        "of data in flight keep the learner fed")
+                why += (f"; its groups took {measured:.3g} of its training steps to generate (median), "
+                        f"{generation:.2g} of them generating: so many steps of data in flight keep the learner fed")
             return self._publish(Change(step, rules.fill, self.bound, why, "opened"))
         change = self.controller.observe(step, signals(record))
         if change is not None and change.way in ("lowered", "raised"):
@@ -117,3 +127,11 @@ def depth(record: dict) -> float | None:
     seconds = [row[0] for row in record.get("groups_read", ()) if row[0] is not None]
     train = record.get("train_s", 0.0)
     return statistics.median(seconds) / train if seconds and train > 0 else None
+
+
+def env_share(groups) -> float | None:
+    """The share of ``groups``' episode seconds spent waiting on their envs (tools, checkers), not generating;
+    None where no episode was timed."""
+    env = sum(s.timings.get("env_s", 0.0) for g in groups for s in g.samples)
+    generating = sum(s.timings.get("generate_s", 0.0) for g in groups for s in g.samples)
+    return env / (env + generating) if env + generating > 0 else None

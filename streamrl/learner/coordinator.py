@@ -19,7 +19,7 @@ import torch
 from streamrl.buffer import Admission, Ledger, Namespace, PolicyVersion, ReplayStream, ServerRegistry, StreamReader
 from streamrl.config import Config
 from streamrl.learner import batching, coverage, probe, record
-from streamrl.learner.auto_bound import AutoBound
+from streamrl.learner.auto_bound import AutoBound, env_share
 from streamrl.learner.metrics import MetricsSink, line
 from streamrl.learner.planning import Plan, Planner
 from streamrl.learner.policy import Policy
@@ -99,6 +99,7 @@ class Coordinator:
         ``learner.drop_no_signal`` groups whose rewards are all equal left out (and counted). The ledger outcome
         of every group read and not trained goes into ``plan.outcomes``."""
         want, groups, dropped, silent_dropped, late, outcomes = self.cfg.learner.groups_per_step, [], 0, 0, 0, {}
+        read = []
         refused = self.admission.refusals()  # the bound starves the learner if it turns workers away meanwhile
         t0 = last_catch_up = time.perf_counter()
         while len(groups) < want:
@@ -106,6 +107,7 @@ class Coordinator:
             fresh_drops = silent = 0
             for entry in entries:
                 plan.read[entry.group.group_id] = coverage.facts(entry.group)
+                read.append(entry.group)
                 past = self._late(entry.group, version)
                 verdict = self._verdict(entry, version, past)
                 if verdict is None:
@@ -132,6 +134,8 @@ class Coordinator:
         plan.info.update(wait_s=time.perf_counter() - t0, admission_refused=self.admission.refusals() - refused,
                          dropped_stale=dropped, dropped_no_signal=silent_dropped,
                          groups_no_signal=silent_kept + silent_dropped, late_kept=late, staleness_bound=bound)
+        if (share := env_share(read)) is not None:  # how much of a group's time more groups in flight cover
+            plan.info["env_share"] = round(share, 4)
         return groups
 
     def _bound_for(self, group) -> int:
