@@ -547,6 +547,11 @@ def test_a_fresh_run_opens_at_the_pipeline_depth_its_first_step_measured_if_gene
     assert "0.75 of them generating" in change
     # generation alone took 3.83 steps (the single-turn toy's first step), over the 2 the fill admits for: it stays
     assert opened(first_step([0.253] * 4, 0.066))[0] == 1 == opened(first_step([0.253] * 4, 0.066, 0.4))[0]
+    ns.conn.delete(ns.key("staleness_bound"))
+    stays = AutoBound(AutoStalenessConfig(), Admission(ns, max_staleness=1, groups_per_step=2))
+    assert stays.after_step(1, first_step([0.253] * 4, 0.066)) == {"staleness_note": (
+        "max staleness stays 1 after step 1: its groups' generation took 3.83 of its training steps, more than the 2 "
+        "the fill admits them for: the servers, not the bound, limit the supply")}
     assert opened(first_step([0.253] * 4, 0.066, 0.5))[0] == 3  # 1.92 steps generating: it kept up
     assert opened({**agentic, "env_share": 0.7})[0] == 1  # 2.26 steps generating (SmolLM2's agentic: 10)
     assert opened(first_step([1.0] * 4, 0.5))[0] == 1  # 2 steps in flight: a bound of 1 keeps them

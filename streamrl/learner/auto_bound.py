@@ -73,22 +73,25 @@ class AutoBound:
                 and version - oldest <= min(rules.high, 2 * self.bound))
 
     def after_step(self, step: int, record: dict) -> dict:
-        """Judge a step's record; for its metrics line, the change it made to the next steps' bound (and why)."""
+        """Judge a step's record; for its metrics line, the change it made to the next steps' bound (and why), or
+        after the first step why the bound did not open (``staleness_note``)."""
         if self._filling:
             self._filling = False
             rules = self.controller.rules
             measured = depth(record) if rules.start is None else None  # a start given is kept
             generation = None if measured is None else measured * (1 - record.get("env_share", 0.0))
+            note = {}
             if generation is not None and generation > rules.fill + 1:
-                log.info("max staleness stays %d after step %d: its groups' generation took %.3g of its training "
-                         "steps, more than the %d the fill admits them for: the servers, not the bound, limit the "
-                         "supply", rules.first, step, generation, rules.fill + 1)
+                note = {"staleness_note": f"max staleness stays {rules.first} after step {step}: its groups' "
+                        f"generation took {generation:.3g} of its training steps, more than the {rules.fill + 1} the "
+                        "fill admits them for: the servers, not the bound, limit the supply"}
+                log.info("%s", note["staleness_note"])
                 measured = None
             if measured is not None:  # the depth that keeps the learner fed, within bounds
                 self.controller.bound = min(rules.high, max(rules.first, math.ceil(measured) - 1))
             if self.bound == rules.fill:  # nothing to open; published, so a restarted learner goes on from it
                 self.admission.set_bound(rules.fill)
-                return {}
+                return note
             self._trust(step + rules.cooldown)
             why = f"the first step, its data admitted under {rules.fill}, is trained"
             if measured is not None:
