@@ -77,27 +77,7 @@ class AutoBound:
         after the first step why the bound did not open (``staleness_note``)."""
         if self._filling:
             self._filling = False
-            rules = self.controller.rules
-            measured = depth(record) if rules.start is None else None  # a start given is kept
-            generation = None if measured is None else measured * (1 - record.get("env_share", 0.0))
-            note = {}
-            if generation is not None and generation > rules.fill + 1:
-                note = {"staleness_note": f"max staleness stays {rules.first} after step {step}: its groups' "
-                        f"generation took {generation:.3g} of its training steps, more than the {rules.fill + 1} the "
-                        "fill admits them for: the servers, not the bound, limit the supply"}
-                log.info("%s", note["staleness_note"])
-                measured = None
-            if measured is not None:  # the depth that keeps the learner fed, within bounds
-                self.controller.bound = min(rules.high, max(rules.first, math.ceil(measured) - 1))
-            if self.bound == rules.fill:  # nothing to open; published, so a restarted learner goes on from it
-                self.admission.set_bound(rules.fill)
-                return note
-            self._trust(step + rules.cooldown)
-            why = f"the first step, its data admitted under {rules.fill}, is trained"
-            if measured is not None:
-                why += (f"; its groups took {measured:.3g} of its training steps to generate (median), "
-                        f"{generation:.2g} of them generating: so many steps of data in flight keep the learner fed")
-            return self._publish(Change(step, rules.fill, self.bound, why, "opened"))
+            return self._open(step, record)
         change = self.controller.observe(step, signals(record))
         if change is not None and change.way in ("lowered", "raised"):
             self._trust(step + self.controller.rules.cooldown if change.way == "raised" else None)
@@ -111,6 +91,30 @@ class AutoBound:
             self.admission.set_kept_bounds(kept)
             self._kept = kept
         return {} if change is None else self._publish(change)
+
+    def _open(self, step: int, record: dict) -> dict:
+        """After a fresh run's first step: the bound it opens at (or why it stays), for the step's metrics line."""
+        rules = self.controller.rules
+        measured = depth(record) if rules.start is None else None  # a start given is kept
+        generation = None if measured is None else measured * (1 - record.get("env_share", 0.0))
+        note = {}
+        if generation is not None and generation > rules.fill + 1:
+            note = {"staleness_note": f"max staleness stays {rules.first} after step {step}: its groups' "
+                    f"generation took {generation:.3g} of its training steps, more than the {rules.fill + 1} the "
+                    "fill admits them for: the servers, not the bound, limit the supply"}
+            log.info("%s", note["staleness_note"])
+            measured = None
+        if measured is not None:  # the depth that keeps the learner fed, within bounds
+            self.controller.bound = min(rules.high, max(rules.first, math.ceil(measured) - 1))
+        if self.bound == rules.fill:  # nothing to open; published, so a restarted learner goes on from it
+            self.admission.set_bound(rules.fill)
+            return note
+        self._trust(step + rules.cooldown)
+        why = f"the first step, its data admitted under {rules.fill}, is trained"
+        if measured is not None:
+            why += (f"; its groups took {measured:.3g} of its training steps to generate (median), "
+                    f"{generation:.2g} of them generating: so many steps of data in flight keep the learner fed")
+        return self._publish(Change(step, rules.fill, self.bound, why, "opened"))
 
     def _trust(self, at: int | None) -> None:
         self._trusted_from = at
@@ -135,6 +139,7 @@ def depth(record: dict) -> float | None:
 def env_share(groups) -> float | None:
     """The share of ``groups``' episode seconds spent waiting on their envs (tools, checkers), not generating;
     None where no episode was timed."""
-    env = sum(s.timings.get("env_s", 0.0) for g in groups for s in g.samples)
-    generating = sum(s.timings.get("generate_s", 0.0) for g in groups for s in g.samples)
-    return env / (env + generating) if env + generating > 0 else None
+    timings = [s.timings for g in groups for s in g.samples]
+    env = sum(t.get("env_s", 0.0) for t in timings)
+    total = env + sum(t.get("generate_s", 0.0) for t in timings)
+    return env / total if total > 0 else None
