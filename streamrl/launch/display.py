@@ -92,8 +92,6 @@ class Dashboard:
         except Exception:  # Redis restarting: show what the files say
             pass
         out["bound_changes"] = [r["staleness_change"] for r in lines if "staleness_change" in r]
-        out["bound_said"] = [r.get("staleness_change", r.get("staleness_note")) for r in lines
-                             if "staleness_change" in r or "staleness_note" in r]  # and why it did not open
         out["refusals"] = [r["push_refusal"] for r in lines if "push_refusal" in r]
         if learner:
             last = learner[-1]
@@ -171,9 +169,9 @@ class Dashboard:
 
     def refresh(self) -> None:
         s = self.stats()
-        for change in s["bound_said"][self.changes_said:]:  # each move of an auto bound, with its cause
+        for change in s["bound_changes"][self.changes_said:]:  # each move of an auto bound, with its cause
             self.say(change)
-        self.changes_said = len(s["bound_said"])
+        self.changes_said = len(s["bound_changes"])
         for refusal in s["refusals"][self.refusals_said:]:  # a server whose weights failed their probe
             self.say(f"weight push {refusal}")
         self.refusals_said = len(s["refusals"])

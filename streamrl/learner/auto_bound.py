@@ -73,8 +73,7 @@ class AutoBound:
                 and version - oldest <= min(rules.high, 2 * self.bound))
 
     def after_step(self, step: int, record: dict) -> dict:
-        """Judge a step's record; for its metrics line, the change it made to the next steps' bound (and why), or
-        after the first step why the bound did not open (``staleness_note``)."""
+        """Judge a step's record; for its metrics line, the change it made to the next steps' bound (and why)."""
         if self._filling:
             self._filling = False
             return self._open(step, record)
@@ -97,23 +96,23 @@ class AutoBound:
         rules = self.controller.rules
         measured = depth(record) if rules.start is None else None  # a start given is kept
         generation = None if measured is None else measured * (1 - record.get("env_share", 0.0))
-        note = {}
-        if generation is not None and generation > rules.fill + 1:
-            note = {"staleness_note": f"max staleness stays {rules.first} after step {step}: its groups' "
-                    f"generation took {generation:.3g} of its training steps, more than the {rules.fill + 1} the "
-                    "fill admits them for: the servers, not the bound, limit the supply"}
-            log.info("%s", note["staleness_note"])
-            measured = None
-        if measured is not None:  # the depth that keeps the learner fed, within bounds
-            self.controller.bound = min(rules.high, max(rules.first, math.ceil(measured) - 1))
+        opened = None if measured is None else math.ceil(measured) - 1  # the depth that keeps the learner fed
+        kept_up = generation is not None and generation <= rules.fill + 1
+        if opened is not None and not kept_up:  # the servers may limit the supply: one doubling finds out
+            opened = min(opened, 2 * rules.first)
+        if opened is not None:
+            self.controller.bound = min(rules.high, max(rules.first, opened))
         if self.bound == rules.fill:  # nothing to open; published, so a restarted learner goes on from it
             self.admission.set_bound(rules.fill)
-            return note
+            return {}
         self._trust(step + rules.cooldown)
         why = f"the first step, its data admitted under {rules.fill}, is trained"
         if measured is not None:
             why += (f"; its groups took {measured:.3g} of its training steps to generate (median), "
-                    f"{generation:.2g} of them generating: so many steps of data in flight keep the learner fed")
+                    f"{generation:.2g} of them generating")
+            why += (": so many steps of data in flight keep the learner fed" if kept_up else
+                    f", more than the {rules.fill + 1} the fill admits them for: the servers, not the bound, may "
+                    "limit the supply, so it opens by one doubling, as a raise would, and raises find out if more pays")
         return self._publish(Change(step, rules.fill, self.bound, why, "opened"))
 
     def _trust(self, at: int | None) -> None:
