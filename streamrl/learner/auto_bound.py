@@ -26,10 +26,11 @@ class AutoBound:
     it starves the learner at once, as the slow start's first raises found step by step; at or past it the bound
     leaves generation free), if generation kept up with the fill: a group's time is its generation and its waits
     on the env (a tool, a checker), and waits take no server, so more groups in flight cover them; but where the
-    fill's groups took longer to generate than the ``fill + 1`` steps it admits them for, the servers, not the
-    bound, limit the supply: more groups in flight may only queue at them (SmolLM2's agentic groups took 40 s at a
-    bound of 1, 90 s at 8 on two shared cores), so the bound stays, and raises find out, each judged by its
-    trial. Nothing is published until then, so a learner restarted meanwhile fills afresh. A resumed learner goes
+    fill's groups took longer to generate than the ``fill + 1`` steps it admits them for, the servers may limit the
+    supply, not the bound: more groups in flight may only queue at them (SmolLM2's agentic groups took 40 s at a
+    bound of 1, 90 s at 8 on two shared cores), or be batched (the toy's single-turn ones). The learner will wait
+    under the fill's bound either way, so it opens by the one doubling a raise would make after those waits, and
+    raises find out whether more pays, each judged by its trial. Nothing is published until then, so a learner restarted meanwhile fills afresh. A resumed learner goes
     on from the bound in force, raising it by one (its climb is over, and doubling a bound it had settled at would
     overshoot), and keeps the bounds its easings and reverts left to the groups made before them."""
 

@@ -25,9 +25,9 @@ class AutoStalenessConfig(Section):
     start: int | None = Field(None, ge=0, description="the bound once a fresh run's first step is trained (its "
                               "data comes in under 1, or low if larger, or start if smaller; empty: the pipeline "
                               "depth that step measured, its groups' median generation seconds over its training "
-                              "seconds, less one, at least 1 (or low if larger) and at most high, if the part of "
-                              "them spent generating, not waiting on the env, took at most the fill's bound + 1 "
-                              "steps, else 1 (or low if larger); raises double it from there)")
+                              "seconds, less one, at least 1 (or low if larger) and at most high; where the part "
+                              "of them spent generating, not waiting on the env, took more than the fill's bound + 1 "
+                              "steps, at most one doubling of 1 (or low if larger); raises double it from there)")
     wait_share: float = Field(0.1, ge=0, lt=1, description="a step that waited for data longer than this share "
                               "of it counts towards a raise (see held_share)")
     held_share: float = Field(0.5, ge=0, le=1, description="a wait counts towards a raise only if the bound turned "
