@@ -116,12 +116,15 @@ def _netns_of(pid: int) -> int | None:
 
 
 def _marked(tag: str | None = None) -> dict[int, str]:
-    """{pid: tag} of every process carrying a cluster's marker (`tag`'s alone if given) in its environment."""
+    """{pid: tag} of every process carrying a cluster's marker (`tag`'s alone if given) in its environment, and of
+    their descendants: a Python process that sets its title (Ray's agents and workers, through setproctitle)
+    overwrites the memory /proc/PID/environ reads, so its marker shows only on its parent."""
     found = {}
     for proc in psutil.process_iter():
         try:
             if (value := proc.environ().get(MARKER)) and tag in (None, value):
                 found[proc.pid] = value
+                found.update((child.pid, value) for child in proc.children(recursive=True))
         except (psutil.Error, OSError):
             continue
     return found

@@ -5,11 +5,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
 
-from benchmarks.netns import MARKER
+from benchmarks.netns import MARKER, _marked
 
 # A driver that answers one JSON command a line, so one connection sees the cluster change under it.
 DRIVER = r"""
@@ -89,6 +90,34 @@ def gone(pid: int) -> bool:
         return True
 
 
+def _has_marker(pid: int) -> bool:
+    try:
+        return MARKER in psutil.Process(pid).environ()
+    except psutil.Error:
+        return False
+
+
+def test_a_cluster_finds_the_children_of_its_processes_that_set_their_titles():
+    """Ray's agents and workers set their process titles, which overwrites what /proc/PID/environ reads: a
+    teardown that looked for the marker alone would leave them running (ray::DashboardAgent outlived its cluster)."""
+    titled = "import setproctitle, time; setproctitle.setproctitle('ray::Titled'); time.sleep(60)"
+    parent = subprocess.Popen([sys.executable, "-c", (
+        f"import subprocess, sys; child = subprocess.Popen([sys.executable, '-c', {titled!r}]); child.wait()")],
+        env={**os.environ, MARKER: (tag := f"{os.getpid()}-titled")})
+    try:
+        deadline = time.monotonic() + 30
+        while not (children := psutil.Process(parent.pid).children()) or children[0].cmdline()[0] != "ray::Titled":
+            assert time.monotonic() < deadline, "the titled child did not start"
+            time.sleep(0.05)
+        child = children[0].pid
+        assert not _has_marker(child) and _has_marker(parent.pid)
+        assert _marked(tag) == {parent.pid: tag, child: tag}
+    finally:
+        for proc in psutil.Process(parent.pid).children(recursive=True) + [psutil.Process(parent.pid)]:
+            proc.kill()
+        parent.wait()
+
+
 @pytest.mark.slow
 def test_nodes_in_namespaces_are_separate_hosts(netns_cluster):
     cluster = netns_cluster
@@ -113,7 +142,10 @@ def test_nodes_in_namespaces_are_separate_hosts(netns_cluster):
     finally:
         driver.close()
 
+    started = list(_marked(cluster.tag))  # the head's processes, with the agents whose titles hide their marker
+    assert any(not _has_marker(pid) for pid in started)
     cluster.close()
+    assert [pid for pid in started if not gone(pid)] == []
     assert f"srl-{cluster.tag}-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert cluster.uplink not in subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
     assert not cluster.root.exists()
