@@ -30,9 +30,10 @@ class AutoBound:
     supply, not the bound: more groups in flight may only queue at them (SmolLM2's agentic groups took 40 s at a
     bound of 1, 90 s at 8 on two shared cores), or be batched (the toy's single-turn ones). The learner will wait
     under the fill's bound either way, so it opens by the one doubling a raise would make after those waits, and
-    raises find out whether more pays, each judged by its trial. Nothing is published until then, so a learner restarted meanwhile fills afresh. A resumed learner goes
-    on from the bound in force, raising it by one (its climb is over, and doubling a bound it had settled at would
-    overshoot), and keeps the bounds its easings and reverts left to the groups made before them."""
+    raises find out whether more pays, each judged by its trial. Nothing is published until then, so a learner
+    restarted meanwhile fills afresh. A resumed learner goes on from the bound in force, raising it by one (its
+    climb is over, and doubling a bound it had settled at would overshoot), and keeps the bounds its easings and
+    reverts left to the groups made before them."""
 
     def __init__(self, auto: Any, admission: Any):
         self.admission = admission
