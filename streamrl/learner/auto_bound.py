@@ -94,15 +94,15 @@ class AutoBound:
         return {} if change is None else self._publish(change)
 
     def _open(self, step: int, record: dict) -> dict:
-        """After a fresh run's first step: the bound it opens at (or why it stays), for the step's metrics line."""
+        """After a fresh run's first step: the bound it opens at, for the step's metrics line."""
         rules = self.controller.rules
         measured = depth(record) if rules.start is None else None  # a start given is kept
         generation = None if measured is None else measured * (1 - record.get("env_share", 0.0))
-        opened = None if measured is None else math.ceil(measured) - 1  # the depth that keeps the learner fed
         kept_up = generation is not None and generation <= rules.fill + 1
-        if opened is not None and not kept_up:  # the servers may limit the supply: one doubling finds out
-            opened = min(opened, 2 * rules.first)
-        if opened is not None:
+        if measured is not None:
+            opened = math.ceil(measured) - 1  # the depth that keeps the learner fed
+            if not kept_up:  # the servers may limit the supply: one doubling finds out
+                opened = min(opened, 2 * rules.first)
             self.controller.bound = min(rules.high, max(rules.first, opened))
         if self.bound == rules.fill:  # nothing to open; published, so a restarted learner goes on from it
             self.admission.set_bound(rules.fill)
