@@ -227,6 +227,32 @@ def test_trl_study_gives_trl_the_envs_prompts_and_rewards_and_counts_the_bound(t
     assert fraction_of_bound({"samples_per_s": 2.0, "completion_tokens": 10.0}, b) == pytest.approx(0.5)
 
 
+def test_the_matmul_bound_is_read_on_every_core_and_leaves_the_callers_threads(monkeypatch):
+    """A learner or TRL's trainer may have set the process's torch threads to its own share: the machine's bound
+    is every core's rate all the same."""
+    import torch
+
+    from benchmarks.common import matmul_flops
+
+    seen, randn, threads = [], torch.randn, torch.get_num_threads()
+    monkeypatch.setattr(torch, "randn", lambda *a, **k: seen.append(torch.get_num_threads()) or randn(*a, **k))
+    torch.set_num_threads(1)
+    try:
+        assert matmul_flops(size=64, seconds=0.02, windows=2) > 0
+        assert seen == [os.cpu_count()] * 2 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_bound_read_after_the_runs_keeps_the_higher_of_each_reading(monkeypatch):
+    from benchmarks import against_trl
+
+    monkeypatch.setattr(against_trl, "matmul_flops", lambda dtype=None: 5.0 if dtype is None else 7.0)
+    before = {"matmul_flops": 9.0, "matmul_flops_bf16": 1.0}  # fp32's first reading was the higher, bf16's the lower
+    assert against_trl.matmul_rates(before) == {"matmul_flops": 9.0, "matmul_flops_bf16": 7.0}
+    assert against_trl.matmul_rates() == {"matmul_flops": 5.0, "matmul_flops_bf16": 7.0}
+
+
 def test_chat_prompt_ids_are_the_rendered_prompts_tokens(tmp_path):
     from transformers import AutoTokenizer
 
