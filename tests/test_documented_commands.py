@@ -103,6 +103,7 @@ COMMANDS = {
     "streamrl bench agent": BENCH,
     "streamrl bench soak": BENCH,
     "streamrl bench trl --precision bf16": BENCH,
+    "streamrl bench trl --trl-trainer async": BENCH,
     "streamrl bench trl --trl-trainer async --lora": BENCH,
     "streamrl bench engines": BENCH,
     "streamrl bench weight-push --study verification": "a benchmark study: tests/test_benchmarks.py checks how it "
