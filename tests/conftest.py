@@ -17,6 +17,17 @@ from streamrl.buffer.redis_server import free_port
 from streamrl.rollout.client import wait_healthy
 
 
+def pytest_collection_modifyitems(config, items):
+    """A test marked ``tiny_only`` (or a parameter so marked) runs with the tiny model alone where a test module
+    parametrizes its ``model_dir``: deselected rather than skipped, so that the other tests' order, and with it
+    each module's one engine per model, stays as it was."""
+    tiny_only = [item for item in items if item.get_closest_marker("tiny_only")
+                 and getattr(item, "callspec", None) and item.callspec.params.get("model_dir") not in (None, "tiny")]
+    if tiny_only:
+        config.hook.pytest_deselected(items=tiny_only)
+        items[:] = [item for item in items if item not in tiny_only]
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as server:
