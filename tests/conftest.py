@@ -19,8 +19,8 @@ from streamrl.rollout.client import wait_healthy
 
 def pytest_collection_modifyitems(config, items):
     """A test marked ``tiny_only`` (or a parameter so marked) runs with the tiny model alone where a test module
-    parametrizes its ``model_dir``: deselected rather than skipped, so that the other tests' order, and with it
-    each module's one engine per model, stays as it was."""
+    parametrizes its ``model_dir``: the others are deselected. (Parametrizing the test with the tiny model alone
+    would take it out of its module's grouping by model, and start that module's engine again.)"""
     tiny_only = [item for item in items if item.get_closest_marker("tiny_only")
                  and getattr(item, "callspec", None) and item.callspec.params.get("model_dir") not in (None, "tiny")]
     if tiny_only:
