@@ -107,10 +107,20 @@ def test_gae_advantages_run_over_each_packed_sequences_generated_tokens_only():
                                       staleness=0, reward=reward)
 
     seqs = [seq([0, 1, 0, 1, 1], 1.0), seq([0, 1, 1], 2.0)]  # one packed row: positions 0-4, then 5-7
-    values = torch.tensor([[9.0, 0.5, 9.0, 0.5, 0.5, 9.0, 1.0, 1.5]])  # 9s sit on prompt/observation tokens
+    # a token's state is valued at the position before it (which has not seen the token); 9s sit where no
+    # generated token follows. With gamma = lam = 1 a token's advantage is R - V(its state).
+    values = torch.tensor([[0.5, 9.0, 0.25, 0.75, 9.0, 1.0, 1.5, 9.0]])
     adv, ret = gae_advantages(values, seqs, torch.tensor([0, 5, 8]), gamma=1.0, lam=1.0)
-    assert torch.allclose(adv, torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.5, 0.0, 1.0, 0.5]]))
-    assert torch.allclose(ret, torch.tensor([[0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 2.0, 2.0]]))
+    assert torch.allclose(adv, torch.tensor([[0.0, 0.5, 0.0, 0.75, 0.25, 0.0, 1.0, 0.5]]))
+    assert torch.allclose(ret, torch.tensor([[1.0, 0.0, 1.0, 1.0, 0.0, 2.0, 2.0, 0.0]]))  # where values train
+
+
+def test_values_train_before_each_token_the_policy_scores_and_never_in_the_sequence_packed_before():
+    from streamrl.learner.critic import value_positions
+
+    # the second sequence (positions 5-6) opens with a generated token: not scored, so position 4 is no state of it
+    row = {"mask": torch.tensor([[0, 1, 0, 1, 1, 1, 1]]), "position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1]])}
+    assert value_positions(row).tolist() == [[1, 0, 1, 1, 0, 1, 0]]
 
 
 @pytest.mark.slow

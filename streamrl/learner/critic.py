@@ -1,7 +1,10 @@
 """The PPO critic: a value head on a transformer backbone, trained beside the policy.
 
 Rewards sit on each sequence's last generated token; GAE runs over the generated
-tokens of a sequence (observation tokens in between are not time steps). The value
+tokens of a sequence (observation tokens in between are not time steps). The value of
+the state in which token t is chosen is read where that token's logprob is: at position
+t - 1, whose hidden state has not seen token t (at t it has: that would be Q(s, a), and
+the last token's advantage would vanish as the critic learns the reward). The value
 loss is PPO's clipped squared error around the values at the version's start.
 """
 
@@ -38,17 +41,27 @@ class ValueModel(torch.nn.Module):
 def gae_advantages(values: torch.Tensor, seqs: list[TrainSequence], bounds: torch.Tensor, gamma: float, lam: float
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token advantages and returns ``[1, N]`` for a packed micro-batch whose sequence i spans
-    ``bounds[i]:bounds[i + 1]`` (0 off the generated tokens)."""
+    ``bounds[i]:bounds[i + 1]``: a generated token's advantage at its own position, its return at the
+    position before it, where its state's value is read (``value_positions``); 0 elsewhere."""
     advantages, returns = torch.zeros_like(values), torch.zeros_like(values)
     for i, seq in enumerate(seqs):
-        steps = int(bounds[i]) + torch.as_tensor(seq.mask.astype(bool)).nonzero().squeeze(-1)
+        # the tokens the policy scores: generated, not the sequence's first (``packing.scored``)
+        steps = int(bounds[i]) + 1 + torch.as_tensor(seq.mask[1:].astype(bool)).nonzero().squeeze(-1)
         if steps.numel() == 0:
             continue
         rewards = torch.zeros(steps.numel())
         rewards[-1] = seq.reward
-        adv, ret = gae(rewards, values[0, steps], gamma, lam)
-        advantages[0, steps], returns[0, steps] = adv, ret
+        adv, ret = gae(rewards, values[0, steps - 1], gamma, lam)
+        advantages[0, steps], returns[0, steps - 1] = adv, ret
     return advantages, returns
+
+
+def value_positions(row: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Where a packed row's values are trained ``[1, N]``: the position before each token the policy scores
+    (generated, not a sequence's first: so never the last position of the sequence packed before it)."""
+    before = torch.zeros_like(row["mask"])
+    before[0, packing.scored(row) - 1] = 1
+    return before
 
 
 class Critic:
@@ -96,7 +109,7 @@ class Critic:
                 loss = empty_micro_batch_loss(self.model, self.cfg.learner.zero_stage)
             else:
                 v = packing.values(self.model, row)
-                old, ret, mask = row["old_values"], row["returns"], row["mask"]
+                old, ret, mask = row["old_values"], row["returns"], value_positions(row)
                 clipped = old + (v - old).clamp(-eps, eps)
                 loss = (0.5 * torch.maximum((v - ret) ** 2, (clipped - ret) ** 2) * mask).sum()
                 total += float(loss.detach())
