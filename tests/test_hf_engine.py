@@ -1,3 +1,4 @@
+import contextlib
 import random
 import time
 
@@ -202,23 +203,26 @@ def test_a_request_longer_than_the_context_is_refused_with_the_reason(engine):
     assert engine.submit("fits", [1, 2, 3], SamplingParams(max_new_tokens=4)).result(30).output_ids
 
 
-def test_a_push_is_swapped_in_whole_or_not_at_all(model, engine):
-    """The receiver holds a version's buckets until every parameter came: half a push (the learner died)
-    leaves the served weights as they were, the next version lands whole, a bucket the model cannot take is
-    refused after its broadcast (the learner is sending it)."""
+@contextlib.contextmanager
+def _pushes_into(engine: HFEngine, model):
+    """The learner's end of pushes into ``engine``'s receiver over a real gloo group on loopback: yields
+    ``send(bucket, version)``, ``version(scale)`` (the model's first weights times ``scale``, in 64 kB buckets) and
+    ``rejoin()`` (a new group, as a restarted learner makes)."""
     import asyncio
     from concurrent.futures import ThreadPoolExecutor
 
     from streamrl.buffer.redis_server import free_port
     from streamrl.weightsync import broadcast, buckets, flatten, make_group, metas
 
-    receiver, port = engine.weight_receiver(), free_port()
-    served = {n: p.detach().clone() for n, p in model.named_parameters()}
-    loop = asyncio.new_event_loop()
+    receiver, loop, group = engine.weight_receiver(), asyncio.new_event_loop(), None
+    base = [(n, p.detach().clone()) for n, p in model.named_parameters()]
     with ThreadPoolExecutor(1) as pool:
-        learner = pool.submit(make_group, "127.0.0.1", port, 0, 2, group_name="push", timeout_s=60)
-        loop.run_until_complete(receiver.init("127.0.0.1", port, 1, 2, "gloo", "push", 60))
-        group = learner.result()
+        def rejoin() -> None:
+            nonlocal group
+            port = free_port()
+            learner = pool.submit(make_group, "127.0.0.1", port, 0, 2, group_name="push", timeout_s=60)
+            loop.run_until_complete(receiver.init("127.0.0.1", port, 1, 2, "gloo", "push", 60))
+            group = learner.result()
 
         def send(named: list, version: int) -> int:
             cast = pool.submit(broadcast, group, flatten([t for _, t in named]))
@@ -228,10 +232,23 @@ def test_a_push_is_swapped_in_whole_or_not_at_all(model, engine):
             return got
 
         def version(scale: float) -> list[list]:
-            named = [(n, p.detach() * scale) for n, p in model.named_parameters()]
+            named = [(n, t * scale) for n, t in base]
             tensors = dict(named)
             return [[(m.name, tensors[m.name]) for m in b] for b in buckets(metas(named), bucket_bytes=64 * 1024)]
 
+        rejoin()
+        try:
+            yield send, version, rejoin
+        finally:
+            loop.close()
+
+
+def test_a_push_is_swapped_in_whole_or_not_at_all(model, engine):
+    """The receiver holds a version's buckets until every parameter came: half a push (the learner died)
+    leaves the served weights as they were, the next version lands whole, a bucket the model cannot take is
+    refused after its broadcast (the learner is sending it)."""
+    served = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with _pushes_into(engine, model) as (send, version, _):
         half = version(2.0)
         assert len(half) > 2
         for bucket in half[:-1]:
@@ -249,7 +266,37 @@ def test_a_push_is_swapped_in_whole_or_not_at_all(model, engine):
         with pytest.raises(ValueError, match=f"'{wrong}' has shape"):
             send([(wrong, torch.zeros(3))], version=3)
         assert engine.version == 2 and all(torch.equal(p, served[n] * 3.0) for n, p in model.named_parameters())
-    loop.close()
+
+
+def test_the_push_after_one_stopped_half_way_never_writes_into_the_weights_being_served(model, engine):
+    """The engine serves from the buffers a push arrived in, each bucket's two buffers in turn: the bucket after
+    a push stopped half way (by the learner dying, or rejoining with a new group) must land in the other one,
+    never in the one decoding reads while the push is received (and that a failed push would be rolled back to)."""
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def serving(scale: float) -> bool:
+        return all(torch.equal(p, base[n] * scale) for n, p in model.named_parameters())
+
+    with _pushes_into(engine, model) as (send, version, rejoin):
+        for bucket in version(2.0):
+            send(bucket, version=1)
+        assert engine.version == 1 and serving(2.0)  # served from the buffers it arrived in
+        for bucket in version(3.0)[:-1]:
+            send(bucket, version=2)  # stopped half way
+        send(version(4.0)[0], version=3)
+        assert engine.version == 1 and serving(2.0)  # version 3's first bucket went elsewhere
+        for bucket in version(4.0)[1:]:
+            send(bucket, version=3)
+        assert engine.version == 3 and serving(4.0)
+
+        for bucket in version(5.0)[:-1]:
+            send(bucket, version=4)  # stopped half way by a new group
+        rejoin()
+        for bucket in version(6.0):
+            send(bucket, version=5)
+        assert engine.version == 5 and serving(6.0)
+        send(version(7.0)[0], version=6)
+        assert engine.version == 5 and serving(6.0)
 
 
 def _learner_probe(learner, ids, tolerance=1e-4):

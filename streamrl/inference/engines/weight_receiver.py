@@ -57,6 +57,9 @@ class HostReceiver:
 
     async def init(self, master_address: str, master_port: int, rank: int, world_size: int, backend: str,
                    group_name: str, timeout_s: float) -> None:
+        if self.pending is not None:  # the learner that sent it is gone: its buffers go back to the staging they came from
+            log.warning("push of version %d stopped half way by a new weight update group; dropped", self.pending.version)
+            self._drop()
         # make_group blocks until the learner has joined too: keep the event loop free meanwhile
         self.staging = Staging("cuda" if backend == "nccl" else "cpu", depth=2)
         self.group = await asyncio.to_thread(make_group, master_address, master_port, rank, world_size,
@@ -99,12 +102,14 @@ class HostReceiver:
         if self.group is None:
             raise RuntimeError("no weight update group: call /init_weights_update_group first")
         bucket = [TensorMeta(n, d.removeprefix("torch."), tuple(s)) for n, d, s in zip(names, dtypes, shapes)]
+        if self.pending is not None and self.pending.version != version:
+            # dropped before the take: its buffers go back first, or this take would be handed the buffer the
+            # engine serves from (each key's two buffers alternate) and overwrite live weights while it decodes
+            log.warning("push of version %d stopped half way; dropped", self.pending.version)
+            self._drop()
         key = tuple(names)
         buffer = self.staging.take(key, sum(m.nbytes for m in bucket))
         await asyncio.to_thread(broadcast, self.group, buffer)
-        if self.pending is not None and self.pending.version != version:
-            log.warning("push of version %d stopped half way; dropped", self.pending.version)
-            self._drop()
         push = self.pending = self.pending or _Pending(version)
         if digest is not None:  # hashed while the next bucket arrives; the push waits for it before it applies
             push.checks.append(self.hasher.submit(check_digest, buffer, digest, names, version))
