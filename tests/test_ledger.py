@@ -79,6 +79,35 @@ def test_a_resumed_learner_rolls_back_uncheckpointed_steps_and_replays_them(ns):
     assert report.learner["trained"] == 4 and report.pending == 0
 
 
+def test_a_resumed_learner_counts_each_drop_once_for_admission(ns):
+    """Admission frees a dropped group's slot as the learner reads it; a learner that resumes reads the groups after
+    its checkpoint again, and drops them again: each drop must free one slot, not one per reading."""
+    groups, reader = _run(ns, admitted=6, put=6)
+    admission, ledger = Admission(ns, max_staleness=4, groups_per_step=8), Ledger(ns)
+
+    def step(version: int) -> None:  # trains the first group read, drops the second as stale
+        ids = [e.group.group_id for e in reader.read(2)]
+        admission.count_dropped_stale(1)  # as the coordinator counts it: at once
+        ledger.record(version, reader.cursor, {ids[0]: "trained", ids[1]: "dropped:stale"})
+
+    step(1)
+    ledger.settle(1)  # a checkpoint at version 1
+    checkpoint_cursor = reader.cursor
+    step(2)
+    reader.read(2)
+    admission.count_dropped_stale(1)  # step 3 dropped one and died before it was recorded
+    assert admission.counters()["dropped_stale"] == 3
+
+    ledger.rollback(1, checkpoint_cursor)
+    assert admission.counters()["dropped_stale"] == 1  # the checkpoint's own drop; the others are pending again
+    reader = StreamReader(ns, cursor=checkpoint_cursor)
+    step(2)
+    step(3)
+    report = ledger.report()
+    assert report.balanced, report.problems
+    assert admission.counters()["dropped_stale"] == report.learner["dropped:stale"] == 3
+
+
 def test_a_checkpoint_folds_the_outcomes_it_covers_into_counts(ns):
     _, reader = _run(ns, admitted=6, put=6)
     ledger = Ledger(ns)

@@ -41,7 +41,7 @@ redis.call('SET', KEYS[4], ARGV[2])
 return twice
 """
 
-# KEYS: outcome hash, steps zset, counts hash; ARGV: first version to forget
+# KEYS: outcome hash, steps zset, counts hash, admission's counters; ARGV: first version to forget
 _ROLLBACK = """
 local forgotten = 0
 for _, step in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], ARGV[1], '+inf')) do
@@ -55,6 +55,11 @@ for _, step in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], ARGV[1], '+inf')) do
   end
   redis.call('DEL', step)
   redis.call('ZREM', KEYS[2], step)
+end
+-- admission counts a drop as the learner reads it, and every group after the cursor is read and judged again:
+-- what the checkpoint's steps dropped is what holds no slot now (else a drop counted twice frees a slot twice)
+for _, kind in ipairs({'stale', 'no_signal'}) do
+  redis.call('HSET', KEYS[4], 'dropped_' .. kind, redis.call('HGET', KEYS[3], 'dropped:' .. kind) or '0')
 end
 return forgotten
 """
@@ -111,9 +116,11 @@ class Ledger:
             return int(self._record(keys=keys, args=args))
 
     def rollback(self, after_version: int, cursor: str) -> int:
-        """Forget the outcomes of steps after ``after_version``, whose checkpoint resumes reading at ``cursor``."""
+        """Forget the outcomes of steps after ``after_version``, whose checkpoint resumes reading at ``cursor``, and
+        set admission's drop counters to what the steps up to it dropped: the rest are read and judged again."""
         with self.ns.reachable("roll the ledger back"):
-            forgotten = int(self._rollback(keys=[self._outcome, self._steps, self._counts], args=[after_version + 1]))
+            keys = [self._outcome, self._steps, self._counts, self.ns.key("counters")]
+            forgotten = int(self._rollback(keys=keys, args=[after_version + 1]))
             self.ns.conn.set(self._cursor, cursor)
             return forgotten
 
