@@ -58,10 +58,10 @@ def test_two_rank_learner_trains_from_the_replay_stream(redis_server, tiny_model
     ns = Namespace.open(redis_server.url, f"learner-e2e-{zero_stage}-{uuid.uuid4().hex[:6]}")
     stream, rng = ReplayStream(ns), np.random.default_rng(0)
     ids = []
-    for i in range(14):
+    for i in range(15):
         vocab = 10_000 if i in (3, 9) else 200  # two groups the model cannot embed
-        ids.append(stream.put(synthetic_group(4, int(rng.integers(20, 60)), prompt_len=8, vocab=vocab, rng=rng,
-                                              prompt_id=str(i))))
+        length = 140 if i == 6 else int(rng.integers(20, 60))  # and one no micro-batch of 128 tokens holds
+        ids.append(stream.put(synthetic_group(4, length, prompt_len=8, vocab=vocab, rng=rng, prompt_id=str(i))))
     launch = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "streamrl"]
               if launcher == "torchrun" else
               [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
@@ -79,11 +79,12 @@ def test_two_rank_learner_trains_from_the_replay_stream(redis_server, tiny_model
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["groups"] == 4 and r["tokens"] > 0 and np.isfinite(r["loss"]) for r in records)
     assert all(r["updates"] == minibatches for r in records)  # one version per step, however many updates
-    assert records[-1]["cursor"] == ids[-1]  # 12 good groups + 2 dead-lettered = all 14 entries
+    assert records[-1]["cursor"] == ids[-1]  # 12 good groups + 3 dead-lettered = all 15 entries
     assert PolicyVersion(ns).get() == 3
     dead = ns.conn.xrange(ns.key("dead"))
-    assert [f[b"src"].decode() for _, f in dead] == [ids[3], ids[9]]
+    assert [f[b"src"].decode() for _, f in dead] == [ids[3], ids[6], ids[9]]
     assert b"vocab size" in dead[0][1][b"reason"]
+    assert b"a sequence of 140 tokens exceeds learner.micro_batch_tokens = 128" in dead[1][1][b"reason"]
     export = tmp_path / ns.run / "export"  # under ZeRO-3 the shards are gathered first
     assert (export / "latest").read_text() == "version-3"
     from transformers import AutoModelForCausalLM, AutoTokenizer

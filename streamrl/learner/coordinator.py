@@ -154,6 +154,11 @@ class Coordinator:
         if top >= self.vocab_size:  # valid on the wire, but not for this model
             self.reader.dead_letter(entry.id, f"token id {top} >= vocab size {self.vocab_size}")
             return "dropped:dead"
+        longest = max(part.stop - part.start for s in entry.group.samples for part in s.sequences())
+        if longest > (budget := self.cfg.learner.micro_batch_tokens):  # no plan could hold it, after any restart
+            self.reader.dead_letter(entry.id, f"a sequence of {longest} tokens exceeds learner.micro_batch_tokens "
+                                              f"= {budget}")
+            return "dropped:dead"
         if late and self.cfg.off_policy.stale == "drop" and not (
                 self.auto and self.auto.keeps_late(entry.group.version_range()[0], version)):
             return "dropped:stale"
