@@ -11,6 +11,15 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GENERIC_FAST_TOKENIZERS = {"TokenizersBackend", "PreTrainedTokenizerFast"}
 
 
+def stop_token_ids(path: str | Path) -> frozenset[int]:
+    """The ids the model's generation config ends a reply with (the engines stop on each; Qwen's lists two, Llama
+    3.1's three), read from ``generation_config.json`` itself: ``transformers.GenerationConfig`` imports torch, seconds
+    of a rollout worker's start-up."""
+    config = Path(path) / "generation_config.json"
+    eos = json.loads(config.read_text()).get("eos_token_id") if config.is_file() else None
+    return frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
 def load_tokenizer(path: str | Path):
     """The tokenizer of a local model directory.
 

@@ -13,7 +13,7 @@ from streamrl.generation import SamplingParams
 from streamrl.inference.engines.hf import HFEngine
 from streamrl.rollout.agent import AgentRunner
 from streamrl.rollout.client import GenerateError
-from streamrl.rollout.episode import ChatRenderer, EnvFault
+from streamrl.rollout.episode import ChatRenderer, EnvFault, EpisodeAborted
 from streamrl.rollout.tool_calls import ToolCall, hermes, json_calls, load_parser
 from streamrl.testing import learner_logprob_gap
 
@@ -66,15 +66,16 @@ def test_a_tool_calling_agent_is_recorded_token_for_token(parts):
     assert learner_logprob_gap(model, sample) <= 1e-4
 
 
-def test_tokens_carry_the_version_that_made_them_and_an_aborted_call_ends_the_episode(parts):
-    _, tokenizer, engine = parts
+def _play_across_a_push(engine, tokenizer, abort_third: bool):
+    """The tool user's three calls, a push landing after the first (version 5) and after the second (6); with
+    ``abort_third`` the third call's generation is aborted, as a shutting-down server does."""
     runner, calls = _runner(tokenizer, agents.tool_user), []
 
-    async def generate(ids, params):  # a push lands between the calls; the third is aborted (a shutdown)
+    async def generate(ids, params):
         i = len(calls)
         engine.version = {0: 0, 1: 5}.get(i, 6)
         task = asyncio.ensure_future(engine.generate(f"a{i}", ids, params))
-        if i == 2:
+        if i == 2 and abort_third:
             await asyncio.sleep(0)  # submitted
             engine.abort(f"a{i}")
         out = await task
@@ -88,11 +89,27 @@ def test_tokens_carry_the_version_that_made_them_and_an_aborted_call_ends_the_ep
             await runner.close()
             engine.version = 0
 
+    return main, calls
+
+
+def test_tokens_carry_the_version_that_made_them(parts):
+    _, tokenizer, engine = parts
+    main, calls = _play_across_a_push(engine, tokenizer, abort_third=False)
     sample = asyncio.run(main())
-    assert [c.finish_type for c in calls][2] == "abort" and sample.finish_reason == "abort"
     generated = sample.versions[sample.loss_mask.astype(bool)].tolist()
-    assert generated == [0] * len(calls[0].output_ids) + [5] * len(calls[1].output_ids)  # none of the aborted call
-    assert sample.env_info["turns"] == 2 and sample.reward == 0.0  # the agent's call failed: no reward claimed
+    assert generated == ([0] * len(calls[0].output_ids) + [5] * len(calls[1].output_ids)
+                         + [6] * len(calls[2].output_ids))
+    assert sample.env_info["turns"] == 3
+
+
+def test_an_aborted_call_drops_the_episode_whatever_the_agent_returns(parts):
+    """The agent's aborted call gets a 503 and it gives up (the tool user raises): its two answered calls stay
+    untouched, and no reward is made up for them: the episode was cut off, not played out, so it is dropped."""
+    _, tokenizer, engine = parts
+    main, calls = _play_across_a_push(engine, tokenizer, abort_third=True)
+    with pytest.raises(EpisodeAborted, match=r"aborted after 2 answered call\(s\)"):
+        asyncio.run(main())
+    assert [c.finish_type for c in calls][2] == "abort"
 
 
 def test_an_aborted_first_call_ends_the_episode_with_nothing_to_train_on(parts):
@@ -112,7 +129,7 @@ def test_an_aborted_first_call_ends_the_episode_with_nothing_to_train_on(parts):
         finally:
             await runner.close()
 
-    with pytest.raises(EnvFault, match="aborted before any call was answered"):
+    with pytest.raises(EpisodeAborted, match="aborted before any call was answered"):
         asyncio.run(main())
     assert len(calls) == 1 and calls[0].finish_type == "abort"  # no call after it
 

@@ -1,16 +1,18 @@
 """Token exactness of multi-turn episodes, with a real BPE tokenizer and the real hf engine."""
 
 import asyncio
+import json
 
 import numpy as np
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from streamrl.envs.base import Action, Env, Observation, StepResult
-from streamrl.generation import SamplingParams
+from streamrl.generation import Completion, SamplingParams
 from streamrl.inference.engines.hf import HFEngine
+from streamrl.models import stop_token_ids
 from streamrl.protocol import Group, decode_group, encode_group
-from streamrl.rollout.episode import ChatRenderer, run_episode
+from streamrl.rollout.episode import ChatRenderer, EpisodeAborted, run_episode
 
 
 class Scripted(Env):
@@ -128,8 +130,63 @@ def test_context_budget_ends_the_episode(parts):
     tokenizer, engine = parts
     sample, outs = _play(Scripted(), tokenizer, engine, max_context=40,
                          params=SamplingParams(max_new_tokens=30, ignore_eos=True))
-    assert len(sample.tokens) <= 40 + 30
+    assert len(sample.tokens) <= 40 and sample.loss_mask[-1] == 1  # no observation after the last reply
     assert sample.finish_reason == "length"
+
+
+def test_an_aborted_generation_drops_the_episode_and_the_env_never_scores_the_cut_off_reply(parts):
+    """An abort (a server stopping, an engine error) cuts a reply off where the policy did not end it: scored, it
+    would train as the policy's own failure. The episode raises instead, and its sample is dropped."""
+    tokenizer, engine = parts
+    env, outs = Scripted(), []
+
+    async def generate(ids, params):
+        task = asyncio.ensure_future(engine.generate(f"x{len(outs)}", ids, params))
+        if len(outs) == 1:  # the second turn's generation
+            await asyncio.sleep(0)  # submitted
+            engine.abort(f"x{len(outs)}")
+        outs.append(await task)
+        return outs[-1]
+
+    with pytest.raises(EpisodeAborted, match="turn 2's generation was aborted"):
+        asyncio.run(run_episode(env, {"question": "what is 12 plus 7"}, generate=generate,
+                                renderer=ChatRenderer(tokenizer), params=SamplingParams(max_new_tokens=200,
+                                                                                        ignore_eos=True),
+                                max_context=512))
+    assert outs[1].finish_type == "abort" and env.turn == 1  # the env saw the first reply only
+
+
+class Answer(Env):
+    """One turn, scored by exact match against "19"."""
+
+    async def reset(self, item):
+        return Observation(messages=[{"role": "user", "content": item["question"]}])
+
+    async def step(self, action: Action) -> StepResult:
+        return StepResult(reward=float(action.text == "19"), done=True)
+
+
+def test_a_reply_ended_by_any_stop_id_of_the_models_is_scored_on_its_text_alone(parts, tmp_path):
+    """Engines stop on every id the generation config lists (Qwen's two, Llama 3.1's three), not only the
+    tokenizer's end of sequence: a reply ended by another one is scored without it, and trained with it."""
+    tokenizer, _ = parts
+    other = tokenizer.eos_token_id + 1
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [tokenizer.eos_token_id, other]}))
+    assert stop_token_ids(tmp_path) == {tokenizer.eos_token_id, other}
+    assert stop_token_ids(tmp_path / "elsewhere") == frozenset()  # a model without a generation config
+    reply = [*tokenizer.encode("19", add_special_tokens=False), other]
+
+    async def generate(ids, params):
+        return Completion(output_ids=reply, logprobs=[-0.5] * len(reply), versions=[0] * len(reply),
+                          finish_reason={"type": "stop"})
+
+    def play(renderer: ChatRenderer):
+        return asyncio.run(run_episode(Answer(), {"question": "what is 12 plus 7"}, generate=generate,
+                                       renderer=renderer, params=SamplingParams(max_new_tokens=8), max_context=512))
+
+    sample = play(ChatRenderer(tokenizer, stop_token_ids(tmp_path)))
+    assert sample.reward == 1.0 and sample.tokens[-1] == other and sample.loss_mask[-1] == 1
+    assert play(ChatRenderer(tokenizer)).reward == 0.0  # the tokenizer's end alone: "19" and the other id's text
 
 
 def test_the_renderer_gives_the_templates_own_text_for_each_conversation_however_often_it_has_seen_it(parts):

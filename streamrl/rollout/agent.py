@@ -34,7 +34,15 @@ from streamrl.generation import Completion, SamplingParams
 from streamrl.protocol import Sample
 from streamrl.rollout.chat_api import ChatRequest, RequestError
 from streamrl.rollout.client import GenerateError
-from streamrl.rollout.episode import ChatRenderer, EnvFault, Generate, Sequences, closed_text, plain_info
+from streamrl.rollout.episode import (
+    ChatRenderer,
+    EnvFault,
+    EpisodeAborted,
+    Generate,
+    Sequences,
+    closed_text,
+    plain_info,
+)
 from streamrl.rollout.gateway import Deliver, Gateway
 from streamrl.rollout.tool_calls import Parser
 
@@ -230,13 +238,15 @@ class AgentEpisode:
         """The trajectory, scored by what the agent returned."""
         if self.pending is not None:
             self._commit(0)
+        if self.aborted:  # whatever the agent made of it, the episode was cut off, not played out
+            raise EpisodeAborted(f"the episode was aborted after {len(self.turns)} answered call(s)" if self.turns
+                                 else "the episode was aborted before any call was answered")
         if not self.turns:
-            raise EnvFault("the episode was aborted before any call was answered" if self.aborted else
-                           "the agent returned without a successful call to the model")
+            raise EnvFault("the agent returned without a successful call to the model")
         reward, info = _reward(result, len(self.turns))
         turn_rewards = info.pop("turn_rewards", None) or [0.0] * (len(self.turns) - 1) + [reward]
-        finish = "abort" if self.aborted else self.turns[-1].finish_type
-        return self.seqs.sample(reward=reward, finish_reason=finish, turn_rewards=[float(r) for r in turn_rewards],
+        return self.seqs.sample(reward=reward, finish_reason=self.turns[-1].finish_type,
+                                turn_rewards=[float(r) for r in turn_rewards],
                                 env_info={**plain_info(info), "turns": len(self.turns),
                                           "failed_calls": self.failed_calls},
                                 timings={"generate_s": self.generate_s, "env_s": max(elapsed_s - self.generate_s, 0.0)})
@@ -331,7 +341,7 @@ class AgentRunner:
         except Exception as e:
             if not episode.aborted:  # an agent failing on an aborted call has done nothing wrong
                 raise EnvFault(f"the agent raised {type(e).__name__}: {e}") from e
-            result = 0.0
+            result = None  # ``sample`` drops the aborted episode
         finally:
             await episode.close()
             self.gateway.forget(eid)

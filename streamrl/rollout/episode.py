@@ -32,15 +32,25 @@ Generate = Callable[[list[int], SamplingParams], Awaitable[Completion]]
 
 class EnvFault(RuntimeError):
     """An env (or an agent) raised, timed out, or returned something that is not an observation or a reward."""
+
+
+class EpisodeAborted(RuntimeError):
+    """A generation of the episode was aborted (a server or worker stopping, an engine error): how the episode
+    would have ended is unknown, so it has no outcome of the policy's to score. Its sample is dropped, never scored
+    on the cut-off text."""
+
+
 _REPLY = "\u2063streamrl-reply\u2063"  # stands in for the assistant's content while rendering
 
 
 class ChatRenderer:
     """Chat template + tokenizer: the first prompt, and the tokens between a reply and the next turn."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, stop_ids: set[int] | frozenset[int] = frozenset()):
+        """``stop_ids``: the other ids an engine ends a reply with (``models.stop_token_ids``), kept out of its text
+        as the tokenizer's end of sequence is."""
         self.tokenizer = tokenizer
-        self.stop_ids = {tokenizer.eos_token_id} - {None}
+        self.stop_ids = ({tokenizer.eos_token_id} | set(stop_ids)) - {None}
         # a group's n episodes open with the same prompt, and feedback texts repeat: render (a Jinja template,
         # the worker's costliest step per episode) and tokenise each once
         self._encoded = functools.lru_cache(maxsize=4096)(
@@ -101,6 +111,7 @@ class Sequences:
     versions: list[int] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
     start: int = 0  # where the current sequence begins
+    replied: tuple[int, int, int] | None = None  # (tokens, sequences, start) as the last reply left them
 
     def observe(self, ids: list[int]) -> None:
         self.tokens += ids
@@ -113,6 +124,15 @@ class Sequences:
         self.mask += [1] * len(out.output_ids)
         self.logprobs += out.logprobs
         self.versions += out.versions
+        self.replied = (len(self.tokens), len(self.seq_lens), self.start)
+
+    def drop_unanswered(self) -> None:
+        """Cut what came after the last reply (an observation no turn answered): nothing in it is trained, and it
+        can take the sequence past the context, and so past every micro-batch the learner plans."""
+        if self.replied is None:
+            return
+        n, sequences, self.start = self.replied
+        del self.tokens[n:], self.mask[n:], self.logprobs[n:], self.versions[n:], self.seq_lens[sequences:]
 
     def new_sequence(self) -> None:
         self.seq_lens.append(len(self.tokens) - self.start)
@@ -140,14 +160,18 @@ async def run_episode(env: Env, item: dict[str, Any], *, generate: Generate, ren
     context_text = _start(seqs, obs, renderer)
     turn_rewards: list[float] = []
     finish, info = "stop", {}
-    for _turn in range(max(1, env.max_turns)):
+    for turn in range(max(1, env.max_turns)):
         budget = min(params.max_new_tokens, max_context - len(seqs.context))
         if budget < 1:
             finish = "length"
+            seqs.drop_unanswered()
             break
         t0 = time.perf_counter()
         out = await generate(seqs.context, _with_budget(params, budget))
         timings["generate_s"] += time.perf_counter() - t0
+        if out.finish_type == "abort":
+            raise EpisodeAborted(f"turn {turn + 1}'s generation was aborted "
+                                 f"({out.finish_reason.get('message') or 'no reason given'})")
         seqs.act(out)
         reply = renderer.reply_text(out.output_ids)
         finish = out.finish_type
@@ -157,13 +181,14 @@ async def run_episode(env: Env, item: dict[str, Any], *, generate: Generate, ren
         timings["env_s"] += time.perf_counter() - t0
         turn_rewards.append(float(result.reward))
         info = result.info
-        if result.done or finish == "abort":
+        if result.done:
             break
         if result.observation is None:
             raise ValueError(f"{type(env).__name__}.step returned done=False without an observation")
         context_text = _continue(seqs, history, out, reply, context_text, result.observation, renderer)
     else:
         finish = "length" if finish == "stop" else finish  # turns ran out mid-conversation
+        seqs.drop_unanswered()
 
     return seqs.sample(reward=sum(turn_rewards), finish_reason=finish, turn_rewards=turn_rewards,
                        env_info={**plain_info(info), "turns": len(turn_rewards)}, timings=timings)

@@ -19,10 +19,10 @@ from streamrl.buffer import Namespace, PolicyVersion, ServerRegistry
 from streamrl.config import Config
 from streamrl.dataset import load_rows
 from streamrl.generation import SamplingParams
-from streamrl.models import load_tokenizer
+from streamrl.models import load_tokenizer, stop_token_ids
 from streamrl.protocol import Sample
 from streamrl.rollout.client import GenerateClient, GenerateError, RouterLocator, run_event_loop
-from streamrl.rollout.episode import ChatRenderer, run_episode
+from streamrl.rollout.episode import ChatRenderer, EpisodeAborted, run_episode
 from streamrl.rollout.worker import episode_player
 
 log = logging.getLogger("streamrl.evaluate")
@@ -35,7 +35,7 @@ class Evaluator:
         self.cfg = cfg
         self.rows = load_rows(cfg.eval.dataset)[: cfg.eval.size]
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
-        self.renderer = ChatRenderer(self.tokenizer)
+        self.renderer = ChatRenderer(self.tokenizer, stop_token_ids(cfg.model.path))
         self.make_env, self.agent = episode_player(cfg, self.renderer)
         self.params = SamplingParams(max_new_tokens=cfg.rollout.sampling.max_new_tokens, temperature=0.0)
         ns = Namespace.open(redis_url, cfg.run.name, **cfg.redis.retry())
@@ -73,13 +73,14 @@ class Evaluator:
             await self.agent.close()
 
     async def _evaluate_patiently(self, version: int, patience_s: float = 300.0, pause_s: float = 5.0) -> dict:
-        """``evaluate``, again while no server answers (one restarting, the router's circuit open): a run
-        should not stop because its evaluator met a gap the rollout workers ride out."""
+        """``evaluate``, again while no server answers (one restarting, the router's circuit open) or one aborts
+        an episode (scored, it would count as wrong): a run should not stop because its evaluator met a gap the
+        rollout workers ride out."""
         deadline = time.monotonic() + patience_s
         while True:
             try:
                 return await self.evaluate(version)
-            except GenerateError as e:
+            except (GenerateError, EpisodeAborted) as e:
                 if time.monotonic() + pause_s > deadline:
                     raise
                 log.warning("evaluation at step %d failed, trying again in %.0f s: %s", version, pause_s, e)

@@ -34,12 +34,12 @@ from streamrl.dataset import Prompts, load_rows
 from streamrl.envs import Env, Observation, StepResult, env_factory
 from streamrl.envs.registry import env_plugin, is_agent
 from streamrl.generation import Completion, SamplingParams
-from streamrl.models import load_tokenizer
+from streamrl.models import load_tokenizer, stop_token_ids
 from streamrl.protocol import Group, Sample, WireError
 from streamrl.rollout.agent import AgentRunner
 from streamrl.rollout.client import GenerateClient, GenerateError, RouterLocator, run_event_loop
 from streamrl.rollout.coalesce import Coalescer
-from streamrl.rollout.episode import ChatRenderer, EnvFault, run_episode
+from streamrl.rollout.episode import ChatRenderer, EnvFault, EpisodeAborted, run_episode
 from streamrl.rollout.tool_calls import load_parser
 
 log = logging.getLogger("streamrl.worker")
@@ -104,7 +104,7 @@ class RolloutWorker:
                                    lease_s=rollout.group_lease_s)
         self.life = uuid.uuid4().hex  # this run of the worker, told from earlier ones under the same name
         self.claims = PromptClaims(ns, name, lease_s=rollout.prompt_lease_s, life=self.life)
-        self.renderer = ChatRenderer(load_tokenizer(cfg.model.tokenizer or cfg.model.path))
+        self.renderer = ChatRenderer(load_tokenizer(cfg.model.tokenizer or cfg.model.path), stop_token_ids(cfg.model.path))
         self.make_env, self.agent = episode_player(cfg, self.renderer)
         if self.agent is not None and not rollout.dataset:
             raise ValueError(f"agent {rollout.env!r} has no dataset of its own: set rollout.dataset "
@@ -317,7 +317,8 @@ class WorkerMetrics:
         self.events.labels(name).inc(n)
 
     def failure(self, error: BaseException) -> None:
-        kind = {EnvFault: "env", GenerateError: "generate", WireError: "wire"}.get(type(error), "other")
+        kinds = {EnvFault: "env", GenerateError: "generate", WireError: "wire", EpisodeAborted: "aborted"}
+        kind = kinds.get(type(error), "other")
         self.count(f"failed_{kind}")
         log.warning("sample failed (%s): %s", kind, error)
 
