@@ -44,6 +44,8 @@ REFUSED = [
      "no_signal_is_a_group_baselines_notion"),
     (["learner.drop_no_signal=true", "learner.credit=turn"], "still has a gradient under turn credit",
      "no_signal_is_a_group_baselines_notion"),
+    (["learner.drop_no_signal=true", "learner.kl_coef=0.1", "learner.kl_in_reward=true"], "KL penalties differ",
+     "no_signal_is_a_group_baselines_notion"),
     (["learner.kl_estimator=k1"], "kl_estimator needs learner.kl_coef > 0", "kl_settings_need_a_kl"),
     (["learner.kl_in_reward=true"], "kl_in_reward needs learner.kl_coef > 0", "kl_settings_need_a_kl"),
     (["learner.kl_coef=0.1", "learner.kl_in_reward=true", "learner.zero_stage=3"], "ZeRO-3",

@@ -183,11 +183,15 @@ def settings_of_another_algorithm(cfg: Config) -> Iterator[str]:
 
 @rule
 def no_signal_is_a_group_baselines_notion(cfg: Config) -> Iterator[str]:
-    """`learner.drop_no_signal` with ppo or `credit: turn`, where a group of equal rewards still has a gradient."""
+    """`learner.drop_no_signal` with ppo, `credit: turn` or the KL in the reward, where a group of equal rewards
+    still has a gradient."""
     learner = cfg.learner
     if learner.drop_no_signal and (learner.algorithm == "ppo" or learner.credit == "turn"):
         yield ("learner.drop_no_signal is for rloo and grpo with credit: episode; a group with equal rewards still "
                "has a gradient under " + ("ppo's critic" if learner.algorithm == "ppo" else "turn credit"))
+    elif learner.drop_no_signal and learner.kl_in_reward:
+        yield ("learner.drop_no_signal with learner.kl_in_reward: a group with equal rewards still has a gradient, "
+               "its samples' KL penalties differ")
 
 
 @rule
