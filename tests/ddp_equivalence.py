@@ -2,7 +2,7 @@
 batch split unevenly over the ranks (with KL to the reference in the loss when kl > 0: under ZeRO-3 the
 reference is sharded too, and rank 0's empty micro-batch runs its stand-in forward; with lora 1 the policy is a
 LoRA adapter and the reference its base; with ess 1 the learning rate is scaled by the effective sample size of
-every rank's importance weights); rank 0 saves the weights."""
+every rank's importance weights); rank 0 saves the weights and the step's figures."""
 
 import os
 import sys
@@ -54,8 +54,10 @@ assert stats["skipped"] == 0.0
 assert (stats.get("lr_scale", 1.0) < 0.9) == (ess == "1")  # the behaviour logprobs are far off the policy's
 with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=zero == "3"):  # every rank
     weights = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
-if rank == 0:
-    torch.save(weights, out)
+if rank == 0:  # with the step's figures: of every rank's tokens, as one rank's of all of them
+    figures = ("loss", "tokens", "clip_frac", "ratio_mean", "entropy", "mismatch_abs", "mismatch_max", "adv_mean",
+               "adv_abs_max", "is_weight_max", "is_ess", "kl")
+    torch.save({"weights": weights, "stats": {k: stats[k] for k in figures if k in stats}}, out)
 if zero == "3":  # PPO's critic under ZeRO-3, with rank 0's empty micro-batch: its forwards must keep step too
     from streamrl.learner.critic import Critic
 

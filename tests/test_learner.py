@@ -256,7 +256,8 @@ def test_the_deepspeed_step_on_an_uneven_two_rank_split_equals_one_rank_on_the_w
     # must run back through the forward that gathered the weights). At ZeRO-3, PPO's critic also takes a step
     # on the shard with the empty micro-batch (without a stand-in forward it hangs), and so do a step with
     # the separate proximal forwards of a model with dropout and two epochs over two minibatches of it. With
-    # ess the learning rate follows the importance weights' ESS over both ranks' tokens, not each rank's own.
+    # ess the learning rate follows the importance weights' ESS over both ranks' tokens, not each rank's own, and
+    # the step's figures (loss, clip fraction, ESS, mismatch: what the auto bound judges) are both ranks' too.
     script = str(__import__("pathlib").Path(__file__).parent / "ddp_equivalence.py")
     for ranks in (1, 2):
         out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
@@ -264,7 +265,9 @@ def test_the_deepspeed_step_on_an_uneven_two_rank_split_equals_one_rank_on_the_w
                               agg, str(zero), str(kl), str(lora), str(ess)],
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
-    one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
+    (one, one_stats), (two, two_stats) = (torch.load(tmp_path / f"{n}.pt").values() for n in (1, 2))
+    assert one_stats.keys() == two_stats.keys() and {"loss", "clip_frac", "mismatch_abs"} <= one_stats.keys()
+    assert two_stats == pytest.approx(one_stats, rel=1e-5, abs=1e-7)  # the figures of both ranks' tokens
     from transformers import AutoModelForCausalLM
 
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()

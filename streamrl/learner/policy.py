@@ -246,6 +246,7 @@ class Policy:
         bad = self._backward(work, timer)
         if before_update:
             before_update()
+        tally.over_ranks(stats, self.device)
         self.cores.phase()
         with timer("optimizer_s"):
             self._apply(bad, stats)
@@ -329,10 +330,10 @@ class Policy:
 
     def _scale_lr(self, stats: dict) -> float:
         """``off_policy.ess_lr``: this update's learning rate times its importance weights' effective sample size
-        over every rank's tokens, to the power 1/2 under AdamW (whose step grows as the square root of the
-        batch), 1 under SGD. The scheduler sets the next update's rate afresh."""
-        weights, square, tokens = (self._sum_over_ranks(stats.get(k, 0.0))
-                                   for k in ("is_raw_mean", "is_raw_sq_mean", "tokens"))  # sums, not yet means
+        over every rank's tokens (``stats``: sums over every rank, not yet means), to the power 1/2 under AdamW
+        (whose step grows as the square root of the batch), 1 under SGD. The scheduler sets the next update's rate
+        afresh."""
+        weights, square, tokens = (stats.get(k, 0.0) for k in ("is_raw_mean", "is_raw_sq_mean", "tokens"))
         scale = effective_sample_size(weights, square, tokens) ** (0.5 if self.cfg.learner.optimizer == "adamw" else 1)
         for group in self.model.optimizer.param_groups:
             group["lr"] *= scale

@@ -8,11 +8,17 @@ import time
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 
 from streamrl.learner.losses import effective_sample_size, kl
 
 MISMATCH = {key: 0.0 for key in ("mismatch_abs", "mismatch_max", "mismatch_kl", "fresh_tokens", "fresh_mismatch_abs",
                                    "fresh_mismatch_max", "fresh_mismatch_kl")}
+# what a rank adds up over its micro-batches, and what it keeps the largest of: both over every rank (``over_ranks``)
+SUMS = ("loss", "tokens", "clip_frac", "ratio_mean", "entropy", "kl", "adv_sum", "is_weight_mean", "is_capped_frac",
+        "is_raw_mean", "is_raw_sq_mean", "mismatch_abs", "mismatch_kl", "fresh_tokens", "fresh_mismatch_abs",
+        "fresh_mismatch_kl")
+HIGHS = ("is_weight_max", "adv_abs_max", "mismatch_max", "fresh_mismatch_max")
 
 
 def started() -> dict[str, float]:
@@ -21,9 +27,26 @@ def started() -> dict[str, float]:
             "kl": 0.0, **MISMATCH}
 
 
+def over_ranks(stats: dict, device: torch.device) -> None:
+    """Every rank's sums and maxima, so that the update's figures are of all of its tokens (the auto bound judges
+    their ESS and clip fraction), not of rank 0's share. A key a rank lacks (one with no tokens adds none) counts
+    as 0 there and is kept where any rank has it."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    sums = torch.tensor([stats.get(k, 0.0) for k in SUMS] + [float(k in stats) for k in SUMS + HIGHS],
+                        dtype=torch.float64, device=device)
+    highs = torch.tensor([stats.get(k, 0.0) for k in HIGHS], dtype=torch.float64, device=device)  # all >= 0
+    dist.all_reduce(sums)
+    dist.all_reduce(highs, op=dist.ReduceOp.MAX)
+    values, had = [*sums[: len(SUMS)].tolist(), *highs.tolist()], sums[len(SUMS):].tolist()
+    for key, value, ranks_with_it in zip(SUMS + HIGHS, values, had):
+        if ranks_with_it:
+            stats[key] = value
+
+
 def means(stats: dict, global_tokens: int) -> None:
-    """Per-token sums to means over this rank's tokens (the loss over the global batch's); the importance weights'
-    effective sample size, as a share of the tokens, and E[r^2]."""
+    """Per-token sums to means (``over_ranks``': over every rank's tokens); the importance weights' effective sample
+    size, as a share of the tokens, and E[r^2]."""
     n = max(stats["tokens"], 1.0)
     stats["clip_frac"] /= n
     stats["ratio_mean"] /= n
