@@ -271,7 +271,8 @@ def test_a_push_is_swapped_in_whole_or_not_at_all(model, engine):
 def test_the_push_after_one_stopped_half_way_never_writes_into_the_weights_being_served(model, engine):
     """The engine serves from the buffers a push arrived in, each bucket's two buffers in turn: the bucket after
     a push stopped half way (by the learner dying, or rejoining with a new group) must land in the other one,
-    never in the one decoding reads while the push is received (and that a failed push would be rolled back to)."""
+    never in the one decoding reads while the push is received (and that a failed push would be rolled back to).
+    A push of the served version itself is gathered whole like any other."""
     base = {n: p.detach().clone() for n, p in model.named_parameters()}
 
     def serving(scale: float) -> bool:
@@ -297,6 +298,12 @@ def test_the_push_after_one_stopped_half_way_never_writes_into_the_weights_being
         assert engine.version == 5 and serving(6.0)
         send(version(7.0)[0], version=6)
         assert engine.version == 5 and serving(6.0)
+
+        for bucket in version(8.0)[:-1]:
+            send(bucket, version=5)  # the served version again, as a learner resumed from a checkpoint pushes it
+        assert engine.version == 5 and serving(6.0)  # gathered whole first, as any push is, not swapped in by bucket
+        send(version(8.0)[-1], version=5)
+        assert engine.version == 5 and serving(8.0)
 
 
 def _learner_probe(learner, ids, tolerance=1e-4):

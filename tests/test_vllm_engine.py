@@ -542,6 +542,55 @@ def test_a_push_stopped_half_way_is_dropped_and_the_next_one_lands(engine, recei
 
 
 @needs_vllm
+@tiny_only
+def test_a_push_of_the_served_version_is_gathered_whole_and_proven(engine, receiver, reference):
+    """A learner resumed from an older checkpoint pushes the version the server serves again. It is a push like
+    any other: applied a bucket at a time, vLLM would reload each layer from part of its tensors (the rest
+    uninitialised memory) and serve tokens from it meanwhile, unproven."""
+    before, version = _checksums(engine), engine.version
+    learner = _perturbed(reference, seed=13)
+    try:
+        _push(receiver, _params(learner), version, stop_after=2)  # the resumed learner died part way too
+        assert _checksums(engine) == before and engine.version == version  # nothing of it applied
+        _push(receiver, _params(learner), version, probe=_learner_probe(learner))
+        assert engine.version == version and receiver.probe_gap <= TOL
+        greedy = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+        assert _run(engine, "served-again", PROMPTS[0], greedy).output_ids == _hf_greedy(learner, PROMPTS[0], 12)
+    finally:
+        _push(receiver, _params(reference), engine.version + 1)
+    assert _checksums(engine) == before
+
+
+@needs_vllm
+@tiny_only
+def test_a_probed_push_into_a_paused_server_is_proven_and_generation_waits_for_the_continue(engine, receiver,
+                                                                                         reference):
+    """weight_sync.mode: pause: the learner pauses the server, pushes, then continues it. vLLM schedules nothing
+    while paused, the probe included: the push's last bucket waited for it until the learner gave up."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    version, learner = engine.version, _perturbed(reference, seed=14)
+    pool = ThreadPoolExecutor(1)
+    engine.pause()
+    try:
+        pool.submit(_push, receiver, _params(learner), version + 1, probe=_learner_probe(learner)).result(120)
+        assert engine.version == version + 1 and receiver.probe_gap <= TOL
+
+        async def still_paused():
+            task = asyncio.create_task(engine.generate("held", [1, 2, 3], SamplingParams(max_new_tokens=8, ignore_eos=True)))
+            await asyncio.sleep(1.0)
+            assert not task.done()
+            engine.resume()
+            return await task
+
+        assert asyncio.run(still_paused()).versions == [version + 1] * 8
+    finally:
+        engine.resume()
+        pool.shutdown()
+        _push(receiver, _params(reference), engine.version + 1)
+
+
+@needs_vllm
 def test_a_state_dict_push_with_the_tied_head_after_the_parameters_lands(engine, receiver, reference):
     """lm_head.weight comes after every parameter arrived (the push is applied by then): it is applied
     on its own, and the next push still finds the group in step."""

@@ -363,10 +363,16 @@ class VLLMEngine:
         waiting request."""
         params = self.vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
         prompt = self.vllm.TokensPrompt(prompt_token_ids=list(input_ids))
-        final = None
-        async for final in self._llm.generate(prompt, params, f"probe-{self._version}", priority=-(2**31),
-                                              lora_request=lora_request):
-            pass
+        final, held = None, self._user_paused  # weight_sync.mode: pause: vLLM schedules nothing, the probe included
+        if held:  # (what runs beside it meanwhile is on trial, as under in-flight pushes)
+            await self._llm.resume_generation()
+        try:
+            async for final in self._llm.generate(prompt, params, f"probe-{self._version}", priority=-(2**31),
+                                                  lora_request=lora_request):
+                pass
+        finally:
+            if held:
+                await self._llm.pause_generation(mode="keep", clear_cache=False)
         if final is None or final.prompt_logprobs is None:
             raise RuntimeError("vllm returned no prompt logprobs for the probe")
         return prompt_scores(list(input_ids), final.prompt_logprobs, 0, self._version).logprobs

@@ -154,8 +154,10 @@ class VLLMReceiver:
                     _corrupted(e, version, engine.version)
                 raise
             self.push.names.update(names)
-            # complete: every parameter came; or tensors after a complete push (a state dict's tied head)
-            whole = self.push.names >= self.required or version == engine.version
+            # complete: every parameter came; or tensors after a complete push (a state dict's tied head). A push of
+            # the served version that brings parameters (a learner resumed from an older checkpoint pushes it
+            # again) is a push like any other: whole, then proven, never applied a bucket at a time
+            whole = self.push.names >= self.required or (version == engine.version and not self.push.names & self.required)
             if probe is not None and not whole:
                 await self._drop(None)
                 raise ValueError(f"a probe came before version {version} was whole: it belongs to a push's last "

@@ -79,8 +79,11 @@ class HostReceiver:
         push = self.pending
         push.keys.append(key)
         push.tensors += unflatten(buffer, bucket)
-        # whole: every parameter came; or tensors after a whole push (a state dict's tied head)
-        whole = {n for n, _ in push.tensors} >= self.required or version == self.engine.version
+        # whole: every parameter came; or tensors after a whole push (a state dict's tied head). A push of the
+        # served version that brings parameters (a learner resumed from an older checkpoint pushes it again) is a
+        # push like any other: whole, then proven, never swapped in a bucket at a time
+        came = {n for n, _ in push.tensors}
+        whole = came >= self.required or (version == self.engine.version and not came & self.required)
         if probe is not None and not whole:
             self._drop()
             raise ValueError(f"a probe came before version {version} was whole: it belongs to a push's last bucket")
