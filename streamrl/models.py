@@ -11,12 +11,14 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GENERIC_FAST_TOKENIZERS = {"TokenizersBackend", "PreTrainedTokenizerFast"}
 
 
-def stop_token_ids(path: str | Path) -> frozenset[int]:
+def stop_token_ids(*paths: str | Path | None) -> frozenset[int]:
     """The ids the model's generation config ends a reply with (the engines stop on each; Qwen's lists two, Llama
-    3.1's three), read from ``generation_config.json`` itself: ``transformers.GenerationConfig`` imports torch, seconds
-    of a rollout worker's start-up."""
-    config = Path(path) / "generation_config.json"
-    eos = json.loads(config.read_text()).get("eos_token_id") if config.is_file() else None
+    3.1's three): the first ``generation_config.json`` of ``paths`` (the model's directory, else the tokenizer's:
+    a rollout machine may hold only that), read as a file: ``transformers.GenerationConfig`` imports torch,
+    seconds of a rollout worker's start-up."""
+    config = next((Path(p) / "generation_config.json" for p in paths
+                   if p and (Path(p) / "generation_config.json").is_file()), None)
+    eos = json.loads(config.read_text()).get("eos_token_id") if config else None
     return frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
 

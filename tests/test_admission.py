@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from streamrl.buffer import Admission, Namespace, PolicyVersion, ReplayStream
+from streamrl.buffer import Admission, Namespace, PolicyVersion, ReplayStream, StreamReader
 from streamrl.testing import synthetic_group
 
 
@@ -79,15 +79,20 @@ def test_dropped_stale_counter(ns):
     assert admission.counters()["dropped_stale"] == 3
 
 
-@pytest.mark.parametrize("drop", ["stale", "no_signal"])
+@pytest.mark.parametrize("drop", ["stale", "no_signal", "dead"])
 def test_a_group_the_learner_drops_gives_its_slot_back(ns, drop):
     admission, stream = Admission(ns, max_staleness=0, groups_per_step=1), ReplayStream(ns)
     group = synthetic_group(2, 8, prompt_id="g")
     assert admission.try_admit(group.group_id)
-    stream.put(group)  # accepted: the step's one slot is taken
+    entry = stream.put(group)  # accepted: the step's one slot is taken
     assert not admission.try_admit("next")
-    getattr(admission, f"count_dropped_{drop}")(1)  # never trained: another group may take its place
+    if drop == "dead":  # the learner cannot train it (a sequence past every micro-batch, say): twice, once counted
+        for _ in range(2):
+            StreamReader(ns).dead_letter(entry, "a sequence of 140 tokens exceeds learner.micro_batch_tokens = 128")
+    else:
+        getattr(admission, f"count_dropped_{drop}")(1)  # never trained: another group may take its place
     assert admission.try_admit("next")
+    assert not admission.try_admit("after")
 
 
 def _race(url: str, run: str, worker: int, barrier, results) -> None:

@@ -172,8 +172,8 @@ def test_a_reply_ended_by_any_stop_id_of_the_models_is_scored_on_its_text_alone(
     tokenizer, _ = parts
     other = tokenizer.eos_token_id + 1
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [tokenizer.eos_token_id, other]}))
-    assert stop_token_ids(tmp_path) == {tokenizer.eos_token_id, other}
-    assert stop_token_ids(tmp_path / "elsewhere") == frozenset()  # a model without a generation config
+    assert stop_token_ids(tmp_path) == stop_token_ids(None, tmp_path) == {tokenizer.eos_token_id, other}
+    assert stop_token_ids(tmp_path / "elsewhere", None) == frozenset()  # no generation config, or no model here
     reply = [*tokenizer.encode("19", add_special_tokens=False), other]
 
     async def generate(ids, params):
@@ -187,6 +187,12 @@ def test_a_reply_ended_by_any_stop_id_of_the_models_is_scored_on_its_text_alone(
     sample = play(ChatRenderer(tokenizer, stop_token_ids(tmp_path)))
     assert sample.reward == 1.0 and sample.tokens[-1] == other and sample.loss_mask[-1] == 1
     assert play(ChatRenderer(tokenizer)).reward == 0.0  # the tokenizer's end alone: "19" and the other id's text
+    # in a conversation the reply keeps the stop's text: the template closes the turn after it, and each turn
+    # goes on extending the tokens generated
+    conversation = asyncio.run(run_episode(Scripted(), {"question": "what is 12 plus 7"}, generate=generate,
+                                           renderer=ChatRenderer(tokenizer, stop_token_ids(tmp_path)),
+                                           params=SamplingParams(max_new_tokens=8), max_context=512))
+    assert conversation.seq_lens is None and conversation.env_info["last"] == "19"
 
 
 def test_the_renderer_gives_the_templates_own_text_for_each_conversation_however_often_it_has_seen_it(parts):

@@ -305,6 +305,14 @@ def test_the_push_after_one_stopped_half_way_never_writes_into_the_weights_being
         send(version(8.0)[-1], version=5)
         assert engine.version == 5 and serving(8.0)
 
+        for bucket in version(9.0)[:2]:
+            send(bucket, version=6)  # stopped half way, then sent again from its start on the same group
+        send(version(9.0)[0], version=6)
+        assert engine.version == 5 and serving(8.0)
+        for bucket in version(9.0)[1:]:
+            send(bucket, version=6)
+        assert engine.version == 6 and serving(9.0)
+
 
 def _learner_probe(learner, ids, tolerance=1e-4):
     from streamrl.learner import probe

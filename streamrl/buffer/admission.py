@@ -6,9 +6,9 @@ AReaL's rule (ARCHITECTURE §3): start a new group only while
 
 where ``V`` is the learner's policy version (``max_staleness`` is the bound given, or the one the learner
 publishes with ``max_staleness: auto``), ``accepted`` counts groups ever put
-into the replay stream (less those the learner dropped as stale or, with dynamic sampling,
-as carrying no signal: they will never be trained, so they must not hold slots, or a burst
-of such data would stall the run)
+into the replay stream (less those the learner dropped as stale, dead-lettered (``dead``: counted once
+per entry, whoever reads it again) or, with dynamic sampling, as carrying no signal: they will never be
+trained, so they must not hold slots, or a burst of such data would stall the run)
 and ``running`` counts groups admitted but not yet put.
 Running groups hold a lease that their worker renews while it runs them, so a
 group slower than the lease keeps its slot, and a worker that dies mid-group does
@@ -33,6 +33,7 @@ local running = redis.call('ZCARD', KEYS[1])
 local accepted = tonumber(redis.call('HGET', KEYS[2], 'accepted') or '0')
   - tonumber(redis.call('HGET', KEYS[2], 'dropped_stale') or '0')
   - tonumber(redis.call('HGET', KEYS[2], 'dropped_no_signal') or '0')
+  - tonumber(redis.call('HGET', KEYS[2], 'dead') or '0')
 local version = tonumber(redis.call('GET', KEYS[3]) or '0')
 local bound = tonumber(redis.call('GET', KEYS[4]) or ARGV[{staleness_arg}])
 local full = accepted + running >= (bound + version + 1) * tonumber(ARGV[{per_step_arg}])

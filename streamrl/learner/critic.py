@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from streamrl.config import Config
 from streamrl.learner import packing
@@ -115,6 +116,10 @@ class Critic:
                 total += float(loss.detach())
             self.model.backward(loss * scale)
             self.model.step()
+        if dist.is_initialized() and dist.get_world_size() > 1:  # every rank's share of the value loss
+            summed = torch.tensor([total], dtype=torch.float64, device=self.model.device)
+            dist.all_reduce(summed)
+            total = float(summed.item())
         return {"value_loss": total / max(global_tokens, 1)}
 
 

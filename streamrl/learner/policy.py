@@ -325,7 +325,7 @@ class Policy:
     def _ptx_loss(self, row: dict[str, torch.Tensor], stats: dict) -> torch.Tensor:
         """Summed token cross-entropy on SFT rows, weighted by ``ptx_coef``."""
         nll = -packing.logprobs(self.model, row, 1.0, bf16=self.mixed)[0] * row["mask"]
-        stats["ptx_loss"] = float(nll.sum().detach()) / max(float(row["mask"].sum()), 1.0)
+        stats["ptx_nll"], stats["ptx_tokens"] = float(nll.sum().detach()), float(row["mask"].sum())  # sums: means
         return self.cfg.learner.ptx_coef * nll.sum()
 
     def _scale_lr(self, stats: dict) -> float:

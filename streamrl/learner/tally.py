@@ -17,7 +17,7 @@ MISMATCH = {key: 0.0 for key in ("mismatch_abs", "mismatch_max", "mismatch_kl", 
 # what a rank adds up over its micro-batches, and what it keeps the largest of: both over every rank (``over_ranks``)
 SUMS = ("loss", "tokens", "clip_frac", "ratio_mean", "entropy", "kl", "adv_sum", "is_weight_mean", "is_capped_frac",
         "is_raw_mean", "is_raw_sq_mean", "mismatch_abs", "mismatch_kl", "fresh_tokens", "fresh_mismatch_abs",
-        "fresh_mismatch_kl")
+        "fresh_mismatch_kl", "ptx_nll", "ptx_tokens")
 HIGHS = ("is_weight_max", "adv_abs_max", "mismatch_max", "fresh_mismatch_max")
 
 
@@ -58,6 +58,8 @@ def means(stats: dict, global_tokens: int) -> None:
         stats["is_ess"], stats["is_second_moment"] = effective_sample_size(mean, square, 1.0), square
     stats["entropy"] /= n
     stats["kl"] /= n
+    if "ptx_nll" in stats:  # the SFT rows' token cross-entropy, over their own tokens
+        stats["ptx_loss"] = stats.pop("ptx_nll") / max(stats.pop("ptx_tokens"), 1.0)
     mismatch_means(stats)
     stats["loss"] /= max(global_tokens, 1)
 

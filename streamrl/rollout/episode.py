@@ -47,10 +47,13 @@ class ChatRenderer:
     """Chat template + tokenizer: the first prompt, and the tokens between a reply and the next turn."""
 
     def __init__(self, tokenizer: Any, stop_ids: set[int] | frozenset[int] = frozenset()):
-        """``stop_ids``: the other ids an engine ends a reply with (``models.stop_token_ids``), kept out of its text
-        as the tokenizer's end of sequence is."""
+        """``stop_ids``: the other ids an engine ends a reply with (``models.stop_token_ids``): kept out of the text
+        an env scores (``answer_text``), kept in the reply's text in the conversation (the template closes a turn
+        with the tokenizer's own end of sequence, ``end_ids``, after whatever the reply holds: so the next turn's
+        rendering still extends the tokens generated)."""
         self.tokenizer = tokenizer
-        self.stop_ids = ({tokenizer.eos_token_id} | set(stop_ids)) - {None}
+        self.end_ids = {tokenizer.eos_token_id} - {None}
+        self.stop_ids = self.end_ids | set(stop_ids)
         # a group's n episodes open with the same prompt, and feedback texts repeat: render (a Jinja template,
         # the worker's costliest step per episode) and tokenise each once
         self._encoded = functools.lru_cache(maxsize=4096)(
@@ -75,7 +78,14 @@ class ChatRenderer:
 
     def reply_text(self, ids: list[int]) -> str:
         """The reply as message content: its text without the end-of-turn token it may end with."""
-        if ids and ids[-1] in self.stop_ids:
+        return self._text(ids, self.end_ids)
+
+    def answer_text(self, ids: list[int]) -> str:
+        """The reply as an env scores it: its text without whichever stop id ended it."""
+        return self._text(ids, self.stop_ids)
+
+    def _text(self, ids: list[int], ends: set[int]) -> str:
+        if ids and ids[-1] in ends:
             ids = ids[:-1]
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
@@ -95,7 +105,7 @@ class ChatRenderer:
         if not full.startswith(closed[: cut + len(_REPLY)]):
             return None
         tail = full[cut + len(_REPLY):]
-        if reply_ids and reply_ids[-1] in self.stop_ids:  # the model already wrote its end-of-turn
+        if reply_ids and reply_ids[-1] in self.end_ids:  # the model already wrote its end-of-turn
             end = self.tokenizer.decode(reply_ids[-1:], skip_special_tokens=False)
             tail = tail[len(end):] if tail.startswith(end) else tail
         return tail, self.encode(tail)
@@ -177,7 +187,8 @@ async def run_episode(env: Env, item: dict[str, Any], *, generate: Generate, ren
         finish = out.finish_type
 
         t0 = time.perf_counter()
-        result = await env.step(Action(text=reply, token_ids=list(out.output_ids), finish_reason=finish))
+        action = Action(text=renderer.answer_text(out.output_ids), token_ids=list(out.output_ids), finish_reason=finish)
+        result = await env.step(action)
         timings["env_s"] += time.perf_counter() - t0
         turn_rewards.append(float(result.reward))
         info = result.info
@@ -226,7 +237,7 @@ def _continue(seqs: Sequences, history: list[Message], out: Completion, reply: s
 def closed_text(context_text: str, out: Completion, reply: str, renderer: ChatRenderer) -> str:
     """The context's text after the reply: what it held, the reply, and its end-of-turn if generated."""
     end = ""
-    if out.output_ids and out.output_ids[-1] in renderer.stop_ids:
+    if out.output_ids and out.output_ids[-1] in renderer.end_ids:
         end = renderer.tokenizer.decode(out.output_ids[-1:], skip_special_tokens=False)
     return context_text + reply + end
 

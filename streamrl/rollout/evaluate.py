@@ -35,7 +35,7 @@ class Evaluator:
         self.cfg = cfg
         self.rows = load_rows(cfg.eval.dataset)[: cfg.eval.size]
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
-        self.renderer = ChatRenderer(self.tokenizer, stop_token_ids(cfg.model.path))
+        self.renderer = ChatRenderer(self.tokenizer, stop_token_ids(cfg.model.path, cfg.model.tokenizer))
         self.make_env, self.agent = episode_player(cfg, self.renderer)
         self.params = SamplingParams(max_new_tokens=cfg.rollout.sampling.max_new_tokens, temperature=0.0)
         ns = Namespace.open(redis_url, cfg.run.name, **cfg.redis.retry())

@@ -104,7 +104,8 @@ class RolloutWorker:
                                    lease_s=rollout.group_lease_s)
         self.life = uuid.uuid4().hex  # this run of the worker, told from earlier ones under the same name
         self.claims = PromptClaims(ns, name, lease_s=rollout.prompt_lease_s, life=self.life)
-        self.renderer = ChatRenderer(load_tokenizer(cfg.model.tokenizer or cfg.model.path), stop_token_ids(cfg.model.path))
+        self.renderer = ChatRenderer(load_tokenizer(cfg.model.tokenizer or cfg.model.path),
+                                     stop_token_ids(cfg.model.path, cfg.model.tokenizer))
         self.make_env, self.agent = episode_player(cfg, self.renderer)
         if self.agent is not None and not rollout.dataset:
             raise ValueError(f"agent {rollout.env!r} has no dataset of its own: set rollout.dataset "

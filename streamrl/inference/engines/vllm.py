@@ -371,7 +371,7 @@ class VLLMEngine:
                                                   lora_request=lora_request):
                 pass
         finally:
-            if held:
+            if held and self._user_paused:  # not if the learner sent its continue meanwhile
                 await self._llm.pause_generation(mode="keep", clear_cache=False)
         if final is None or final.prompt_logprobs is None:
             raise RuntimeError("vllm returned no prompt logprobs for the probe")

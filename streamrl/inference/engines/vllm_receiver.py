@@ -131,7 +131,8 @@ class VLLMReceiver:
                        lora: AdapterSpec | None, digest: str | None, probe: Probe | None) -> int:
         engine, llm = self.engine, self.engine.llm
         async with engine.swap_lock:
-            if self.push is not None and self.push.version != version:
+            if self.push is not None and (self.push.version != version or not self.push.names.isdisjoint(names)):
+                # another version, or this one sent again from its start (vLLM would keep the first copies)
                 log.warning("push of version %d stopped half way; dropped", self.push.version)
                 await self._drop(None)
             try:

@@ -105,12 +105,13 @@ class HostReceiver:
         if self.group is None:
             raise RuntimeError("no weight update group: call /init_weights_update_group first")
         bucket = [TensorMeta(n, d.removeprefix("torch."), tuple(s)) for n, d, s in zip(names, dtypes, shapes)]
-        if self.pending is not None and self.pending.version != version:
-            # dropped before the take: its buffers go back first, or this take would be handed the buffer the
-            # engine serves from (each key's two buffers alternate) and overwrite live weights while it decodes
+        key = tuple(names)
+        if self.pending is not None and (self.pending.version != version or key in self.pending.keys):
+            # another version, or this one sent again from its start: dropped before the take, so that its
+            # buffers go back first, or this take would be handed the buffer the engine serves from (each key's
+            # two buffers alternate) and overwrite live weights while it decodes
             log.warning("push of version %d stopped half way; dropped", self.pending.version)
             self._drop()
-        key = tuple(names)
         buffer = self.staging.take(key, sum(m.nbytes for m in bucket))
         await asyncio.to_thread(broadcast, self.group, buffer)
         push = self.pending = self.pending or _Pending(version)
