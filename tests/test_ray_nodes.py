@@ -91,9 +91,10 @@ def test_a_learner_of_two_ranks_on_two_nodes_computes_the_update_of_one_rank(net
         launcher.close()
     assert not ray.is_initialized()
     assert len(set(hosts)) == 2 and set(hosts) <= {netns_cluster.head.ip, b.ip, c.ip}
-    one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
+    (one, one_stats), (two, two_stats) = (torch.load(tmp_path / f"{n}.pt").values() for n in (1, 2))
     for k in one:
         assert torch.allclose(one[k], two[k], atol=1e-6), k
+    assert two_stats == pytest.approx(one_stats, rel=1e-5, abs=1e-7)  # the step's figures, of both ranks' tokens
 
 
 def test_a_placement_no_node_can_hold_is_refused_before_anything_starts(netns_cluster, tmp_path):
