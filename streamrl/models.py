@@ -16,8 +16,8 @@ def stop_token_ids(*paths: str | Path | None) -> frozenset[int]:
     3.1's three): the first ``generation_config.json`` of ``paths`` (the model's directory, else the tokenizer's:
     a rollout machine may hold only that), read as a file: ``transformers.GenerationConfig`` imports torch,
     seconds of a rollout worker's start-up."""
-    config = next((Path(p) / "generation_config.json" for p in paths
-                   if p and (Path(p) / "generation_config.json").is_file()), None)
+    configs = (Path(p) / "generation_config.json" for p in paths if p)
+    config = next((c for c in configs if c.is_file()), None)
     eos = json.loads(config.read_text()).get("eos_token_id") if config else None
     return frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
 

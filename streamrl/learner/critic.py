@@ -14,10 +14,9 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from streamrl.config import Config
-from streamrl.learner import packing
+from streamrl.learner import packing, tally
 from streamrl.learner.batching import TrainSequence
 from streamrl.learner.losses import gae, normaliser
 from streamrl.learner.policy import deepspeed_config, empty_micro_batch_loss, weights_dtype
@@ -116,11 +115,7 @@ class Critic:
                 total += float(loss.detach())
             self.model.backward(loss * scale)
             self.model.step()
-        if dist.is_initialized() and dist.get_world_size() > 1:  # every rank's share of the value loss
-            summed = torch.tensor([total], dtype=torch.float64, device=self.model.device)
-            dist.all_reduce(summed)
-            total = float(summed.item())
-        return {"value_loss": total / max(global_tokens, 1)}
+        return {"value_loss": tally.sum_over_ranks(total, self.model.device) / max(global_tokens, 1)}
 
 
 def _whiten(rows: list[dict[str, Any]], device: torch.device) -> None:

@@ -340,10 +340,7 @@ class Policy:
         return scale
 
     def _sum_over_ranks(self, value: float) -> float:
-        t = torch.tensor([value], device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(t)
-        return float(t.item())
+        return tally.sum_over_ranks(value, self.device)
 
     def _zero_loss(self) -> torch.Tensor:
         """A zero that still touches every parameter, for an empty or discarded micro-batch (below ZeRO-3)."""

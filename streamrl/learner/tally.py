@@ -27,6 +27,15 @@ def started() -> dict[str, float]:
             "kl": 0.0, **MISMATCH}
 
 
+def sum_over_ranks(value: float, device: torch.device) -> float:
+    """``value`` summed over every rank (itself, on one)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    summed = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(summed)
+    return float(summed.item())
+
+
 def over_ranks(stats: dict, device: torch.device) -> None:
     """Every rank's sums and maxima, so that the update's figures are of all of its tokens (the auto bound judges
     their ESS and clip fraction), not of rank 0's share. A key a rank lacks (one with no tokens adds none) counts
