@@ -56,7 +56,8 @@ def test_a_learner_that_never_waits_eases_the_bound_one_at_a_time_to_its_floor()
     """The learner is the bottleneck: a smaller bound costs no throughput and trains fresher data."""
     c = controller(low=1, high=8, bound=4, patience=3, cooldown=4)
     changes = run(c, [calm(wait_share=0.01)] * 20)
-    assert [(step, ch.old, ch.new) for step, ch in changes] == [(2, 4, 3), (6, 3, 2), (10, 2, 1)]
+    # each easing is judged before the next, on the steps after the groups admitted under the old bound
+    assert [(step, ch.old, ch.new) for step, ch in changes] == [(2, 4, 3), (10, 3, 2), (17, 2, 1)]
     assert str(changes[0][1]).startswith("max staleness eased 4 -> 3 at step 2: the learner waited under 2.0% of its "
                                          "step for data 3 steps running") and c.bound == 1
     never = controller(bound=4, idle_share=0.0)
@@ -81,8 +82,52 @@ def test_easing_stops_one_above_the_bound_the_learner_last_waited_at():
     assert [(ch.old, ch.new) for _, ch in changes] == [(3, 1)]  # halved past the floor
     c = controller(low=1, high=8, bound=4, patience=2, cooldown=1)
     assert [ch.new for _, ch in run(c, [calm(wait_share=0.3)] * 2 + [calm(ess=0.5)])] == [8, 4]
-    changes = run(c, [calm(wait_share=0.0)] * 6, first_step=3)
+    changes = run(c, [calm(wait_share=0.0)] * 16, first_step=3)
     assert [(ch.old, ch.new) for _, ch in changes] == [(4, 3), (3, 2), (2, 1)]
+
+
+def idle(step_s: float) -> Signals:
+    return calm(step_s=step_s, wait_share=0.0)
+
+
+def test_an_easing_that_slows_the_learner_is_reverted_and_not_retried_until_a_cut():
+    """The learner never waits under 2 or 1, yet its steps take 1.25 s under 1 against 1.0 s under 2 (on a shared
+    machine a step also waits for the cores, not only for data: SmolLM2's agentic runs eased 2 -> 1 at 1.39 and
+    1.12 samples/s). The easing is judged as a raise is, over the steps after the two that still train groups
+    admitted under 2, and reverted; easing then stops at 2 until a cut says what fed the learner is unknown."""
+    c = controller(low=1, high=8, bound=2, patience=2, cooldown=3, doubling=False)
+    changes = drive(c, 30, {2: 1.0, 1: 1.25}, wait_share=0.0)
+    assert [(step, ch.way, ch.old, ch.new) for step, ch in changes] == [(1, "eased", 2, 1), (6, "reverted", 1, 2)]
+    assert str(changes[1][1]) == ("max staleness reverted 1 -> 2 at step 6: easing it at step 1 did not keep the "
+                                  "learner as fast: 1 s a step before, 1.25 s after (median); easing stops at 2")
+    changes = run(c, [calm(ess=0.5)] + [idle(1.0)] * 8, first_step=30)
+    assert [(step, ch.way, ch.new) for step, ch in changes] == [(30, "lowered", 1)]  # at low: nothing to ease
+    c = controller(low=1, high=8, bound=4, patience=2, cooldown=3, doubling=False)
+    changes = run(c, [idle(1.0)] * 2 + [idle(1.25)] * 6 + [calm(ess=0.5)] + [idle(1.0)] * 5)
+    assert [(step, ch.way, ch.new) for step, ch in changes] == [(1, "eased", 3), (8, "lowered", 1)]
+
+
+def test_an_easing_that_keeps_the_learner_as_fast_is_kept_and_the_next_one_tried():
+    c = controller(low=1, high=8, bound=4, patience=2, cooldown=3, doubling=False)
+    changes = run(c, [idle(1.0)] * 20)  # each judged after the old bound's groups and max(cooldown, patience) steps
+    assert [(step, ch.way, ch.new) for step, ch in changes] == [(1, "eased", 3), (8, "eased", 2), (14, "eased", 1)]
+
+
+def test_an_easing_is_judged_on_the_steps_after_the_groups_admitted_under_the_old_bound_are_trained():
+    """The two steps after easing 2 -> 1 still train groups admitted under 2 and read 1.0 s; the smaller pipeline
+    shows from the third on (1.3 s). A verdict over the first three steps (median 1.0 s) would keep it."""
+    c = controller(low=1, high=8, bound=2, patience=2, cooldown=3, doubling=False)
+    changes = run(c, [idle(1.0)] * 4 + [idle(1.3)] * 4)
+    assert [(step, ch.way, ch.new) for step, ch in changes] == [(1, "eased", 1), (6, "reverted", 2)]
+
+
+def test_a_learner_starved_by_an_easing_raises_the_bound_back_on_its_own_trial():
+    """Under 1 the learner waits for data the bound holds back: it is raised back before the easing's verdict,
+    the raise is judged as any raise, and easing stops where the learner was fed."""
+    c = controller(low=1, high=8, bound=2, patience=2, cooldown=3, doubling=False)
+    changes = run(c, [idle(1.0)] * 2 + [calm(step_s=1.4)] * 3 + [idle(1.0)] * 12)
+    assert [(step, ch.way, ch.old, ch.new) for step, ch in changes] == [(1, "eased", 2, 1), (4, "raised", 1, 2)]
+    assert c.bound == 2
 
 
 @pytest.mark.parametrize("bad, cause", [(calm(ess=0.6), "ESS 0.60 < 0.8"), (calm(second_moment=2.0), "E[w^2] 2.00"),
@@ -252,10 +297,11 @@ def test_a_raise_waits_for_patience_and_the_cooldown_after_a_cut():
     assert [(step, ch.new) for step, ch in changes] == [(5, 3), (10, 4)]  # after step 0 + cooldown; by one after a cut
 
 
-def drive(c: StalenessController, steps: int, step_s: dict[int, float], first_step: int = 0) -> list:
-    """Run ``c`` against a learner whose step takes ``step_s[bound]`` seconds under the bound in force."""
+def drive(c: StalenessController, steps: int, step_s: dict[int, float], first_step: int = 0, **signal) -> list:
+    """Run ``c`` against a learner whose step takes ``step_s[bound]`` seconds under the bound in force (its other
+    signals ``calm``'s, but for ``signal``)."""
     return [(step, ch) for step in range(first_step, first_step + steps)
-            if (ch := c.observe(step, calm(step_s=step_s[c.bound])))]
+            if (ch := c.observe(step, calm(step_s=step_s[c.bound], **signal)))]
 
 
 def test_a_raise_that_does_not_shorten_the_learners_step_is_reverted_and_retried_after_holds_that_double():
@@ -596,19 +642,16 @@ def test_groups_made_before_an_easing_or_a_revert_keep_the_bound_they_were_admit
     assert "opened 1 -> 4 at step 9" in auto.after_step(9, idle)["staleness_change"]  # the fill
     assert "eased 4 -> 3 at step 10" in auto.after_step(10, idle)["staleness_change"]
     assert admission.published() == 3 and [auto.bound_for(v) for v in (9, 10, 11)] == [4, 4, 3]
-    assert "eased 3 -> 2 at step 11" in auto.after_step(11, idle)["staleness_change"]
-    assert [auto.bound_for(v) for v in (10, 11, 12)] == [4, 3, 2]
     resumed = AutoBound(AutoStalenessConfig(low=0, high=8, start=4, patience=1, cooldown=1), admission)
-    assert [resumed.bound_for(v) for v in (10, 11, 12)] == [4, 3, 2]  # a restarted learner keeps them too
-    for step in (12, 13, 14):
-        assert auto.after_step(step, steady) == {}
+    assert [resumed.bound_for(v) for v in (9, 10, 11)] == [4, 4, 3]  # a restarted learner keeps them too
+    for step in (11, 12, 13, 14):  # the easing's trial: its verdict waits until the groups made under 4 are in
+        assert auto.after_step(step, idle if step % 2 else steady) == {}
     assert auto.bound_for(10) == 4  # at version 14 a group made at 10 is 4 old: still within the bound it had
-    auto.after_step(15, steady)
-    assert auto.bound_for(10) == 2  # past it either way: the in-force bound judges it
-    assert "eased 2 -> 1 at step 16" in auto.after_step(16, idle)["staleness_change"] and auto.bound_for(16) == 2
-    assert "lowered 1 -> 0 at step 17" in auto.after_step(17, {**steady, "is_ess": 0.5})["staleness_change"]
-    assert auto.bound_for(16) == 0  # a lowering keeps nothing, the easing just before it included
-    assert admission.kept_bounds() == {} and AutoBound(auto.controller.rules, admission).bound_for(16) == 0
+    assert "eased 3 -> 2 at step 15" in auto.after_step(15, idle)["staleness_change"]  # the last one was kept
+    assert [auto.bound_for(v) for v in (10, 15, 16)] == [3, 3, 2]  # made before the easing: 3, not 4
+    assert "lowered 2 -> 1 at step 16" in auto.after_step(16, {**steady, "is_ess": 0.5})["staleness_change"]
+    assert auto.bound_for(15) == 1  # a lowering keeps nothing, the easing just before it included
+    assert admission.kept_bounds() == {} and AutoBound(auto.controller.rules, admission).bound_for(15) == 1
 
 
 def test_groups_made_before_a_revert_keep_the_raised_bound(ns):

@@ -32,11 +32,15 @@ multiplicative down:
   ``patience`` steps: it is the bottleneck, so a smaller bound trains fresher data at the same speed. Easing
   stops one above the bound the learner last starved at (where the last raise started), so the bound settles
   where the learner is fed, and never eases to 0 (only a cut goes there: under 0 generation cannot overlap
-  training, and the learner waits for every step's data);
-- **reverted**, back to the bound a raise started from, when the raise did not pay: the learner's median step
-  time (waiting and training) over the steps of the raise's trial (``max(cooldown, patience)`` steps) is not at
-  least ``raise_gain`` under its median over the steps before it under the old bound (at most
-  ``StalenessController.window`` each side), by more than the steps' own noise moves that difference
+  training, and the learner waits for every step's data). That bet is tried, as a raise is: the learner can be
+  the bottleneck and still be slowed by a smaller pipeline (on a shared machine its step also waits for the cores;
+  SmolLM2's agentic runs eased 2 -> 1 and went on at fixed 1's pace, 0.8x fixed 2's). Each easing is judged
+  before the next, once the groups admitted under the old bound are trained (``old`` steps: until then they feed
+  the learner as before);
+- **reverted**, back to the bound a raise or an easing started from, when it did not pay: the learner's median
+  step time (waiting and training) over the steps of its trial (``max(cooldown, patience)`` steps) is not at
+  least ``raise_gain`` under (an easing's: not over) its median over the steps before it under the old bound (at
+  most ``StalenessController.window`` each side), by more than the steps' own noise moves that difference
   (``median_noise``): a verdict the noise could have made keeps the raise (a toy step's time deviates from its
   median by 30-45% of it; a trial after a raise from 1 to 2 read as slow as the steps before it in the median
   raise, though a bound of 2 trains 1.1x the samples/s of 1, and a verdict without the margin reverted a third of
@@ -45,7 +49,8 @@ multiplicative down:
   at capacity, not because the bound held it back (on a shared machine more groups in flight slow both sides
   down), so raises stop at that bound: for ``revert_hold`` steps after the first raise that did not pay, twice as
   long after each further one in a row (back off: the run changes, but a verdict retried on an unchanged run
-  comes out the same and costs two changes). A raise that pays ends the back-off.
+  comes out the same and costs two changes). A raise that pays ends the back-off. An easing that did not pay
+  shows that the learner starves under the eased bound: easing stops above it until a cut.
 
 Only a lowering drops data made under the old bound, as a fixed bound would; easing and reverting are moves for
 speed on healthy data, so the groups that may have been admitted before them keep the old bound
@@ -104,6 +109,18 @@ class Change:
         return f"max staleness {self.way} {self.old} -> {self.new} at step {self.step}: {self.cause}"
 
 
+@dataclass(frozen=True)
+class Trial:
+    """A move on trial: judged by the learner's median step time over ``max(cooldown, patience)`` steps under it,
+    after the first ``drain``, against ``before``, the steps under ``old`` that led to it."""
+
+    step: int
+    old: int
+    before: list[float]
+    way: str  # raised (it must shorten the step by raise_gain) or eased (it must not lengthen it)
+    drain: int = 0  # steps still fed by groups admitted under the old bound, left out of the verdict
+
+
 class StalenessController:
     """Moves the bound by ``rules`` (the ``off_policy.auto`` settings: their defaults when not given), from
     ``bound`` (default: ``rules.first``); ``doubling``: whether raises double it (a fresh run's slow start)."""
@@ -134,8 +151,7 @@ class StalenessController:
         self._reverts = 0
         self._step_s: deque[float] = deque(maxlen=self.window)  # the last steps' seconds
         self._steps_at_bound = 0  # steps judged under the bound in force: a raise's trial needs `patience` of them
-        self._trial: tuple[int, int, list[float]] | None = None  # the last raise: its step, the old bound, and
-        # the seconds of the steps before it that judge it
+        self._trial: Trial | None = None  # the last raise or easing, until it is judged
         self._doubling = doubling  # raises double the bound until it first comes down: the climb from low is short
         self._last_change = -(10**9)
         self._dipped = False  # the last step's data was degraded: a shallow dip now is its second reading
@@ -157,34 +173,47 @@ class StalenessController:
         self._idle_steps = self._idle_steps + 1 if s.wait_share < r.idle_share else 0
         cooling = step - self._last_change < r.cooldown
         # a raise on trial is cut at once: its data is the verdict, and no data made under a looser bound drains
-        if cause is not None and self.bound > r.low and (not cooling or self._trial is not None):
+        raising = self._trial is not None and self._trial.way == "raised"
+        if cause is not None and self.bound > r.low and (not cooling or raising):
             self._fed_floor = r.low  # the data, not the supply, was the problem: what fed the learner is unknown
             new, cause = self._cut(s, cause)
-            if self._trial is not None:  # the raise brought data too far off-policy: it did not pay
-                cause += self._back_off(step, self._trial[1])
+            if raising:  # the raise brought data too far off-policy: it did not pay
+                cause += self._back_off(step, self._trial.old)
             return self._move(step, new, "lowered", cause)
         if cooling:
             return None
-        if self._trial and step - self._trial[0] >= max(r.cooldown, r.patience):
-            raised_at, old, before = self._trial
-            after, self._trial = self._last_step_s(step - raised_at), None
-            was, now, noise = statistics.median(before), statistics.median(after), median_noise(before, after)
-            if now - was * (1 - r.raise_gain) > noise:  # slower than the noise alone would read it
-                return self._move(step, old, "reverted", f"raising it at step {raised_at} did not speed the learner "
-                                  f"up: {was:.3g} s a step before, {now:.3g} s after (median"
-                                  + (f"; their noise {noise:.2g} s" if noise else "") + ")" + self._back_off(step, old))
-            self._reverts = 0
+        if self._trial and step - self._trial.step >= self._trial.drain + max(r.cooldown, r.patience):
+            if (change := self._judge(step)) is not None:
+                return change
         if self._may_raise(step):
             self._fed_floor = self.bound + 1  # the bound below starved the learner
-            self._trial = (step, self.bound, self._last_step_s(self._steps_at_bound))
-            new = min(self._raise_ceiling(step), max(2 * self.bound, 1) if self._doubling else self.bound + 1)
-            return self._move(step, new, "raised", f"the learner waited {s.wait_share:.0%} of its step for data the "
-                                                    f"bound held back {_count(self._healthy_waits, 'step')} running, "
-                                                    f"ESS {s.ess:.2f}")
-        if symptom is None and self._idle_steps >= r.patience and self.bound > max(self._fed_floor, 1):
+            return self._move(step, min(self._raise_ceiling(step), max(2 * self.bound, 1) if self._doubling
+                                        else self.bound + 1), "raised",
+                              f"the learner waited {s.wait_share:.0%} of its step for data the bound held back "
+                              f"{_count(self._healthy_waits, 'step')} running, ESS {s.ess:.2f}")
+        easing = self._trial is not None and self._trial.way == "eased"  # each easing is judged before the next
+        if symptom is None and self._idle_steps >= r.patience and self.bound > max(self._fed_floor, 1) and not easing:
             return self._move(step, self.bound - 1, "eased", f"the learner waited under {r.idle_share:.1%} of its step for "
                                                     f"data {_count(r.patience, 'step')} running: fresher data, same speed")
         return None
+
+    def _judge(self, step: int) -> Change | None:
+        """The verdict on the move on trial: back to its old bound if it made the learner's median step longer than
+        it may (a raise by ``raise_gain`` less, an easing not at all) by more than the steps' noise."""
+        t, self._trial = self._trial, None
+        after, gain = self._last_step_s(step - t.step - t.drain), self.rules.raise_gain if t.way == "raised" else 0.0
+        was, now, noise = statistics.median(t.before), statistics.median(after), median_noise(t.before, after)
+        if now - was * (1 - gain) <= noise:  # no slower than the noise alone would read it: kept
+            if t.way == "raised":
+                self._reverts = 0
+            return None
+        verdict = (f"{'raising' if t.way == 'raised' else 'easing'} it at step {t.step} did not "
+                   f"{'speed the learner up' if t.way == 'raised' else 'keep the learner as fast'}: {was:.3g} s a step "
+                   f"before, {now:.3g} s after (median" + (f"; their noise {noise:.2g} s" if noise else "") + ")")
+        if t.way == "raised":
+            return self._move(step, t.old, "reverted", verdict + self._back_off(step, t.old))
+        self._fed_floor = t.old  # the eased bound starved the learner: easing stops above it until a cut
+        return self._move(step, t.old, "reverted", verdict + f"; easing stops at {t.old}")
 
     def _cut(self, s: Signals, cause: str) -> tuple[int, str]:
         """Where a lowering goes, and its cause: half the bound, as TCP halves its window on a loss, or where the
@@ -221,7 +250,7 @@ class StalenessController:
         leaves, so the climb is short and cannot run past a raise that did not pay."""
         r = self.rules
         waits = self._healthy_waits >= (1 if self._doubling else r.patience)
-        return (waits and self._trial is None and self._steps_at_bound >= r.patience
+        return (waits and (self._trial is None or self._trial.way == "eased") and self._steps_at_bound >= r.patience
                 and self.bound < self._raise_ceiling(step))
 
     def _raise_ceiling(self, step: int) -> int:
@@ -268,10 +297,16 @@ class StalenessController:
         return list(self._step_s)[-max(1, min(steps, self.window)):]
 
     def _move(self, step: int, new: int, way: str, cause: str) -> Change:
+        """Apply a change. A raise or an easing goes on trial against the steps under the bound it leaves; any
+        other move ends a trial (it is not judged on steps under another bound). A ceiling stays: no move says that
+        a raise past it would now pay."""
         change = Change(step, self.bound, new, cause, way)
         self._doubling = self._doubling and new > self.bound
-        if way in ("lowered", "eased"):  # a raise on trial is not judged on steps under another bound; a ceiling
-            self._trial = None  # stays: neither says that a raise past it would now pay
+        # an easing's first `old` steps still train groups admitted under the old bound (``AutoBound.bound_for``):
+        # the smaller pipeline starves the learner, if it does, only after them
+        drain = self.bound if way == "eased" else 0
+        self._trial = (Trial(step, self.bound, self._last_step_s(self._steps_at_bound), way, drain)
+                       if way in ("raised", "eased") else None)
         self.bound, self._last_change, self._healthy_waits, self._idle_steps = new, step, 0, 0
         self._steps_at_bound = 0
         return change

@@ -17,7 +17,7 @@ class AutoStalenessConfig(Section):
     """With `off_policy.max_staleness: auto`, how the learner moves the bound (docs/concepts.md): up while it
     waits for data the bound held back, on healthy off-policy data (doubled until the bound first comes down, by
     one after), halved when that data degrades, eased down by one while it never waits, put back where a raise
-    did not speed it up (for `revert_hold` steps)."""
+    did not speed it up (for `revert_hold` steps) or an easing slowed it down."""
 
     low: int = Field(0, ge=0, description="smallest bound: where cuts for degraded data stop (0: on-policy, the "
                      "only bound that holds a fast-moving policy, e.g. at a high learning rate)")
@@ -34,7 +34,8 @@ class AutoStalenessConfig(Section):
                               "workers away for at least this share of it, or a group was dropped as stale (0: any "
                               "wait counts)")
     idle_share: float = Field(0.02, ge=0, lt=1, description="a step that waited for data under this share of it "
-                              "counts towards easing the bound down by one (0: never ease)")
+                              "counts towards easing the bound down by one; an easing is taken back if it made the learner's median step "
+                              "longer, judged as a raise is (0: never ease)")
     ess_floor: float = Field(0.8, gt=0, lt=1, description="lower when the importance weights' effective sample "
                              "size (a share of the tokens) falls under this: at once, or on the second step in a row "
                              "where it is the only sign and the drift it implies affords data half the bound old")
