@@ -207,9 +207,9 @@ class StalenessController:
             if t.way == "raised":
                 self._reverts = 0
             return None
-        verdict = (f"{'raising' if t.way == 'raised' else 'easing'} it at step {t.step} did not "
-                   f"{'speed the learner up' if t.way == 'raised' else 'keep the learner as fast'}: {was:.3g} s a step "
-                   f"before, {now:.3g} s after (median" + (f"; their noise {noise:.2g} s" if noise else "") + ")")
+        move, promise = ("raising", "speed the learner up") if t.way == "raised" else ("easing", "keep the learner as fast")
+        verdict = (f"{move} it at step {t.step} did not {promise}: {was:.3g} s a step before, {now:.3g} s after (median"
+                   + (f"; their noise {noise:.2g} s" if noise else "") + ")")
         if t.way == "raised":
             return self._move(step, t.old, "reverted", verdict + self._back_off(step, t.old))
         self._fed_floor = t.old  # the eased bound starved the learner: easing stops above it until a cut
