@@ -134,6 +134,36 @@ def test_an_aborted_first_call_ends_the_episode_with_nothing_to_train_on(parts):
     assert len(calls) == 1 and calls[0].finish_type == "abort"  # no call after it
 
 
+def test_an_agent_that_stalls_after_an_aborted_call_is_dropped_as_aborted_not_as_an_env_fault(parts):
+    """The agent waits out the 503 (a retry loop, a backoff) past `env_timeout_s`: the abort, not the agent,
+    cut the episode short, so the worker counts it `failed_aborted`, not `failed_env`."""
+    _, tokenizer, engine = parts
+
+    async def agent(client, item):
+        import openai
+
+        with pytest.raises(openai.APIStatusError):
+            await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+        await asyncio.sleep(30)
+
+    async def generate(ids, params):
+        task = asyncio.ensure_future(engine.generate("s0", ids, params))
+        await asyncio.sleep(0)
+        engine.abort("s0")
+        return await task
+
+    runner = _runner(tokenizer, agent, timeout_s=0.5)
+
+    async def main():
+        try:
+            return await runner.play({"question": "what is 1 plus 1"}, generate=generate, params=PARAMS)
+        finally:
+            await runner.close()
+
+    with pytest.raises(EpisodeAborted, match="aborted before any call was answered"):
+        asyncio.run(main())
+
+
 def test_a_call_the_model_server_refuses_is_a_400_and_leaves_the_episode_as_it_was(parts):
     """A prompt past the model's own context, refused by the server behind the router (a 4xx), is the call's
     fault: the agent gets a 400 naming it, nothing is recorded, and its next call is served as if it never was."""

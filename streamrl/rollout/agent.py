@@ -336,10 +336,10 @@ class AgentRunner:
         t0 = time.perf_counter()
         try:
             result = await self._supervise(self.fn(client, item, **self.args), episode)
-        except EnvFault:
-            raise
         except Exception as e:
-            if not episode.aborted:  # an agent failing on an aborted call has done nothing wrong
+            if not episode.aborted:  # an agent failing (or stalling) on an aborted call has done nothing wrong
+                if isinstance(e, EnvFault):
+                    raise
                 raise EnvFault(f"the agent raised {type(e).__name__}: {e}") from e
             result = None  # ``sample`` drops the aborted episode
         finally:
