@@ -236,6 +236,18 @@ def test_a_gradient_spike_on_off_policy_data_lowers_the_bound_once_and_a_norm_th
     assert c._grad_mean == pytest.approx(10 - 9 * StalenessController.smoothing**4)
 
 
+@pytest.mark.parametrize("skipped", [math.inf, math.nan])
+def test_a_step_whose_update_was_skipped_is_no_spike_and_leaves_the_running_mean_as_it_was(skipped):
+    """A non-finite gradient skips the update (its record has no norm: NaN); in the mean, an infinite one would
+    make every later spike unseeable, and a NaN one every later comparison false."""
+    c = controller(low=1, high=8, bound=4, patience=100)
+    assert run(c, [calm(grad_norm=1.0, ess=0.85)] * 6 + [calm(grad_norm=skipped, ess=0.85)]) == []
+    assert c._grad_mean == pytest.approx(1.0)
+    changes = run(c, [calm(grad_norm=5.0, ess=0.85)], first_step=7)
+    assert [(step, ch.way) for step, ch in changes] == [(7, "lowered")]
+    assert signals({"wait_s": 0.0, "train_s": 1.0}).norm_per_signal is None  # a record without a norm
+
+
 def test_a_gradient_spike_on_near_on_policy_data_keeps_the_bound():
     """Measured on the toy's agentic workload near convergence: a norm of 5.55 against a running mean of 1.51
     with ESS 0.96, a rare group with signal; a smaller bound would only have dropped 7 groups as stale."""

@@ -92,8 +92,9 @@ class Signals:
     def norm_per_signal(self) -> float | None:
         """The gradient norm per share of groups with a signal: a group whose rewards are all equal adds nothing to
         the gradient but counts in the loss's mean, so near convergence the norm shrinks with the share, and a step
-        that happens to draw more groups with a signal is no spike. None: no group had one."""
-        return self.grad_norm / self.signal_share if self.signal_share > 0 else None
+        that happens to draw more groups with a signal is no spike. None: no group had one, or the norm is not
+        finite (the step's update was skipped: no later norm is judged against it)."""
+        return self.grad_norm / self.signal_share if self.signal_share > 0 and math.isfinite(self.grad_norm) else None
 
 
 @dataclass(frozen=True)
@@ -286,7 +287,7 @@ class StalenessController:
     def _track_grad_norm(self, s: Signals) -> None:
         # a spike enters the mean too: a norm that stays up is the new level, not a spike on every later step
         norm = s.norm_per_signal
-        if norm is None:  # no group had a signal: the norm says nothing of the data's age
+        if norm is None:  # no group had a signal, or no update was made: the norm says nothing of the data's age
             return
         self._grad_mean = norm if self._grad_mean is None else (
             self.smoothing * self._grad_mean + (1 - self.smoothing) * norm)
@@ -318,7 +319,8 @@ def _count(n: int, unit: str) -> str:
 
 def signals(record: dict) -> Signals:
     """A learner step's signals, from its metrics record. A worker held at admission retries every ``RETRY_S``,
-    so the refusals while the learner waited measure how long the bound held workers back."""
+    so the refusals while the learner waited measure how long the bound held workers back. A step whose updates
+    were all skipped has no gradient norm: NaN, never a spike nor part of the running mean."""
     wait, train = record.get("wait_s", 0.0), record.get("train_s", 0.0)
     held_s = record.get("admission_refused", 0) * RETRY_S
     held = 1.0 if record.get("dropped_stale", 0) else min(1.0, held_s / max(wait, 1e-9))
@@ -327,7 +329,7 @@ def signals(record: dict) -> Signals:
     signal = groups - silent if groups else None  # trained with one (None: no group counted)
     return Signals(wait_share=wait / max(wait + train, 1e-9), ess=record.get("is_ess", 1.0),
                    second_moment=record.get("is_second_moment", 1.0), clip_frac=record.get("clip_frac", 0.0),
-                   grad_norm=record.get("grad_norm", 0.0), step_s=wait + train, held_share=held,
+                   grad_norm=record.get("grad_norm", math.nan), step_s=wait + train, held_share=held,
                    signal_share=signal / groups if signal is not None else 1.0, signal_groups=signal,
                    age=record.get("staleness_max", 0))
 
