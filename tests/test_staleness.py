@@ -42,9 +42,9 @@ def test_a_learner_waiting_on_healthy_data_doubles_the_bound_up_to_its_ceiling()
 
 def test_once_the_bound_has_come_down_raises_add_one():
     c = controller(low=1, high=8, bound=4, patience=2, cooldown=2)
-    changes = run(c, [calm(wait_share=0.0)] * 2 + [CALM] * 6)
-    assert [(step, ch.way, ch.new) for step, ch in changes] == [(1, "eased", 3), (3, "raised", 4), (5, "raised", 5),
-                                                               (7, "raised", 6)]
+    changes = run(c, [calm(wait_share=0.0)] * 2 + [CALM] * 10)  # raises wait for the easing's verdict (step 7)
+    assert [(step, ch.way, ch.new) for step, ch in changes] == [(1, "eased", 3), (7, "raised", 4), (9, "raised", 5),
+                                                               (11, "raised", 6)]
 
 
 def test_a_learner_that_waits_a_little_keeps_the_bound():
@@ -121,13 +121,14 @@ def test_an_easing_is_judged_on_the_steps_after_the_groups_admitted_under_the_ol
     assert [(step, ch.way, ch.new) for step, ch in changes] == [(1, "eased", 1), (6, "reverted", 2)]
 
 
-def test_a_learner_starved_by_an_easing_raises_the_bound_back_on_its_own_trial():
-    """Under 1 the learner waits for data the bound holds back: it is raised back before the easing's verdict,
-    the raise is judged as any raise, and easing stops where the learner was fed."""
+def test_a_learner_an_easing_starves_waits_and_the_verdict_takes_the_easing_back():
+    """Under 1 the learner waits for data the bound holds back once the groups admitted under 2 are trained: no
+    raise comes during the easing's trial (it would be judged against steps still fed under 2), the waits
+    lengthen the steps, and the verdict puts the bound back; easing stops there."""
     c = controller(low=1, high=8, bound=2, patience=2, cooldown=3, doubling=False)
-    changes = run(c, [idle(1.0)] * 2 + [calm(step_s=1.4)] * 3 + [idle(1.0)] * 12)
-    assert [(step, ch.way, ch.old, ch.new) for step, ch in changes] == [(1, "eased", 2, 1), (4, "raised", 1, 2)]
-    assert c.bound == 2
+    changes = run(c, [idle(1.0)] * 4 + [calm(step_s=1.4)] * 3 + [idle(1.0)] * 12)
+    assert [(step, ch.way, ch.old, ch.new) for step, ch in changes] == [(1, "eased", 2, 1), (6, "reverted", 1, 2)]
+    assert "1 s a step before, 1.4 s after (median); easing stops at 2" in changes[1][1].cause and c.bound == 2
 
 
 @pytest.mark.parametrize("bad, cause", [(calm(ess=0.6), "ESS 0.60 < 0.8"), (calm(second_moment=2.0), "E[w^2] 2.00"),

@@ -34,9 +34,9 @@ multiplicative down:
   where the learner is fed, and never eases to 0 (only a cut goes there: under 0 generation cannot overlap
   training, and the learner waits for every step's data). That bet is tried, as a raise is: the learner can be
   the bottleneck and still be slowed by a smaller pipeline (on a shared machine its step also waits for the cores;
-  SmolLM2's agentic runs eased 2 -> 1 and went on at fixed 1's pace, 0.8x fixed 2's). Each easing is judged
-  before the next, once the groups admitted under the old bound are trained (``old`` steps: until then they feed
-  the learner as before);
+  SmolLM2's agentic runs eased 2 -> 1 and went on at fixed 1's pace, 0.8x fixed 2's). It is judged once the
+  groups admitted under the old bound are trained (``old`` steps: until then they feed the learner as before),
+  and nothing but a cut moves the bound before the verdict;
 - **reverted**, back to the bound a raise or an easing started from, when it did not pay: the learner's median
   step time (waiting and training) over the steps of its trial (``max(cooldown, patience)`` steps) is not at
   least ``raise_gain`` under (an easing's: not over) its median over the steps before it under the old bound (at
@@ -192,8 +192,8 @@ class StalenessController:
                                         else self.bound + 1), "raised",
                               f"the learner waited {s.wait_share:.0%} of its step for data the bound held back "
                               f"{_count(self._healthy_waits, 'step')} running, ESS {s.ess:.2f}")
-        easing = self._trial is not None and self._trial.way == "eased"  # each easing is judged before the next
-        if symptom is None and self._idle_steps >= r.patience and self.bound > max(self._fed_floor, 1) and not easing:
+        if (symptom is None and self._idle_steps >= r.patience and self.bound > max(self._fed_floor, 1)
+                and self._trial is None):  # each move is judged before the next
             return self._move(step, self.bound - 1, "eased", f"the learner waited under {r.idle_share:.1%} of its step for "
                                                     f"data {_count(r.patience, 'step')} running: fresher data, same speed")
         return None
@@ -248,10 +248,12 @@ class StalenessController:
     def _may_raise(self, step: int) -> bool:
         """Whether the held, healthy waits call for a raise now. While the bound doubles, the last step's wait is
         enough: each raise is judged (its trial) before the next, against `patience` steps under the bound it
-        leaves, so the climb is short and cannot run past a raise that did not pay."""
+        leaves, so the climb is short and cannot run past a raise that did not pay. Not while an easing is on
+        trial: a learner it starves waits, its steps lengthen, and the verdict takes it back (a raise judged
+        against the steps still fed under the old bound would compare that bound with itself)."""
         r = self.rules
         waits = self._healthy_waits >= (1 if self._doubling else r.patience)
-        return (waits and (self._trial is None or self._trial.way == "eased") and self._steps_at_bound >= r.patience
+        return (waits and self._trial is None and self._steps_at_bound >= r.patience
                 and self.bound < self._raise_ceiling(step))
 
     def _raise_ceiling(self, step: int) -> int:
