@@ -1,4 +1,5 @@
-"""Run under torchrun: a Policy step skipped for a non-finite loss on one rank, then one step on a fixed
+"""Run under torchrun: a Policy step skipped for a non-finite loss on one rank (under ZeRO-1/2 one for a non-finite
+gradient too), then one step on a fixed
 batch split unevenly over the ranks (with KL to the reference in the loss when kl > 0: under ZeRO-3 the
 reference is sharded too, and rank 0's empty micro-batch runs its stand-in forward; with lora 1 the policy is a
 LoRA adapter and the reference its base; with ess 1 the learning rate is scaled by the effective sample size of
@@ -49,6 +50,15 @@ shard = [[seqs[i] for i in mb] for mb in mine]
 poisoned = [[replace(s, advantages=np.full_like(s.advantages, np.nan)) if i == 6 else s for i, s in zip(mb, ms)]
             for mb, ms in zip(mine, shard)]  # a non-finite loss on the last rank only: every rank skips
 assert train(engine, [(poisoned, global_tokens, len(seqs))], epochs=1)[0]["skipped"] == 1.0
+if zero in ("1", "2"):  # a finite loss, a NaN gradient on the last rank: ZeRO holds it in its partitions, not in
+    # p.grad, and its own check must skip the update on every rank
+    first = next(engine.module.parameters())
+    hook = first.register_hook(lambda g: torch.full_like(g, float("nan"))) if rank == world - 1 else None
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    assert train(engine, [(shard, global_tokens, len(seqs))], epochs=1)[0]["skipped"] == 1.0
+    assert all(torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
+    if hook is not None:
+        hook.remove()
 stats = train(engine, [(shard, global_tokens, len(seqs))], epochs=1)[0]
 assert stats["skipped"] == 0.0
 assert (stats.get("lr_scale", 1.0) < 0.9) == (ess == "1")  # the behaviour logprobs are far off the policy's

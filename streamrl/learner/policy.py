@@ -274,17 +274,26 @@ class Policy:
         return bad
 
     def _apply(self, bad: bool, stats: dict) -> None:
-        """The optimizer's step, or on every rank none where any rank saw a non-finite loss or gradient."""
+        """The optimizer's step, or on every rank none where any rank saw a non-finite loss or gradient. Under
+        ZeRO the gradients sit in the optimizer's partitions, not in ``p.grad``: its own check of them (DeepSpeed
+        skips a step whose gradient norm is not finite, on every rank) has the last word."""
         norm = self._grad_norm()
         if self._any_rank(bad or not math.isfinite(norm)):
             self.model.zero_grad()
             self.model.optimizer.zero_grad()
             stats["skipped"] = 1.0
             return
-        if self.cfg.off_policy.ess_lr:
-            stats["lr_scale"] = self._scale_lr(stats)
+        rates = [group["lr"] for group in self.model.optimizer.param_groups]
+        scale = self._scale_lr(stats) if self.cfg.off_policy.ess_lr else None
         self.model.step()
+        if not self.model.was_step_applied():  # nothing reached the weights, nor moved the scheduler
+            for group, rate in zip(self.model.optimizer.param_groups, rates):
+                group["lr"] = rate  # the ESS scale was this update's, not the next one's
+            stats["skipped"] = 1.0
+            return
         stats["skipped"] = 0.0
+        if scale is not None:
+            stats["lr_scale"] = scale
         # ZeRO's optimizers hold the partitioned gradients and measure their global norm themselves
         stats["grad_norm"] = float(self.model.get_global_grad_norm() or norm)
 
