@@ -264,6 +264,10 @@ def _validate_scalars(s: Sample, where: str) -> None:
     if s.seq_lens is not None:
         if s.seq_lens.size == 0 or (s.seq_lens <= 0).any() or int(s.seq_lens.sum()) != s.num_tokens:
             raise WireError(f"{where}: seq_lens {s.seq_lens.tolist()} must be positive and sum to {s.num_tokens}")
+    firsts = [0] if s.seq_lens is None else np.concatenate(([0], np.cumsum(s.seq_lens)[:-1]))
+    if np.asarray(s.loss_mask)[firsts].any():  # a token is scored from the positions before it, in its sequence
+        raise WireError(f"{where}: a sequence's first token is marked generated (loss_mask 1): no token precedes it "
+                        "to score it from")
     if s.turn_rewards is not None and not all(
         isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) for r in s.turn_rewards
     ):

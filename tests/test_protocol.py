@@ -66,6 +66,9 @@ def test_payload_is_plain_msgpack_with_typed_bytes():
         (dict(reward=float("inf")), "reward inf is not finite"),
         (dict(finish_reason="done"), "finish_reason 'done'"),
         (dict(seq_lens=[2, 2]), "must be positive and sum to 5"),
+        (dict(loss_mask=[1, 0, 1, 1, 1], versions=[3, -1, 3, 3, 4], logprobs=[-0.1, 0.0, -0.1, -2.0, -0.5]),
+         "first token is marked generated"),
+        (dict(seq_lens=[2, 3]), "first token is marked generated"),  # the second sequence opens on a reply
         (dict(turn_rewards=[float("nan")]), "turn_rewards"),
         (dict(versions=[-1, -1, 3, 3]), "versions has shape"),
     ],
