@@ -131,16 +131,10 @@ def depth(record: dict) -> float | None:
     """The pipeline depth a step measured, in learner steps: its groups' median generation seconds over its
     training seconds. By Little's law the learner, training a step of groups every ``T`` seconds, finds its next
     step's waiting only if the groups it needs were started ``L`` seconds before, ``L / T`` steps of data in
-    flight: a bound ``k`` admits ``k + 1``. ``T`` is of a step that trains all its sequences: one without a gradient
-    is left out of the forwards and backwards (``learner.skip_zero_advantage``), so the first step of a model that
-    rarely solves its task yet trains few, and its own seconds would read the pipeline deeper than it is (SmolLM2's
-    agentic first step trained 8 sequences of 64 in 10.8 s and read 9.3 steps; its later steps took 26-66 s).
-    None where the step does not say (no group's seconds, or nothing trained)."""
+    flight: a bound ``k`` admits ``k + 1``. None where the step does not say (no group's seconds, or no training)."""
     seconds = [row[0] for row in record.get("groups_read", ()) if row[0] is not None]
-    sequences = sum(record.get("staleness_hist", {}).values())
-    trained = sequences - record.get("zero_advantage_skipped", 0)
-    train = record.get("train_s", 0.0) * (sequences / trained if sequences and trained > 0 else 1.0)
-    return statistics.median(seconds) / train if seconds and train > 0 and (trained > 0 or not sequences) else None
+    train = record.get("train_s", 0.0)
+    return statistics.median(seconds) / train if seconds and train > 0 else None
 
 
 def env_share(groups) -> float | None:
