@@ -112,11 +112,11 @@ def test_an_aborted_call_drops_the_episode_whatever_the_agent_returns(parts):
     assert [c.finish_type for c in calls][2] == "abort"
 
 
-def test_an_aborted_first_call_ends_the_episode_with_nothing_to_train_on(parts):
-    _, tokenizer, engine = parts
-    runner, calls = _runner(tokenizer, agents.tool_user), []
+def _play_aborted(engine, runner) -> list:
+    """Play one episode whose every call is aborted as soon as it starts; the calls' completions."""
+    calls = []
 
-    async def generate(ids, params):  # the first of the agent's three calls is aborted
+    async def generate(ids, params):
         task = asyncio.ensure_future(engine.generate(f"b{len(calls)}", ids, params))
         await asyncio.sleep(0)
         engine.abort(f"b{len(calls)}")
@@ -131,6 +131,12 @@ def test_an_aborted_first_call_ends_the_episode_with_nothing_to_train_on(parts):
 
     with pytest.raises(EpisodeAborted, match="aborted before any call was answered"):
         asyncio.run(main())
+    return calls
+
+
+def test_an_aborted_first_call_ends_the_episode_with_nothing_to_train_on(parts):
+    _, tokenizer, engine = parts
+    calls = _play_aborted(engine, _runner(tokenizer, agents.tool_user))  # the first of the agent's three calls
     assert len(calls) == 1 and calls[0].finish_type == "abort"  # no call after it
 
 
@@ -146,22 +152,7 @@ def test_an_agent_that_stalls_after_an_aborted_call_is_dropped_as_aborted_not_as
             await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
         await asyncio.sleep(30)
 
-    async def generate(ids, params):
-        task = asyncio.ensure_future(engine.generate("s0", ids, params))
-        await asyncio.sleep(0)
-        engine.abort("s0")
-        return await task
-
-    runner = _runner(tokenizer, agent, timeout_s=0.5)
-
-    async def main():
-        try:
-            return await runner.play({"question": "what is 1 plus 1"}, generate=generate, params=PARAMS)
-        finally:
-            await runner.close()
-
-    with pytest.raises(EpisodeAborted, match="aborted before any call was answered"):
-        asyncio.run(main())
+    _play_aborted(engine, _runner(tokenizer, agent, timeout_s=0.5))
 
 
 def test_a_call_the_model_server_refuses_is_a_400_and_leaves_the_episode_as_it_was(parts):

@@ -119,7 +119,12 @@ class Trial:
     old: int
     before: list[float]
     way: str  # raised (it must shorten the step by raise_gain) or eased (it must not lengthen it)
-    drain: int = 0  # steps still fed by groups admitted under the old bound, left out of the verdict
+
+    @property
+    def drain(self) -> int:
+        """Steps left out of the verdict: an easing's first ``old`` still train groups admitted under the old
+        bound (``AutoBound.bound_for``), so the smaller pipeline starves the learner, if it does, only after them."""
+        return self.old if self.way == "eased" else 0
 
 
 class StalenessController:
@@ -305,10 +310,7 @@ class StalenessController:
         a raise past it would now pay."""
         change = Change(step, self.bound, new, cause, way)
         self._doubling = self._doubling and new > self.bound
-        # an easing's first `old` steps still train groups admitted under the old bound (``AutoBound.bound_for``):
-        # the smaller pipeline starves the learner, if it does, only after them
-        drain = self.bound if way == "eased" else 0
-        self._trial = (Trial(step, self.bound, self._last_step_s(self._steps_at_bound), way, drain)
+        self._trial = (Trial(step, self.bound, self._last_step_s(self._steps_at_bound), way)
                        if way in ("raised", "eased") else None)
         self.bound, self._last_change, self._healthy_waits, self._idle_steps = new, step, 0, 0
         self._steps_at_bound = 0
